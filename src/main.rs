@@ -1,0 +1,309 @@
+//! `wide`: the one command-line program of the project.
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use tch::{nn, Kind};
+use wide_core::checkpoint::{kind_name, save_hf_folder, SaveOptions};
+use wide_core::tokenizer::TextStream;
+use wide_core::{parse_device, parse_dtype, presets, LlamaModel, Pretrained, RandomWeights, SamplingConfig};
+
+const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (commit ", env!("WIDE_GIT_COMMIT"), ")");
+
+/// Token-level dynamic width pruning (WIDE) for Llama-family language models.
+#[derive(Parser)]
+#[command(name = "wide", version = VERSION, about, propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Describe a Hugging Face model folder: architecture, parameters, routable group sizes.
+    Info {
+        model_dir: PathBuf,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Generate text from a model folder, streaming tokens as they are produced.
+    Generate(GenerateArgs),
+    /// Write a random-weight model of a built-in shape as a Hugging Face folder.
+    NewModel {
+        /// Model shape: tiny (byte-level vocabulary, for tests and the demo) or llama-3.1-8b.
+        #[arg(long, default_value = "tiny")]
+        preset: String,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value_t = 0)]
+        seed: i64,
+        /// Stored dtype: f32, bf16 or f16.
+        #[arg(long, default_value = "f32")]
+        dtype: String,
+        /// Replace an existing output folder.
+        #[arg(long)]
+        overwrite: bool,
+    },
+    /// The main job on the embedded default (CPU): build the tiny model and generate from it.
+    Demo {
+        /// Working folder for the models the demo builds.
+        #[arg(long, default_value = "target/demo")]
+        workdir: PathBuf,
+    },
+    /// Benchmark programs (GPU machine): print a table and write JSON results.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Dense prefill and decode throughput with random weights.
+    Dense(DenseArgs),
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    model_dir: PathBuf,
+    /// Prompt text; repeat for a batch.
+    #[arg(long, required = true)]
+    prompt: Vec<String>,
+    #[arg(long, default_value_t = 64)]
+    max_new_tokens: usize,
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f64,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f64,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Keep generating past EOS tokens.
+    #[arg(long)]
+    ignore_eos: bool,
+    /// auto, cpu, cuda or cuda:N.
+    #[arg(long, default_value = "auto")]
+    device: String,
+    /// auto (bf16 on GPU, f32 on CPU), f32, bf16 or f16.
+    #[arg(long, default_value = "auto")]
+    dtype: String,
+}
+
+#[derive(Args)]
+struct DenseArgs {
+    #[arg(long, default_value = "llama-3.1-8b")]
+    preset: String,
+    #[arg(long, default_value = "cuda")]
+    device: String,
+    #[arg(long, default_value = "bf16")]
+    dtype: String,
+    /// Prefill lengths (batch 1), comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "2048")]
+    prefill_tokens: Vec<i64>,
+    /// Decode batch sizes, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,16,32")]
+    decode_batches: Vec<i64>,
+    #[arg(long, default_value_t = 128)]
+    prompt_tokens: i64,
+    #[arg(long, default_value_t = 128)]
+    new_tokens: i64,
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    #[arg(long, default_value_t = 5)]
+    iters: usize,
+    /// Decode without CUDA graph capture.
+    #[arg(long)]
+    no_cuda_graph: bool,
+    /// JSON results file.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    #[arg(long, default_value_t = 0)]
+    seed: i64,
+}
+
+fn main() {
+    let cli = Cli::parse();
+    if let Err(e) = run(cli) {
+        let mut stderr = std::io::stderr();
+        let _ = writeln!(stderr, "error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Info { model_dir, json } => info(&model_dir, json),
+        Command::Generate(a) => generate(&a),
+        Command::NewModel { preset, out, seed, dtype, overwrite } => {
+            let kind = parse_dtype(&dtype, tch::Device::Cpu)?;
+            new_model(&preset, &out, seed, kind, overwrite)
+        }
+        Command::Demo { workdir } => demo(&workdir),
+        Command::Bench(BenchCommand::Dense(a)) => {
+            let device = parse_device(&a.device)?;
+            let kind = parse_dtype(&a.dtype, device)?;
+            wide_eval::bench::dense::run(&wide_eval::bench::dense::DenseBenchConfig {
+                preset: a.preset,
+                device,
+                kind,
+                prefill_tokens: a.prefill_tokens,
+                decode_batches: a.decode_batches,
+                prompt_tokens: a.prompt_tokens,
+                new_tokens: a.new_tokens,
+                warmup: a.warmup,
+                iters: a.iters,
+                cuda_graph: !a.no_cuda_graph,
+                out: a.out,
+                commit: env!("WIDE_GIT_COMMIT").to_string(),
+                seed: a.seed,
+            })?;
+            Ok(())
+        }
+    }
+}
+
+fn info(dir: &Path, as_json: bool) -> Result<()> {
+    let ckpt = wide_core::HfCheckpoint::open(dir)?;
+    let c = &ckpt.config;
+    let v = serde_json::json!({
+        "model_dir": dir.display().to_string(),
+        "family": c.family.model_type(),
+        "parameters": c.parameter_count(),
+        "stored_dtype": ckpt.stored_kind().map(kind_name),
+        "checkpoint_bytes": ckpt.data_bytes(),
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "layers": c.num_hidden_layers,
+        "attention_heads": c.num_attention_heads,
+        "kv_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "context": c.max_position_embeddings,
+        "rope_theta": c.rope_theta,
+        "rope_scaling": c.rope_scaling,
+        "tied_embeddings": c.tie_word_embeddings,
+        "sliding_window": c.sliding_window.iter().flatten().next(),
+        "eos_token_ids": c.eos_token_ids,
+        "attention_group_sizes": c.attention_group_sizes(),
+        "ffn_group_sizes": c.ffn_group_sizes(),
+        "tokenizer": ckpt.tokenizer_path().is_some(),
+    });
+    if as_json {
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!("model        {}", dir.display());
+    println!("family       {} ({})", c.family.model_type(), c.family.architecture());
+    println!("parameters   {} ({:.3}B)", c.parameter_count(), c.parameter_count() as f64 / 1e9);
+    println!("stored as    {} ({:.1} MB)", v["stored_dtype"].as_str().unwrap_or("?"), ckpt.data_bytes() as f64 / 1e6);
+    println!("layers       {}  hidden {}  intermediate {}  vocab {}", c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.vocab_size);
+    println!("attention    {} query heads, {} KV heads, head_dim {}", c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+    println!("rope         theta {} {:?}  context {}", c.rope_theta, c.rope_scaling, c.max_position_embeddings);
+    if let Some(w) = c.sliding_window.iter().flatten().next() {
+        println!("sliding      window {w}");
+    }
+    println!("embeddings   {}", if c.tie_word_embeddings { "tied" } else { "untied" });
+    println!("eos ids      {:?}", c.eos_token_ids);
+    println!("tokenizer    {}", if ckpt.tokenizer_path().is_some() { "tokenizer.json" } else { "none" });
+    println!("routable attention group sizes (heads per group): {:?}", c.attention_group_sizes());
+    println!("routable FFN group sizes (channels per group):    {:?}", c.ffn_group_sizes());
+    Ok(())
+}
+
+fn generate(a: &GenerateArgs) -> Result<()> {
+    let device = parse_device(&a.device)?;
+    let kind = parse_dtype(&a.dtype, device)?;
+    if a.temperature < 0.0 || !(a.top_p > 0.0 && a.top_p <= 1.0) {
+        bail!("--temperature must be >= 0 and --top-p in (0, 1]");
+    }
+    let t0 = std::time::Instant::now();
+    let p = Pretrained::load(&a.model_dir, device, kind)?;
+    let tok = p.tokenizer.as_ref().with_context(|| format!("{} has no tokenizer.json, which generate needs", a.model_dir.display()))?;
+    eprintln!("loaded {} on {:?} ({:?}) in {:.1}s", a.model_dir.display(), device, kind, t0.elapsed().as_secs_f64());
+    let prompts: Vec<Vec<i64>> = a.prompt.iter().map(|s| tok.encode(s, true)).collect::<Result<_>>()?;
+    let cfg = SamplingConfig {
+        max_new_tokens: a.max_new_tokens,
+        temperature: a.temperature,
+        top_p: a.top_p,
+        seed: a.seed,
+        stop_at_eos: !a.ignore_eos,
+    };
+    let single = prompts.len() == 1;
+    let mut stream = TextStream::new();
+    let mut out = std::io::stdout();
+    if single {
+        print!("{}", a.prompt[0]);
+        out.flush()?;
+    }
+    let gen = p.model.generate(&prompts, &cfg, |_row, id| {
+        if single {
+            print!("{}", stream.push(tok, id)?);
+            std::io::stdout().flush()?;
+        }
+        Ok(())
+    })?;
+    if single {
+        println!();
+    } else {
+        for (prompt, ids) in a.prompt.iter().zip(&gen.tokens) {
+            println!("{prompt}{}", tok.decode(ids, true)?);
+            println!("---");
+        }
+    }
+    let n: usize = gen.tokens.iter().map(|t| t.len()).sum();
+    let prompt_tokens: usize = prompts.iter().map(|p| p.len()).sum();
+    eprintln!(
+        "prefill {prompt_tokens} tokens in {:.1} ms; {n} new tokens in {:.2} s ({:.1} tokens/s)",
+        gen.prefill_seconds * 1e3,
+        gen.decode_seconds,
+        if gen.decode_seconds > 0.0 { gen.decode_steps as f64 * prompts.len() as f64 / gen.decode_seconds } else { 0.0 }
+    );
+    Ok(())
+}
+
+fn new_model(preset: &str, out: &Path, seed: i64, kind: Kind, overwrite: bool) -> Result<()> {
+    let cfg = presets::preset(preset)?;
+    tch::manual_seed(seed);
+    let vs = nn::VarStore::new(tch::Device::Cpu);
+    let _model = LlamaModel::new(&vs.root(), &cfg, &mut RandomWeights { std: 0.02 }, Kind::Float, false)?;
+    let mut tensors: Vec<(String, tch::Tensor)> = vs.variables().into_iter().collect();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    let tok_file;
+    let tokenizer = if preset == "tiny" {
+        let dir = tempfile_dir()?;
+        tok_file = dir.join("tokenizer.json");
+        presets::byte_level_tokenizer()?.save(&tok_file)?;
+        Some(tok_file.as_path())
+    } else {
+        None
+    };
+    save_hf_folder(out, &cfg, &tensors, &SaveOptions { tokenizer, overwrite, dtype: Some(kind), ..Default::default() })?;
+    eprintln!("wrote {} ({} parameters, {}) to {}", preset, cfg.parameter_count(), kind_name(kind), out.display());
+    Ok(())
+}
+
+fn tempfile_dir() -> Result<PathBuf> {
+    let d = std::env::temp_dir().join(format!("wide-{}", std::process::id()));
+    std::fs::create_dir_all(&d)?;
+    Ok(d)
+}
+
+fn demo(workdir: &Path) -> Result<()> {
+    let model_dir = workdir.join("tiny-random");
+    eprintln!("== wide demo: building a tiny random-weight Llama model in Hugging Face format");
+    new_model("tiny", &model_dir, 0, Kind::Float, true)?;
+    println!();
+    info(&model_dir, false)?;
+    println!();
+    eprintln!("== generating (random weights: the text is noise; this shows the pipeline end to end)");
+    generate(&GenerateArgs {
+        model_dir,
+        prompt: vec!["The kernel documentation says".into()],
+        max_new_tokens: 32,
+        temperature: 0.8,
+        top_p: 0.95,
+        seed: 0,
+        ignore_eos: true,
+        device: "cpu".into(),
+        dtype: "f32".into(),
+    })
+}

@@ -1,0 +1,53 @@
+//! Helpers shared by the end-to-end tests.
+#![allow(dead_code)]
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// The `wide` binary cargo built for these tests.
+pub fn wide() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_wide"))
+}
+
+/// Runs `wide` with `args`, returning its output.
+pub fn run_wide(args: &[&str]) -> Output {
+    wide().args(args).output().expect("running the wide binary")
+}
+
+/// The Python interpreter of the project's environment. Oracle tests fail (never skip) when it
+/// or `transformers` is missing: `scripts/setup.sh` installs both.
+pub fn python() -> PathBuf {
+    let candidates = [std::env::var("WIDE_VENV").ok().map(|v| PathBuf::from(v).join("bin/python")), Some("python3".into())];
+    for c in candidates.into_iter().flatten() {
+        let ok = Command::new(&c)
+            .args(["-c", "import torch, transformers, safetensors"])
+            .output()
+            .map(|o| o.status.success())
+            .unwrap_or(false);
+        if ok {
+            return c;
+        }
+    }
+    panic!("Python with torch, transformers and safetensors is required for the oracle tests: run scripts/setup.sh and use its environment (eval \"$(scripts/setup.sh --print-env)\")");
+}
+
+/// Runs a Python script from `tests/oracle/` with `args`; panics with its output on failure.
+pub fn run_oracle(script: &str, args: &[&Path]) {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/oracle").join(script);
+    let out = Command::new(python()).arg(&path).args(args).output().expect("running python");
+    assert!(
+        out.status.success(),
+        "{script} failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Asserts that a command failed with one clear error line containing `needle`.
+pub fn assert_clear_error(out: &Output, needle: &str) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "expected failure, got success; stderr: {stderr}");
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "expected one error line, got:\n{stderr}");
+    assert!(lines[0].starts_with("error: "), "{stderr}");
+    assert!(lines[0].contains(needle), "error line does not mention {needle:?}: {stderr}");
+}

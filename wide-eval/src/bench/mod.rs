@@ -1,0 +1,62 @@
+//! Benchmark programs. Timing follows the device method: warm-up first, then the median of
+//! repeated runs, each bracketed by device synchronisation.
+pub mod dense;
+
+use anyhow::Result;
+use tch::Device;
+
+/// Waits for all queued work on `device`.
+pub fn sync(device: Device) -> Result<()> {
+    if let Device::Cuda(d) = device {
+        wide_kernels::shim::synchronize(d)?;
+    }
+    Ok(())
+}
+
+/// Median wall time in seconds of `iters` runs of `f` after `warmup` runs.
+pub fn time_median(device: Device, warmup: usize, iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    for _ in 0..warmup {
+        f()?;
+    }
+    sync(device)?;
+    let mut times = Vec::with_capacity(iters);
+    for _ in 0..iters.max(1) {
+        let t = std::time::Instant::now();
+        f()?;
+        sync(device)?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    Ok(median(&mut times))
+}
+
+pub fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        0.5 * (v[n / 2 - 1] + v[n / 2])
+    }
+}
+
+/// Peak allocated bytes of the caching allocator since the last reset (0 on CPU).
+pub fn peak_bytes(device: Device) -> Result<i64> {
+    Ok(match device {
+        Device::Cuda(d) => wide_kernels::MemoryStats::read(d)?.allocated_peak,
+        _ => 0,
+    })
+}
+
+pub fn reset_peak(device: Device) -> Result<()> {
+    if let Device::Cuda(d) = device {
+        wide_kernels::MemoryStats::reset_peak(d)?;
+    }
+    Ok(())
+}
+
+pub fn device_label(device: Device) -> String {
+    match device {
+        Device::Cuda(d) => wide_kernels::cuda::device_name(d).unwrap_or_else(|_| format!("cuda:{d}")),
+        _ => "cpu".to_string(),
+    }
+}

@@ -1,0 +1,5 @@
+//! Evaluation and measurement: perplexity, the multiple-choice harness, variant comparisons
+//! and sweeps build here; so do the benchmark programs (`wide bench ...`), which print tables
+//! and write JSON results that record the git commit, device and date.
+pub mod bench;
+pub mod report;

@@ -1,0 +1,172 @@
+//! Loading NVRTC output into the device's primary context (the one libtorch uses) and
+//! launching it on libtorch's current stream. Every driver result is checked.
+use crate::nvrtc::{self, CompiledKernel, KernelSource};
+use crate::shim;
+use anyhow::{anyhow, bail, Context, Result};
+use cudarc::driver::{result as drv, sys};
+use std::collections::HashMap;
+use std::ffi::{c_void, CString};
+use std::sync::{Mutex, OnceLock};
+use tch::{Device, Tensor};
+
+/// Grid, block and dynamic shared memory of one launch.
+#[derive(Debug, Clone, Copy)]
+pub struct LaunchConfig {
+    pub grid: (u32, u32, u32),
+    pub block: (u32, u32, u32),
+    pub shared_mem_bytes: u32,
+}
+
+impl LaunchConfig {
+    /// A 1-D launch covering `n` elements with `threads` per block.
+    pub fn for_elements(n: usize, threads: u32) -> Self {
+        let blocks = n.div_ceil(threads as usize).max(1) as u32;
+        Self { grid: (blocks, 1, 1), block: (threads, 1, 1), shared_mem_bytes: 0 }
+    }
+}
+
+/// A kernel parameter, passed by value as the kernel's signature expects.
+#[derive(Debug, Clone, Copy)]
+pub enum KernelArg {
+    Ptr(u64),
+    I32(i32),
+    U32(u32),
+    I64(i64),
+    F32(f32),
+}
+
+impl KernelArg {
+    /// Device pointer of a CUDA tensor's data (its storage offset included).
+    pub fn tensor(t: &Tensor) -> Result<Self> {
+        match t.device() {
+            Device::Cuda(_) => Ok(KernelArg::Ptr(t.data_ptr() as u64)),
+            d => bail!("kernel argument must be a CUDA tensor, got one on {d:?}"),
+        }
+    }
+}
+
+/// A loaded kernel entry point on one device.
+#[derive(Debug, Clone, Copy)]
+pub struct CudaKernel {
+    func: sys::CUfunction,
+    device: usize,
+}
+// CUfunction handles are plain driver handles, valid from any thread of the process.
+unsafe impl Send for CudaKernel {}
+unsafe impl Sync for CudaKernel {}
+
+fn driver_err(e: drv::DriverError, what: &str) -> anyhow::Error {
+    anyhow!("CUDA driver error while {what}: {e:?}")
+}
+
+/// Makes the device's primary context (shared with libtorch) current on this thread.
+pub fn ensure_context(device: usize) -> Result<()> {
+    static CTX: OnceLock<Mutex<HashMap<usize, usize>>> = OnceLock::new();
+    if !unsafe { sys::is_culib_present() } {
+        bail!("the CUDA driver library (libcuda.so) is not available on this machine");
+    }
+    let map = CTX.get_or_init(Default::default);
+    let mut map = map.lock().unwrap();
+    let ctx = match map.get(&device) {
+        Some(c) => *c as sys::CUcontext,
+        None => {
+            drv::init().map_err(|e| driver_err(e, "initialising the driver"))?;
+            let dev = drv::device::get(device as i32).map_err(|e| driver_err(e, "opening the device"))?;
+            let ctx = unsafe { drv::primary_ctx::retain(dev) }.map_err(|e| driver_err(e, "retaining the primary context"))?;
+            map.insert(device, ctx as usize);
+            ctx
+        }
+    };
+    unsafe { drv::ctx::set_current(ctx) }.map_err(|e| driver_err(e, "making the context current"))
+}
+
+/// `compute_XY` of a device, the NVRTC target for it.
+pub fn compute_arch(device: usize) -> Result<String> {
+    ensure_context(device)?;
+    let dev = drv::device::get(device as i32).map_err(|e| driver_err(e, "opening the device"))?;
+    let major = unsafe {
+        drv::device::get_attribute(dev, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+    }
+    .map_err(|e| driver_err(e, "reading the compute capability"))?;
+    let minor = unsafe {
+        drv::device::get_attribute(dev, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
+    }
+    .map_err(|e| driver_err(e, "reading the compute capability"))?;
+    Ok(format!("compute_{major}{minor}"))
+}
+
+impl CudaKernel {
+    /// Compiles (or takes from cache) `src` for `device` and loads entry point `entry`.
+    pub fn get(src: &KernelSource, entry: &str, device: usize) -> Result<Self> {
+        static LOADED: OnceLock<Mutex<HashMap<(u64, String, usize), usize>>> = OnceLock::new();
+        let arch = compute_arch(device)?;
+        let compiled = nvrtc::compile(src, &arch)?;
+        let loaded = LOADED.get_or_init(Default::default);
+        let mut loaded = loaded.lock().unwrap();
+        let k = (compiled.key, entry.to_string(), device);
+        if let Some(f) = loaded.get(&k) {
+            return Ok(Self { func: *f as sys::CUfunction, device });
+        }
+        let func = Self::load(&compiled, entry, device)?;
+        loaded.insert(k, func as usize);
+        Ok(Self { func, device })
+    }
+
+    fn load(compiled: &CompiledKernel, entry: &str, device: usize) -> Result<sys::CUfunction> {
+        ensure_context(device)?;
+        let module = unsafe { drv::module::load_data(compiled.ptx.as_ptr() as *const c_void) }
+            .map_err(|e| driver_err(e, "loading a compiled module"))?;
+        let name = CString::new(entry).context("kernel entry name")?;
+        unsafe { drv::module::get_function(module, name) }
+            .map_err(|e| driver_err(e, &format!("finding kernel entry `{entry}`")))
+    }
+
+    /// Raises the dynamic shared-memory limit of this kernel (needed above 48 KiB).
+    pub fn set_max_dynamic_shared_mem(&self, bytes: u32) -> Result<()> {
+        unsafe {
+            drv::function::set_function_attribute(
+                self.func,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+        }
+        .map_err(|e| driver_err(e, "setting the dynamic shared memory limit"))
+    }
+
+    /// Launches on libtorch's current stream of the kernel's device.
+    ///
+    /// # Safety
+    /// The arguments must match the kernel's signature, and every pointer must be valid for
+    /// the accesses the kernel makes with this launch configuration.
+    pub unsafe fn launch(&self, cfg: LaunchConfig, args: &[KernelArg]) -> Result<()> {
+        ensure_context(self.device)?;
+        let stream = shim::current_stream(self.device)? as sys::CUstream;
+        let mut storage: Vec<[u8; 8]> = args
+            .iter()
+            .map(|a| {
+                let mut b = [0u8; 8];
+                match *a {
+                    KernelArg::Ptr(p) => b.copy_from_slice(&p.to_ne_bytes()),
+                    KernelArg::I64(v) => b.copy_from_slice(&v.to_ne_bytes()),
+                    KernelArg::I32(v) => b[..4].copy_from_slice(&v.to_ne_bytes()),
+                    KernelArg::U32(v) => b[..4].copy_from_slice(&v.to_ne_bytes()),
+                    KernelArg::F32(v) => b[..4].copy_from_slice(&v.to_ne_bytes()),
+                }
+                b
+            })
+            .collect();
+        let mut params: Vec<*mut c_void> = storage.iter_mut().map(|b| b.as_mut_ptr() as *mut c_void).collect();
+        drv::launch_kernel(self.func, cfg.grid, cfg.block, cfg.shared_mem_bytes, stream, &mut params)
+            .map_err(|e| driver_err(e, "launching a kernel"))?;
+        // Launch-configuration errors are returned above; faults inside the kernel surface at
+        // the next synchronising call.
+        Ok(())
+    }
+}
+
+/// The device's marketing name (e.g. "NVIDIA H200").
+pub fn device_name(device: usize) -> Result<String> {
+    ensure_context(device)?;
+    let dev = drv::device::get(device as i32).map_err(|e| driver_err(e, "opening the device"))?;
+    drv::device::get_name(dev).map_err(|e| driver_err(e, "reading the device name"))
+}
