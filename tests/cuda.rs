@@ -17,7 +17,13 @@ fn gpu() -> Device {
 #[test]
 fn shim_reports_stream_and_memory() {
     let dev = gpu();
-    assert!(!current_stream(0).unwrap().is_null());
+    // Outside capture libtorch works on the legacy default stream (a null handle); inside a
+    // capture the shim has switched libtorch to a side stream, which our kernels must follow.
+    assert!(current_stream(0).unwrap().is_null());
+    let mut g = CudaGraph::new(0).unwrap();
+    let inside = g.capture(|| current_stream(0)).unwrap();
+    assert!(!inside.is_null(), "capture must run on a side stream");
+    assert!(current_stream(0).unwrap().is_null(), "the stream is restored after capture");
     MemoryStats::reset_peak(0).unwrap();
     let before = MemoryStats::read(0).unwrap();
     let t = Tensor::ones([64, 1024, 1024], (Kind::Float, dev)); // 256 MiB
