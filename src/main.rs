@@ -26,6 +26,16 @@ enum Command {
         /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
+        /// Also load every weight (checking names and shapes) and report load time and peak
+        /// host memory.
+        #[arg(long)]
+        load: bool,
+        /// Device for --load: auto, cpu, cuda or cuda:N.
+        #[arg(long, default_value = "cpu")]
+        device: String,
+        /// Dtype for --load: auto, f32, bf16 or f16.
+        #[arg(long, default_value = "auto")]
+        dtype: String,
     },
     /// Generate text from a model folder, streaming tokens as they are produced.
     Generate(GenerateArgs),
@@ -131,7 +141,15 @@ fn main() {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Info { model_dir, json } => info(&model_dir, json),
+        Command::Info { model_dir, json, load, device, dtype } => {
+            let load = if load {
+                let device = parse_device(&device)?;
+                Some((device, parse_dtype(&dtype, device)?))
+            } else {
+                None
+            };
+            info(&model_dir, json, load)
+        }
         Command::Generate(a) => generate(&a),
         Command::NewModel { preset, out, seed, dtype, overwrite } => {
             let kind = parse_dtype(&dtype, tch::Device::Cpu)?;
@@ -161,9 +179,20 @@ fn run(cli: Cli) -> Result<()> {
     }
 }
 
-fn info(dir: &Path, as_json: bool) -> Result<()> {
+fn info(dir: &Path, as_json: bool, load: Option<(tch::Device, Kind)>) -> Result<()> {
     let ckpt = wide_core::HfCheckpoint::open(dir)?;
     let c = &ckpt.config;
+    let loaded = match load {
+        Some((device, kind)) => {
+            let t0 = std::time::Instant::now();
+            let p = Pretrained::load(dir, device, kind)?;
+            let secs = t0.elapsed().as_secs_f64();
+            let n: i64 = p.vs.variables().values().map(|t| t.numel() as i64).sum();
+            Some(serde_json::json!({"device": format!("{device:?}"), "dtype": kind_name(kind), "seconds": secs,
+                "tensors": p.vs.variables().len(), "parameters_loaded": n, "peak_rss_bytes": peak_rss_bytes()}))
+        }
+        None => None,
+    };
     let v = serde_json::json!({
         "model_dir": dir.display().to_string(),
         "family": c.family.model_type(),
@@ -186,6 +215,7 @@ fn info(dir: &Path, as_json: bool) -> Result<()> {
         "attention_group_sizes": c.attention_group_sizes(),
         "ffn_group_sizes": c.ffn_group_sizes(),
         "tokenizer": ckpt.tokenizer_path().is_some(),
+        "load": loaded,
     });
     if as_json {
         println!("{}", serde_json::to_string_pretty(&v)?);
@@ -206,7 +236,22 @@ fn info(dir: &Path, as_json: bool) -> Result<()> {
     println!("tokenizer    {}", if ckpt.tokenizer_path().is_some() { "tokenizer.json" } else { "none" });
     println!("routable attention group sizes (heads per group): {:?}", c.attention_group_sizes());
     println!("routable FFN group sizes (channels per group):    {:?}", c.ffn_group_sizes());
+    if let Some(l) = &v["load"].as_object() {
+        println!(
+            "loaded       {} tensors to {} as {} in {:.2}s; peak host memory {:.1} MB",
+            l["tensors"], l["device"].as_str().unwrap_or(""), l["dtype"].as_str().unwrap_or(""),
+            l["seconds"].as_f64().unwrap_or(0.0), l["peak_rss_bytes"].as_f64().unwrap_or(0.0) / 1e6
+        );
+    }
     Ok(())
+}
+
+/// Peak resident memory of this process (VmHWM), in bytes.
+fn peak_rss_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
 }
 
 fn generate(a: &GenerateArgs) -> Result<()> {
@@ -218,8 +263,9 @@ fn generate(a: &GenerateArgs) -> Result<()> {
     let t0 = std::time::Instant::now();
     let p = Pretrained::load(&a.model_dir, device, kind)?;
     let tok = p.tokenizer.as_ref().with_context(|| format!("{} has no tokenizer.json, which generate needs", a.model_dir.display()))?;
-    eprintln!("loaded {} on {:?} ({:?}) in {:.1}s", a.model_dir.display(), device, kind, t0.elapsed().as_secs_f64());
     let prompts: Vec<Vec<i64>> = a.prompt.iter().map(|s| tok.encode(s, true)).collect::<Result<_>>()?;
+    p.model.check_context(&prompts, a.max_new_tokens)?;
+    eprintln!("loaded {} on {:?} ({:?}) in {:.1}s", a.model_dir.display(), device, kind, t0.elapsed().as_secs_f64());
     let cfg = SamplingConfig {
         max_new_tokens: a.max_new_tokens,
         temperature: a.temperature,
@@ -292,7 +338,7 @@ fn demo(workdir: &Path) -> Result<()> {
     eprintln!("== wide demo: building a tiny random-weight Llama model in Hugging Face format");
     new_model("tiny", &model_dir, 0, Kind::Float, true)?;
     println!();
-    info(&model_dir, false)?;
+    info(&model_dir, false, None)?;
     println!();
     eprintln!("== generating (random weights: the text is noise; this shows the pipeline end to end)");
     generate(&GenerateArgs {

@@ -89,6 +89,18 @@ pub fn sample_top_p(probs: &[f32], top_p: f64, rng: &mut StdRng) -> i64 {
 }
 
 impl LlamaModel {
+    /// Fails when the longest prompt plus `max_new_tokens` exceeds the model's context.
+    pub fn check_context(&self, prompts: &[Vec<i64>], max_new_tokens: usize) -> Result<()> {
+        let ctx = self.config.max_position_embeddings as usize;
+        let longest = prompts.iter().map(|p| p.len()).max().unwrap_or(0);
+        if longest + max_new_tokens > ctx {
+            bail!(
+                "prompt of {longest} tokens plus {max_new_tokens} new tokens exceeds the model's context of {ctx} positions (max_position_embeddings); shorten the prompt or lower --max-new-tokens"
+            );
+        }
+        Ok(())
+    }
+
     /// Generates up to `cfg.max_new_tokens` tokens for each prompt. `on_token(row, id)` is
     /// called for every new token as it is produced (for streaming).
     pub fn generate(
@@ -100,14 +112,7 @@ impl LlamaModel {
         if prompts.is_empty() || prompts.iter().any(|p| p.is_empty()) {
             bail!("every prompt needs at least one token");
         }
-        let ctx = self.config.max_position_embeddings as usize;
-        let longest = prompts.iter().map(|p| p.len()).max().unwrap();
-        if longest + cfg.max_new_tokens > ctx {
-            bail!(
-                "prompt of {longest} tokens plus {} new tokens exceeds the model's context of {ctx} positions (max_position_embeddings); shorten the prompt or lower --max-new-tokens",
-                cfg.max_new_tokens
-            );
-        }
+        self.check_context(prompts, cfg.max_new_tokens)?;
         let _guard = tch::no_grad_guard();
         let b = prompts.len();
         let pad_id = self.config.pad_token_id.or(self.config.eos_token_ids.first().copied()).unwrap_or(0);

@@ -1,0 +1,130 @@
+//! Bad input gets one clear error line and a non-zero exit.
+mod common;
+
+use common::{assert_clear_error, run_wide};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use wide_core::safetensors::{write, SafetensorsFile};
+
+fn tiny_model(root: &Path, name: &str) -> PathBuf {
+    let dir = root.join(name);
+    let out = run_wide(&["new-model", "--preset", "tiny", "--out", dir.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    dir
+}
+
+/// Rewrites `model.safetensors` of `dir` through `edit` (name, tensor) -> kept tensors.
+fn edit_weights(dir: &Path, edit: impl Fn(Vec<(String, tch::Tensor)>) -> Vec<(String, tch::Tensor)>) {
+    let p = dir.join("model.safetensors");
+    let f = SafetensorsFile::open(&p).unwrap();
+    let all: Vec<_> = f.tensors.keys().map(|n| (n.clone(), f.read(n).unwrap())).collect();
+    drop(f);
+    write(&p, &edit(all), &BTreeMap::new()).unwrap();
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+#[test]
+fn missing_folder_and_missing_config() {
+    let root = tempfile::tempdir().unwrap();
+    assert_clear_error(&run_wide(&["info", s(&root.path().join("nope"))]), "does not exist");
+    let empty = root.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    assert_clear_error(&run_wide(&["info", s(&empty)]), "has no config.json");
+}
+
+#[test]
+fn unsupported_architecture_is_named() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = tiny_model(root.path(), "m");
+    let cfg = std::fs::read_to_string(dir.join("config.json")).unwrap().replace("\"llama\"", "\"gpt_neox\"");
+    std::fs::write(dir.join("config.json"), cfg).unwrap();
+    let out = run_wide(&["info", s(&dir)]);
+    assert_clear_error(&out, "unsupported architecture");
+    assert_clear_error(&out, "gpt_neox");
+}
+
+#[test]
+fn missing_tensor_is_named() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = tiny_model(root.path(), "m");
+    edit_weights(&dir, |all| all.into_iter().filter(|(n, _)| n != "model.layers.1.mlp.up_proj.weight").collect());
+    assert_clear_error(&run_wide(&["info", s(&dir), "--load"]), "missing tensor model.layers.1.mlp.up_proj.weight");
+    assert_clear_error(&run_wide(&["generate", s(&dir), "--prompt", "hi"]), "missing tensor model.layers.1.mlp.up_proj.weight");
+}
+
+#[test]
+fn wrong_shape_names_tensor_expected_and_actual() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = tiny_model(root.path(), "m");
+    edit_weights(&dir, |all| {
+        all.into_iter()
+            .map(|(n, t)| if n == "model.layers.0.self_attn.k_proj.weight" { (n, t.narrow(0, 0, 32)) } else { (n, t) })
+            .collect()
+    });
+    let out = run_wide(&["info", s(&dir), "--load"]);
+    assert_clear_error(&out, "tensor model.layers.0.self_attn.k_proj.weight");
+    assert_clear_error(&out, "has shape [32, 128], expected [64, 128]");
+}
+
+#[test]
+fn truncated_safetensors_is_reported() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = tiny_model(root.path(), "m");
+    let p = dir.join("model.safetensors");
+    let bytes = std::fs::read(&p).unwrap();
+    std::fs::write(&p, &bytes[..bytes.len() / 2]).unwrap();
+    assert_clear_error(&run_wide(&["info", s(&dir)]), "truncated");
+}
+
+#[test]
+fn pickle_checkpoints_are_refused_not_unpickled() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = tiny_model(root.path(), "m");
+    std::fs::remove_file(dir.join("model.safetensors")).unwrap();
+    // Not a real pickle: wide must refuse by name, without opening it.
+    std::fs::write(dir.join("pytorch_model.bin"), b"\x80\x04not-read").unwrap();
+    let out = run_wide(&["info", s(&dir)]);
+    assert_clear_error(&out, "pickle checkpoint (pytorch_model.bin)");
+    assert_clear_error(&out, "save_pretrained(OUT, safe_serialization=True)");
+}
+
+#[test]
+fn prompt_longer_than_context() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = tiny_model(root.path(), "m");
+    let long = "word ".repeat(120); // 600 byte tokens + BOS > 512 positions
+    assert_clear_error(&run_wide(&["generate", s(&dir), "--prompt", &long, "--device", "cpu"]), "exceeds the model's context of 512 positions");
+}
+
+#[test]
+fn bad_flags() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = tiny_model(root.path(), "m");
+    assert_clear_error(&run_wide(&["generate", s(&dir), "--prompt", "x", "--device", "tpu"]), "unknown device");
+    assert_clear_error(&run_wide(&["generate", s(&dir), "--prompt", "x", "--top-p", "0"]), "--top-p");
+    let out = run_wide(&["new-model", "--preset", "tiny", "--out", s(&dir)]);
+    assert_clear_error(&out, "already exists");
+}
+
+#[test]
+fn generate_streams_text_and_is_reproducible() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = tiny_model(root.path(), "m");
+    let args = ["generate", s(&dir), "--prompt", "Hello", "--max-new-tokens", "12", "--temperature", "0.9", "--seed", "4", "--device", "cpu"];
+    let a = run_wide(&args);
+    let b = run_wide(&args);
+    assert!(a.status.success(), "{}", String::from_utf8_lossy(&a.stderr));
+    assert_eq!(a.stdout, b.stdout, "same seed, same text");
+    assert!(String::from_utf8_lossy(&a.stdout).starts_with("Hello"));
+    assert!(String::from_utf8_lossy(&a.stderr).contains("new tokens"));
+}
+
+#[test]
+fn version_names_the_commit() {
+    let out = run_wide(&["--version"]);
+    let v = String::from_utf8_lossy(&out.stdout);
+    assert!(v.contains("commit "), "{v}");
+}

@@ -1,0 +1,505 @@
+// Routed kernels: the routing layout, GEMV paths (small M, read the raw mask) and mma.sync
+// tiled paths (large M). Compiled by NVRTC with defines:
+//   WIDE_F16      1 for f16 operands, 0 for bf16 (fp32 accumulation either way)
+//   BM, BN, WM, WN, STAGES, FUSED   tile shape, warps along M/N, pipeline depth, gate+up fusion
+//                                   (tiled entries only; the GEMV/layout entries ignore them)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#ifndef WIDE_F16
+#define WIDE_F16 0
+#endif
+#if WIDE_F16
+typedef __half T;
+typedef __half2 T2;
+#define MMA_OP "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
+__device__ __forceinline__ float2 to_f2(unsigned v) { return __half22float2(*reinterpret_cast<T2*>(&v)); }
+__device__ __forceinline__ unsigned from_f2(float a, float b) { T2 h = __floats2half2_rn(a, b); return *reinterpret_cast<unsigned*>(&h); }
+#else
+typedef __nv_bfloat16 T;
+typedef __nv_bfloat162 T2;
+#define MMA_OP "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+__device__ __forceinline__ float2 to_f2(unsigned v) { return __bfloat1622float2(*reinterpret_cast<T2*>(&v)); }
+__device__ __forceinline__ unsigned from_f2(float a, float b) { T2 h = __floats2bfloat162_rn(a, b); return *reinterpret_cast<unsigned*>(&h); }
+#endif
+
+__device__ __forceinline__ float silu(float a) { return a / (1.0f + __expf(-a)); }
+
+// Weights are streamed once: keep them out of L1 so the (re-read) activations stay there.
+__device__ __forceinline__ uint4 ld_stream(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ uint4 ld_keep(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+
+__device__ __forceinline__ float dot8(uint4 a, uint4 b, float acc) {
+    float2 a0 = to_f2(a.x), b0 = to_f2(b.x);
+    float2 a1 = to_f2(a.y), b1 = to_f2(b.y);
+    float2 a2 = to_f2(a.z), b2 = to_f2(b.z);
+    float2 a3 = to_f2(a.w), b3 = to_f2(b.w);
+    acc = fmaf(a0.x, b0.x, acc); acc = fmaf(a0.y, b0.y, acc);
+    acc = fmaf(a1.x, b1.x, acc); acc = fmaf(a1.y, b1.y, acc);
+    acc = fmaf(a2.x, b2.x, acc); acc = fmaf(a2.y, b2.y, acc);
+    acc = fmaf(a3.x, b3.x, acc); acc = fmaf(a3.y, b3.y, acc);
+    return acc;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// ---------------------------------------------------------------------------------------
+// Routing layout. mask_t: u8 [NG][M] (the transposed mask, so reads are coalesced).
+// perm: i32 [NG][M], per group the active tokens ascending, then the inactive ones ascending.
+// count: i32 [NG]. One block of 1024 threads per group.
+// ---------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(1024) route_layout(const unsigned char* __restrict__ mask_t, int M, int* __restrict__ perm, int* __restrict__ count) {
+    const int g = blockIdx.x;
+    const unsigned char* mg = mask_t + (long long)g * M;
+    int* pg = perm + (long long)g * M;
+    __shared__ int wa[32], wi[32], tot_a;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    // Pass 1: how many are active, so the inactive tail starts at the right place.
+    int local = 0;
+    for (int t = threadIdx.x; t < M; t += blockDim.x) local += mg[t] != 0;
+    local = __reduce_add_sync(0xffffffffu, local);
+    if (lane == 0) wa[warp] = local;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int s = 0;
+        for (int i = 0; i < nw; ++i) s += wa[i];
+        tot_a = s;
+        count[g] = s;
+    }
+    __syncthreads();
+    int base_a = 0, base_i = tot_a;
+    const unsigned lt = (1u << lane) - 1u;
+    for (int t0 = 0; t0 < M; t0 += blockDim.x) {
+        const int t = t0 + threadIdx.x;
+        const bool valid = t < M;
+        const bool on = valid && mg[t] != 0;
+        const unsigned ba = __ballot_sync(0xffffffffu, on);
+        const unsigned bi = __ballot_sync(0xffffffffu, valid && !on);
+        __syncthreads();  // wa/wi of the previous chunk are consumed
+        if (lane == 0) { wa[warp] = __popc(ba); wi[warp] = __popc(bi); }
+        __syncthreads();
+        int off_a = 0, off_i = 0, all_a = 0, all_i = 0;
+        for (int i = 0; i < nw; ++i) {
+            if (i < warp) { off_a += wa[i]; off_i += wi[i]; }
+            all_a += wa[i]; all_i += wi[i];
+        }
+        if (on) pg[base_a + off_a + __popc(ba & lt)] = t;
+        else if (valid) pg[base_i + off_i + __popc(bi & lt)] = t;
+        base_a += all_a;
+        base_i += all_i;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// GEMV, output-width routed (small M): out[m, n] = x[m,:] . w[n,:] where mask[m, n/G], else 0.
+// One warp per output row; a row whose group no token uses is never loaded.
+// With w2 (fused): out = silu(x . w[n]) * (x . w2[n]).
+// ---------------------------------------------------------------------------------------
+template <int MAXM, bool FUSE>
+__device__ __forceinline__ void gemv_mn(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ w2,
+                                        const unsigned char* __restrict__ mask, T* __restrict__ out,
+                                        int M, int N, int K, int G, int NG) {
+    const int lane = threadIdx.x & 31;
+    const int n = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    if (n >= N) return;
+    const int g = n / G;
+    unsigned act = 0;
+#pragma unroll
+    for (int m = 0; m < MAXM; ++m)
+        if (m < M && mask[(long long)m * NG + g]) act |= 1u << m;
+    if (act == 0) {
+        if (lane < M) out[(long long)lane * N + n] = (T)0.0f;
+        return;
+    }
+    float acc[MAXM], acc2[MAXM];
+#pragma unroll
+    for (int m = 0; m < MAXM; ++m) { acc[m] = 0.f; acc2[m] = 0.f; }
+    const T* wr = w + (long long)n * K;
+    const T* wr2 = FUSE ? w2 + (long long)n * K : nullptr;
+    const int chunks = K >> 3;
+    constexpr int U = 4;  // loads in flight per lane
+    for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
+        uint4 wv[U], wv2[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int c = c0 + u * 32;
+            if (c < chunks) {
+                wv[u] = ld_stream(wr + (c << 3));
+                if (FUSE) wv2[u] = ld_stream(wr2 + (c << 3));
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int c = c0 + u * 32;
+            if (c < chunks) {
+#pragma unroll
+                for (int m = 0; m < MAXM; ++m) {
+                    if ((act >> m) & 1u) {
+                        const uint4 xv = ld_keep(x + (long long)m * K + (c << 3));
+                        acc[m] = dot8(wv[u], xv, acc[m]);
+                        if (FUSE) acc2[m] = dot8(wv2[u], xv, acc2[m]);
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < MAXM; ++m) {
+        if (m < M) {
+            float v = warp_sum(acc[m]);
+            if (FUSE) v = silu(v) * warp_sum(acc2[m]);
+            if (lane == 0) out[(long long)m * N + n] = (T)(((act >> m) & 1u) ? v : 0.0f);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// GEMV, reduction-width routed (small M): out[m, :] = sum over groups g active for token m of
+// x[m, gG:(g+1)G] . w[:, gG:(g+1)G]^T. Only the column slices of w that some token uses are
+// read. One warp per output row; the block first lists the groups any of its tokens uses.
+// ---------------------------------------------------------------------------------------
+template <int MAXM>
+__device__ __forceinline__ void gemv_k(const T* __restrict__ x, const T* __restrict__ w, const unsigned char* __restrict__ mask,
+                                       T* __restrict__ out, int M, int N, int K, int G, int NG) {
+    __shared__ int glist[2048];
+    __shared__ unsigned gbits[2048];
+    __shared__ int nlist;
+    const int lane = threadIdx.x & 31;
+    if (threadIdx.x == 0) nlist = 0;
+    __syncthreads();
+    for (int g = threadIdx.x; g < NG; g += blockDim.x) {
+        unsigned b = 0;
+#pragma unroll
+        for (int m = 0; m < MAXM; ++m)
+            if (m < M && mask[(long long)m * NG + g]) b |= 1u << m;
+        gbits[g] = b;
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {  // ascending list of used groups: keeps the weight reads in order
+        int base = 0;
+        for (int g0 = 0; g0 < NG; g0 += 32) {
+            const int g = g0 + lane;
+            const bool on = g < NG && gbits[g] != 0;
+            const unsigned b = __ballot_sync(0xffffffffu, on);
+            if (on) glist[base + __popc(b & ((1u << lane) - 1u))] = g;
+            base += __popc(b);
+        }
+        if (lane == 0) nlist = base;
+    }
+    __syncthreads();
+    const int n = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    if (n >= N) return;
+    const int per = G >> 3;  // 16-byte chunks per group slice
+    const int chunks = nlist * per;
+    float acc[MAXM];
+#pragma unroll
+    for (int m = 0; m < MAXM; ++m) acc[m] = 0.f;
+    const T* wr = w + (long long)n * K;
+    constexpr int U = 4;
+    for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
+        uint4 wv[U];
+        int col[U];
+        unsigned bits[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int c = c0 + u * 32;
+            if (c < chunks) {
+                const int gi = c / per;
+                const int g = glist[gi];
+                col[u] = g * G + ((c - gi * per) << 3);
+                bits[u] = gbits[g];
+                wv[u] = ld_stream(wr + col[u]);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int c = c0 + u * 32;
+            if (c < chunks) {
+#pragma unroll
+                for (int m = 0; m < MAXM; ++m)
+                    if ((bits[u] >> m) & 1u) acc[m] = dot8(wv[u], ld_keep(x + (long long)m * K + col[u]), acc[m]);
+            }
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < MAXM; ++m) {
+        if (m < M) {
+            const float v = warp_sum(acc[m]);
+            if (lane == 0) out[(long long)m * N + n] = (T)v;
+        }
+    }
+}
+
+#define GEMV_ENTRIES(MM)                                                                                         \
+    extern "C" __global__ void __launch_bounds__(256) gemv_mn_##MM(const T* x, const T* w, const unsigned char* mask, \
+                                                                   T* out, int M, int N, int K, int G, int NG) {  \
+        gemv_mn<MM, false>(x, w, nullptr, mask, out, M, N, K, G, NG);                                              \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(256) gemv_mn_swiglu_##MM(const T* x, const T* w, const T* w2,     \
+                                                                          const unsigned char* mask, T* out, int M, \
+                                                                          int N, int K, int G, int NG) {          \
+        gemv_mn<MM, true>(x, w, w2, mask, out, M, N, K, G, NG);                                                    \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(256) gemv_k_##MM(const T* x, const T* w, const unsigned char* mask,  \
+                                                                  T* out, int M, int N, int K, int G, int NG) {   \
+        gemv_k<MM>(x, w, mask, out, M, N, K, G, NG);                                                               \
+    }
+GEMV_ENTRIES(1)
+GEMV_ENTRIES(2)
+GEMV_ENTRIES(4)
+GEMV_ENTRIES(8)
+GEMV_ENTRIES(16)
+
+// ---------------------------------------------------------------------------------------
+// Tiled mma.sync paths (large M).
+// ---------------------------------------------------------------------------------------
+#ifdef BM
+#define BK 32
+#define LDS (BK + 8)  // padded smem row (80 bytes): ldmatrix rows land in distinct banks
+#define THREADS (WM * WN * 32)
+#define WTM (BM / WM)
+#define WTN (BN / WN)
+#define MI (WTM / 16)
+#define NI (WTN / 8)
+#if (NI % 2) != 0
+#error "warp tile N must be a multiple of 16"
+#endif
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(dst)), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N_>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N_)); }
+__device__ __forceinline__ void ldsm_x4(unsigned* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void mma16816(float* d, const unsigned* a, const unsigned* b) {
+    asm volatile(MMA_OP " {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// One BK slice of the block tile: A [BM][LDS], B [BN][LDS] (n-major, k contiguous).
+template <int NB>
+__device__ __forceinline__ void mma_slice(const T* sA, const T* const* sB, float (*acc)[MI][NI][4], int wm, int wn, int lane) {
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+        unsigned a[MI][4];
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+            ldsm_x4(a[mi], sA + (wm * WTM + mi * 16 + (lane & 15)) * LDS + kk * 16 + ((lane >> 4) << 3));
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+#pragma unroll
+            for (int nj = 0; nj < NI / 2; ++nj) {
+                unsigned r[4];
+                ldsm_x4(r, sB[b] + (wn * WTN + nj * 16 + (lane & 7) + ((lane >> 4) << 3)) * LDS + kk * 16 + (((lane >> 3) & 1) << 3));
+                const unsigned b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+#pragma unroll
+                for (int mi = 0; mi < MI; ++mi) {
+                    mma16816(acc[b][mi][2 * nj], a[mi], b0);
+                    mma16816(acc[b][mi][2 * nj + 1], a[mi], b1);
+                }
+            }
+        }
+    }
+}
+
+#define NB_MN (FUSED ? 2 : 1)
+
+// Output-width routed GEMM. Grid (N/BN, ceil(M/BM)); block (nt, mt) works on list entries
+// [mt*BM, mt*BM+BM) of group g = nt*BN/G: rows below count[g] are computed (gathered through
+// perm), the inactive tokens listed after them get zeros, so every output is written once.
+// Requires BN | G, K % BK == 0.
+extern "C" __global__ void __launch_bounds__(THREADS) gemm_mn_tiled(const T* __restrict__ x, const T* __restrict__ w,
+                                                                    const T* __restrict__ w2, const int* __restrict__ perm,
+                                                                    const int* __restrict__ count, T* __restrict__ out,
+                                                                    int M, int N, int K, int G) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    __shared__ int rows[BM];
+    T* sA = reinterpret_cast<T*>(smem_raw);
+    T* sB0 = sA + STAGES * BM * LDS;
+    T* sB1 = sB0 + STAGES * BN * LDS;  // only with FUSED
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp / WN, wn = warp % WN;
+    const int n0 = blockIdx.x * BN;
+    const int g = n0 / G;
+    const int m0 = blockIdx.y * BM;
+    const int* pg = perm + (long long)g * M;
+    for (int i = tid; i < BM; i += THREADS) rows[i] = (m0 + i < M) ? pg[m0 + i] : -1;
+    const int nact = min(BM, count[g] - m0);
+    __syncthreads();
+    if (nact > 0) {
+        float acc[NB_MN][MI][NI][4];
+#pragma unroll
+        for (int b = 0; b < NB_MN; ++b)
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[b][mi][ni][e] = 0.f;
+        const bool warp_busy = wm * WTM < nact;  // a warp whose rows are all inactive issues no MMA
+        const int KT = K / BK;
+        auto load = [&](int stage, int k0) {
+            T* a = sA + stage * BM * LDS;
+            for (int i = tid; i < BM * (BK / 8); i += THREADS) {
+                const int r = i / (BK / 8), c = i % (BK / 8);
+                const bool v = r < nact;
+                cp_async16(a + r * LDS + c * 8, v ? x + (long long)rows[r] * K + k0 + c * 8 : x, v);
+            }
+            for (int i = tid; i < BN * (BK / 8); i += THREADS) {
+                const int r = i / (BK / 8), c = i % (BK / 8);
+                cp_async16(sB0 + stage * BN * LDS + r * LDS + c * 8, w + (long long)(n0 + r) * K + k0 + c * 8, true);
+                if (FUSED) cp_async16(sB1 + stage * BN * LDS + r * LDS + c * 8, w2 + (long long)(n0 + r) * K + k0 + c * 8, true);
+            }
+        };
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) {
+            if (s < KT) load(s, s * BK);
+            cp_commit();
+        }
+        for (int kt = 0; kt < KT; ++kt) {
+            cp_wait<STAGES - 2>();
+            __syncthreads();
+            const int nk = kt + STAGES - 1;
+            if (nk < KT) load(nk % STAGES, nk * BK);
+            cp_commit();
+            const int st = kt % STAGES;
+            if (warp_busy) {
+                const T* sb[2] = {sB0 + st * BN * LDS, sB1 + st * BN * LDS};
+                mma_slice<NB_MN>(sA + st * BM * LDS, sb, acc, wm, wn, lane);
+            }
+        }
+        cp_wait<0>();
+        if (warp_busy) {
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int r = wm * WTM + mi * 16 + (lane >> 2) + h * 8;
+                    if (r < nact) {
+                        T* orow = out + (long long)rows[r] * N + n0 + wn * WTN + (lane & 3) * 2;
+#pragma unroll
+                        for (int ni = 0; ni < NI; ++ni) {
+                            float v0 = acc[0][mi][ni][2 * h], v1 = acc[0][mi][ni][2 * h + 1];
+#if FUSED
+                            v0 = silu(v0) * acc[NB_MN - 1][mi][ni][2 * h];
+                            v1 = silu(v1) * acc[NB_MN - 1][mi][ni][2 * h + 1];
+#endif
+                            *reinterpret_cast<unsigned*>(orow + ni * 8) = from_f2(v0, v1);
+                        }
+                    }
+                }
+        }
+    }
+    // Zeros for the inactive tokens listed in this tile (all of it when the tile is empty).
+    const int first = max(nact, 0);
+    for (int i = tid; i < (BM - first) * (BN / 8); i += THREADS) {
+        const int r = first + i / (BN / 8), c = i % (BN / 8);
+        if (rows[r] >= 0) *reinterpret_cast<uint4*>(out + (long long)rows[r] * N + n0 + c * 8) = make_uint4(0, 0, 0, 0);
+    }
+}
+
+// Reduction-width routed GEMM. Grid (N/BN, ceil(M/BM)) over tokens in their own order; the
+// block lists the groups that any of its BM tokens uses and runs the K loop over those only;
+// rows of tokens inactive for a group are zero-filled in shared memory (predicated loads), so
+// their contribution is exactly zero. Requires G % BK == 0, N % BN == 0.
+extern "C" __global__ void __launch_bounds__(THREADS) gemm_k_tiled(const T* __restrict__ x, const T* __restrict__ w,
+                                                                   const unsigned char* __restrict__ mask, T* __restrict__ out,
+                                                                   int M, int N, int K, int G) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    __shared__ int glist[2048];
+    __shared__ int nlist;
+    T* sA = reinterpret_cast<T*>(smem_raw);
+    T* sB0 = sA + STAGES * BM * LDS;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp / WN, wn = warp % WN;
+    const int n0 = blockIdx.x * BN;
+    const int m0 = blockIdx.y * BM;
+    const int NG = K / G;
+    const int mrows = min(BM, M - m0);
+    if (tid == 0) nlist = 0;
+    __syncthreads();
+    if (warp == 0) {
+        int base = 0;
+        for (int g0 = 0; g0 < NG; g0 += 32) {
+            const int g = g0 + lane;
+            bool on = false;
+            if (g < NG)
+                for (int r = 0; r < mrows && !on; ++r) on = mask[(long long)(m0 + r) * NG + g] != 0;
+            const unsigned b = __ballot_sync(0xffffffffu, on);
+            if (on) glist[base + __popc(b & ((1u << lane) - 1u))] = g;
+            base += __popc(b);
+        }
+        if (lane == 0) nlist = base;
+    }
+    __syncthreads();
+    float acc[1][MI][NI][4];
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[0][mi][ni][e] = 0.f;
+    const int per = G / BK;
+    const int KT = nlist * per;
+    const bool warp_busy = wm * WTM < mrows;
+    auto load = [&](int stage, int s) {
+        const int g = glist[s / per];
+        const int k0 = g * G + (s % per) * BK;
+        T* a = sA + stage * BM * LDS;
+        for (int i = tid; i < BM * (BK / 8); i += THREADS) {
+            const int r = i / (BK / 8), c = i % (BK / 8);
+            const bool v = r < mrows && mask[(long long)(m0 + r) * NG + g] != 0;
+            cp_async16(a + r * LDS + c * 8, v ? x + (long long)(m0 + r) * K + k0 + c * 8 : x, v);
+        }
+        for (int i = tid; i < BN * (BK / 8); i += THREADS) {
+            const int r = i / (BK / 8), c = i % (BK / 8);
+            cp_async16(sB0 + stage * BN * LDS + r * LDS + c * 8, w + (long long)(n0 + r) * K + k0 + c * 8, true);
+        }
+    };
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < KT) load(s, s);
+        cp_commit();
+    }
+    for (int kt = 0; kt < KT; ++kt) {
+        cp_wait<STAGES - 2>();
+        __syncthreads();
+        const int nk = kt + STAGES - 1;
+        if (nk < KT) load(nk % STAGES, nk);
+        cp_commit();
+        const int st = kt % STAGES;
+        if (warp_busy) {
+            const T* sb[1] = {sB0 + st * BN * LDS};
+            mma_slice<1>(sA + st * BM * LDS, sb, acc, wm, wn, lane);
+        }
+    }
+    cp_wait<0>();
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = wm * WTM + mi * 16 + (lane >> 2) + h * 8;
+            if (r < mrows) {
+                T* orow = out + (long long)(m0 + r) * N + n0 + wn * WTN + (lane & 3) * 2;
+#pragma unroll
+                for (int ni = 0; ni < NI; ++ni)
+                    *reinterpret_cast<unsigned*>(orow + ni * 8) = from_f2(acc[0][mi][ni][2 * h], acc[0][mi][ni][2 * h + 1]);
+            }
+        }
+}
+#endif
