@@ -1,1 +1,8 @@
-//! placeholder
+//! Training: the data pipeline (corpora, BPE tokenizers, packed token datasets), the trainer
+//! core (AdamW in tch ops, schedules, accumulation, clipping, atomic checkpoints and resume,
+//! TensorBoard scalars, progress bars) and the stages built on it: stage 0 pretraining of the
+//! testbed models, router calibration and LoRA recovery.
+pub mod corpus;
+pub mod bpe;
+pub mod dataset;
+pub mod progress;
