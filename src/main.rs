@@ -61,6 +61,42 @@ enum Command {
         #[arg(long, default_value = "target/demo")]
         workdir: PathBuf,
     },
+    /// Build a text corpus folder (train/validation/test JSONL + manifest) from the Debian
+    /// documentation packages and/or your own .txt/.md/.rst/.jsonl files and folders.
+    Corpus {
+        /// Output folder.
+        #[arg(long)]
+        out: PathBuf,
+        /// `debian-docs` and/or paths; repeatable.
+        #[arg(long = "source", default_value = "debian-docs")]
+        sources: Vec<String>,
+        #[arg(long, default_value_t = 0.02)]
+        validation_fraction: f64,
+        #[arg(long, default_value_t = 0.02)]
+        test_fraction: f64,
+    },
+    /// Train a byte-level BPE tokenizer on a corpus folder's training split.
+    Tokenizer {
+        #[arg(long)]
+        corpus: PathBuf,
+        #[arg(long, default_value_t = 8192)]
+        vocab_size: usize,
+        /// Output tokenizer.json.
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Stage 0: train a testbed model from scratch from a TOML recipe (corpus, tokenizer and
+    /// token files are built and cached as needed) and write it as a Hugging Face folder.
+    Pretrain {
+        #[arg(long)]
+        config: PathBuf,
+        /// Override a recipe field: `--set train.lr=1e-3` (repeatable).
+        #[arg(long = "set")]
+        overrides: Vec<String>,
+        /// Continue from the latest checkpoint in the output folder.
+        #[arg(long)]
+        resume: bool,
+    },
     /// Benchmark programs (GPU machine): print a table and write JSON results.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -70,6 +106,40 @@ enum Command {
 enum BenchCommand {
     /// Dense prefill and decode throughput with random weights.
     Dense(DenseArgs),
+    /// Routed kernels (gemm_mn, fused gate+up, gemm_k) against cuBLAS dense, cold and warm L2.
+    Kernels(KernelsArgs),
+}
+
+#[derive(Args)]
+struct KernelsArgs {
+    /// Ops, comma separated: up, gate_up, down, q, o.
+    #[arg(long, value_delimiter = ',', default_value = "up,gate_up,down,q,o")]
+    ops: Vec<String>,
+    /// Token counts M, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16,128,1024,4096,16384")]
+    m: Vec<i64>,
+    /// FFN group sizes, comma separated (q/o always use 512 = 4 heads of 128).
+    #[arg(long, value_delimiter = ',', default_value = "32,64,128,256")]
+    groups: Vec<i64>,
+    /// Skip rates, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "0.25,0.5,0.75")]
+    sparsity: Vec<f64>,
+    /// L2 modes, comma separated: cold (flushed between timed runs), warm.
+    #[arg(long, value_delimiter = ',', default_value = "cold,warm")]
+    l2: Vec<String>,
+    #[arg(long, default_value = "cuda")]
+    device: String,
+    #[arg(long, default_value = "bf16")]
+    dtype: String,
+    #[arg(long, default_value_t = 3)]
+    warmup: usize,
+    #[arg(long, default_value_t = 20)]
+    iters: usize,
+    /// JSON results file.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    #[arg(long, default_value_t = 0)]
+    seed: i64,
 }
 
 #[derive(Args)]
@@ -156,6 +226,69 @@ fn run(cli: Cli) -> Result<()> {
             new_model(&preset, &out, seed, kind, overwrite)
         }
         Command::Demo { workdir } => demo(&workdir),
+        Command::Corpus { out, sources, validation_fraction, test_fraction } => {
+            let recipe = wide_train::pretrain::DataConfig {
+                sources,
+                corpus_dir: out.clone(),
+                tokenizer: PathBuf::new(),
+                vocab_size: 0,
+                token_cache: PathBuf::new(),
+                seq_len: 0,
+                validation_fraction,
+                test_fraction,
+            };
+            let m = wide_train::corpus::build_corpus(
+                &recipe.sources()?,
+                wide_train::corpus::SplitFractions { validation: validation_fraction, test: test_fraction },
+                &out,
+            )?;
+            println!("{}", serde_json::to_string_pretty(&m)?);
+            Ok(())
+        }
+        Command::Tokenizer { corpus, vocab_size, out } => {
+            let docs = wide_train::corpus::read_split(&corpus, wide_train::corpus::Split::Train)?;
+            let t = wide_train::bpe::train_bpe(docs.iter().map(|d| d.text.as_str()), vocab_size, &out)?;
+            eprintln!("wrote {} ({} entries)", out.display(), t.vocab_size());
+            Ok(())
+        }
+        Command::Pretrain { config, overrides, resume } => {
+            let (recipe, table) = wide_train::pretrain::PretrainRecipe::load(&config, &overrides)?;
+            let report = wide_train::pretrain::run(&recipe, &table, resume)?;
+            println!(
+                "{}: {} parameters, {} tokens in {:.1}s ({:.0} tokens/s); validation loss {:.4} (perplexity {:.2}), test perplexity {:.2}; bigram {:.2}, unigram {:.2}; model in {}",
+                report.name,
+                report.parameters,
+                report.train.tokens,
+                report.train.seconds,
+                report.train.tokens_per_second,
+                report.validation_loss,
+                report.validation_perplexity,
+                report.test_perplexity,
+                report.baselines.bigram_validation_perplexity,
+                report.baselines.unigram_validation_perplexity,
+                report.model_dir.display()
+            );
+            Ok(())
+        }
+        Command::Bench(BenchCommand::Kernels(a)) => {
+            let device = parse_device(&a.device)?;
+            let kind = parse_dtype(&a.dtype, device)?;
+            wide_eval::bench::kernels::run(&wide_eval::bench::kernels::KernelBenchConfig {
+                ops: a.ops,
+                m: a.m,
+                groups: a.groups,
+                sparsity: a.sparsity,
+                l2: a.l2,
+                warmup: a.warmup,
+                iters: a.iters,
+                device,
+                kind,
+                out: a.out,
+                commit: env!("WIDE_GIT_COMMIT").to_string(),
+                seed: a.seed,
+            })
+            .map(|_| ())
+        }
         Command::Bench(BenchCommand::Dense(a)) => {
             let device = parse_device(&a.device)?;
             let kind = parse_dtype(&a.dtype, device)?;

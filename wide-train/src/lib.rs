@@ -6,3 +6,8 @@ pub mod corpus;
 pub mod bpe;
 pub mod dataset;
 pub mod progress;
+pub mod optim;
+pub mod trainer;
+pub mod baselines;
+pub mod pretrain;
+pub mod recipe;
