@@ -96,6 +96,9 @@ enum Command {
         /// Continue from the latest checkpoint in the output folder.
         #[arg(long)]
         resume: bool,
+        /// Only build the corpus, tokenizer and token files (e.g. on a CPU node), then stop.
+        #[arg(long)]
+        prepare_only: bool,
     },
     /// Benchmark programs (GPU machine): print a table and write JSON results.
     #[command(subcommand)]
@@ -251,8 +254,13 @@ fn run(cli: Cli) -> Result<()> {
             eprintln!("wrote {} ({} entries)", out.display(), t.vocab_size());
             Ok(())
         }
-        Command::Pretrain { config, overrides, resume } => {
+        Command::Pretrain { config, overrides, resume, prepare_only } => {
             let (recipe, table) = wide_train::pretrain::PretrainRecipe::load(&config, &overrides)?;
+            if prepare_only {
+                let files = recipe.data.prepare()?;
+                println!("{}", files.dir.display());
+                return Ok(());
+            }
             let report = wide_train::pretrain::run(&recipe, &table, resume)?;
             println!(
                 "{}: {} parameters, {} tokens in {:.1}s ({:.0} tokens/s); validation loss {:.4} (perplexity {:.2}), test perplexity {:.2}; bigram {:.2}, unigram {:.2}; model in {}",

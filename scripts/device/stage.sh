@@ -3,16 +3,18 @@
 # stages them in .device/ (git-ignored) with env.sh, for the device tool to carry:
 #   scripts/device/stage.sh [--tests] [extra files...]
 #   device run, carry [".device"], command ". .device/env.sh && .device/wide ..."
+# WIDE_STAGE_DIR=.device-x stages into another ignored folder (two stagings side by side).
 set -euo pipefail
 top=$(git rev-parse --show-toplevel)
 cd "$top"
 eval "$(bash scripts/setup.sh --print-env)"
 tests=0
 if [ "${1:-}" = "--tests" ]; then tests=1; shift; fi
-grep -qx '/.device/' .git/info/exclude 2>/dev/null || echo '/.device/' >> .git/info/exclude
-rm -rf .device && mkdir -p .device
+S=${WIDE_STAGE_DIR:-.device}
+grep -qx "/$S/" .git/info/exclude 2>/dev/null || echo "/$S/" >> .git/info/exclude
+rm -rf "$S" && mkdir -p "$S"
 cargo build --release --bin wide >&2
-strip -o .device/wide target/release/wide
+strip -o "$S/wide" target/release/wide
 if [ $tests -eq 1 ]; then
   cargo test --release --features cuda-tests --no-run --message-format=json 2>/dev/null \
     | python3 -c 'import json,sys
@@ -20,10 +22,10 @@ for l in sys.stdin:
     m = json.loads(l)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
         print(m["target"]["name"], m["executable"])' \
-    | while read -r name exe; do strip -o ".device/test-$name" "$exe"; done
+    | while read -r name exe; do strip -o "$S/test-$name" "$exe"; done
 fi
-for f in "$@"; do cp -r "$f" .device/; done
-cat > .device/env.sh <<'ENV'
+for f in "$@"; do cp -r "$f" "$S/"; done
+cat > "$S/env.sh" <<'ENV'
 # Source on the GPU machine: use its own libtorch (PyTorch 2.11.0+cu130) for the tch binary,
 # its NVRTC for our kernels, and PyTorch's NCCL (one NCCL per process).
 TORCH_LIB=$(python3 -c 'import os, torch; print(os.path.dirname(torch.__file__) + "/lib")')
@@ -35,5 +37,5 @@ export LD_LIBRARY_PATH="$NCCL_LINK_DIR:$TORCH_LIB:$CUDA_PY/lib${LD_LIBRARY_PATH:
 export WIDE_KERNEL_CACHE=/tmp/wide-kernels
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 ENV
-du -sh .device | awk '{print "staged .device: " $1 " (carry limit 64 MiB)"}' >&2
-ls .device >&2
+du -sh "$S" | awk '{print "staged .device: " $1 " (carry limit 64 MiB)"}' >&2
+ls "$S" >&2
