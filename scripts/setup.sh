@@ -24,7 +24,12 @@ PIP_PACKAGES=(
   # CUDA C runtime headers (crt/) that libtorch's CUDA headers include; the shim compiles
   # against them. Same CUDA release as the PyTorch build.
   "nvidia-cuda-crt==13.0.88"
+  # Reads TensorBoard event files back in the tests.
+  "tensorboard"
 )
+
+# Documentation the testbed corpus is built from, and fonts for the plots.
+DEBIAN_PACKAGES=(linux-doc-6.1 python3.11-doc fonts-dejavu-core)
 
 log() { echo "[setup] $*" >&2; }
 
@@ -79,6 +84,7 @@ main() {
       *) echo "usage: setup.sh [--print-env]" >&2; exit 2 ;;
     esac
   done
+  install_debian "${DEBIAN_PACKAGES[@]}"
   setup_venv
   if [ $print -eq 1 ]; then print_env; fi
 }

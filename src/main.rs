@@ -100,6 +100,14 @@ enum Command {
         #[arg(long)]
         prepare_only: bool,
     },
+    /// Plot the loss curves of a training run's metrics.jsonl as a PNG.
+    PlotLoss {
+        metrics: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value = "loss")]
+        title: String,
+    },
     /// Benchmark programs (GPU machine): print a table and write JSON results.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -229,6 +237,7 @@ fn run(cli: Cli) -> Result<()> {
             new_model(&preset, &out, seed, kind, overwrite)
         }
         Command::Demo { workdir } => demo(&workdir),
+        Command::PlotLoss { metrics, out, title } => wide_eval::plots::loss_curve(&metrics, &out, &title),
         Command::Corpus { out, sources, validation_fraction, test_fraction } => {
             let recipe = wide_train::pretrain::DataConfig {
                 sources,
@@ -261,7 +270,12 @@ fn run(cli: Cli) -> Result<()> {
                 println!("{}", files.dir.display());
                 return Ok(());
             }
-            let report = wide_train::pretrain::run(&recipe, &table, resume)?;
+            let Some(report) = wide_train::pretrain::run(&recipe, &table, resume)? else {
+                return Ok(());
+            };
+            let png = recipe.output.dir.join("loss_curve.png");
+            wide_eval::plots::loss_curve(&recipe.output.dir.join("metrics.jsonl"), &png, &format!("{} loss", report.name))?;
+            eprintln!("loss curve: {}", png.display());
             println!(
                 "{}: {} parameters, {} tokens in {:.1}s ({:.0} tokens/s); validation loss {:.4} (perplexity {:.2}), test perplexity {:.2}; bigram {:.2}, unigram {:.2}; model in {}",
                 report.name,

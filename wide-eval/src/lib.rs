@@ -3,3 +3,4 @@
 //! and write JSON results that record the git commit, device and date.
 pub mod bench;
 pub mod report;
+pub mod plots;

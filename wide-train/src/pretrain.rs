@@ -230,7 +230,8 @@ pub struct PretrainReport {
 }
 
 /// Runs the whole stage 0 pipeline of `recipe`; `table` is the effective recipe to record.
-pub fn run(recipe: &PretrainRecipe, table: &toml::Table, resume: bool) -> Result<PretrainReport> {
+/// Returns `None` when a signal stopped training (a checkpoint was written; `resume` goes on).
+pub fn run(recipe: &PretrainRecipe, table: &toml::Table, resume: bool) -> Result<Option<PretrainReport>> {
     let files = recipe.data.prepare()?;
     let train = files.open(Split::Train)?;
     let val = files.open(Split::Validation)?;
@@ -256,7 +257,7 @@ pub fn run(recipe: &PretrainRecipe, table: &toml::Table, resume: bool) -> Result
     let trainer = Trainer { cfg: recipe.train.clone(), seq_len: recipe.data.seq_len, out_dir: out.clone(), train: &train, val: Some(&val) };
     let summary = trainer.run(&mut task, resume)?;
     if summary.interrupted {
-        bail!("training was interrupted at step {}; the checkpoint is {}", summary.steps, summary.checkpoint.display());
+        return Ok(None);
     }
     let (vl, tl) = (
         evaluate(&mut task, &val, recipe.data.seq_len, recipe.train.micro_batch, 0)?,
@@ -283,7 +284,7 @@ pub fn run(recipe: &PretrainRecipe, table: &toml::Table, resume: bool) -> Result
         model_dir,
     };
     std::fs::write(out.join("summary.json"), serde_json::to_string_pretty(&report)?)?;
-    Ok(report)
+    Ok(Some(report))
 }
 
 /// Token files of an already prepared recipe (for evaluation tools).
