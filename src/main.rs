@@ -215,7 +215,9 @@ fn main() {
     let cli = Cli::parse();
     if let Err(e) = run(cli) {
         let mut stderr = std::io::stderr();
-        let _ = writeln!(stderr, "error: {e:#}");
+        // One line, whatever the messages underneath contain.
+        let msg = format!("{e:#}").split('\n').map(str::trim).filter(|l| !l.is_empty()).collect::<Vec<_>>().join(" ");
+        let _ = writeln!(stderr, "error: {msg}");
         std::process::exit(1);
     }
 }

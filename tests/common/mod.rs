@@ -42,12 +42,14 @@ pub fn run_oracle(script: &str, args: &[&Path]) {
     );
 }
 
-/// Asserts that a command failed with one clear error line containing `needle`.
+/// Asserts that a command failed with one clear error line containing `needle`: exactly one
+/// `error: ` line, and it is the last thing on stderr (progress lines may come before it).
 pub fn assert_clear_error(out: &Output, needle: &str) {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "expected failure, got success; stderr: {stderr}");
     let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
-    assert_eq!(lines.len(), 1, "expected one error line, got:\n{stderr}");
-    assert!(lines[0].starts_with("error: "), "{stderr}");
-    assert!(lines[0].contains(needle), "error line does not mention {needle:?}: {stderr}");
+    let errors: Vec<&&str> = lines.iter().filter(|l| l.starts_with("error: ")).collect();
+    assert_eq!(errors.len(), 1, "expected one error line, got:\n{stderr}");
+    assert!(lines.last().is_some_and(|l| l.starts_with("error: ")), "the error must be the last line:\n{stderr}");
+    assert!(errors[0].contains(needle), "error line does not mention {needle:?}: {stderr}");
 }

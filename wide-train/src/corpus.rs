@@ -77,7 +77,8 @@ pub enum Source {
     LinuxDoc(PathBuf),
     /// HTML under a Python documentation installation, converted to text.
     PythonDoc(PathBuf),
-    /// The user's `.txt`, `.md`, `.rst` or `.jsonl` (`text` field) file or directory.
+    /// The user's `.txt`, `.md`, `.rst` (optionally gzipped) or `.jsonl` (`text` field) file
+    /// or directory.
     User(PathBuf),
 }
 
@@ -159,7 +160,7 @@ impl Source {
                             })?;
                             push_doc(&mut docs, &label, name_of(&format!("#{}", i + 1)), text.to_string());
                         }
-                    } else if [".txt", ".md", ".rst", ".text"].iter().any(|e| fname.ends_with(e)) {
+                    } else if [".txt", ".md", ".rst", ".text"].iter().any(|e| fname.trim_end_matches(".gz").ends_with(e)) {
                         push_doc(&mut docs, &label, name_of(""), read_text(&f)?);
                     }
                 }

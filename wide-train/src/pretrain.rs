@@ -126,6 +126,15 @@ impl DataConfig {
             }
             bpe::train_bpe(docs.iter().map(|d| d.text.as_str()), self.vocab_size, &self.tokenizer)?;
         }
+        let manifest = CorpusManifest::load(&self.corpus_dir)?;
+        for split in ["validation", "test"] {
+            if manifest.splits.get(split).is_none_or(|c| c.documents == 0) {
+                bail!(
+                    "the corpus in {} has no {split} documents: raise data.{split}_fraction or add documents",
+                    self.corpus_dir.display()
+                );
+            }
+        }
         build_dataset(&self.corpus_dir, &self.tokenizer, self.seq_len, &self.token_cache)
     }
 }
