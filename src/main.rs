@@ -123,9 +123,12 @@ enum BenchCommand {
 
 #[derive(Args)]
 struct KernelsArgs {
-    /// Ops, comma separated: up, gate_up, down, q, o.
-    #[arg(long, value_delimiter = ',', default_value = "up,gate_up,down,q,o")]
+    /// Ops, comma separated: up, gate_up, down, q, o, attn_decode.
+    #[arg(long, value_delimiter = ',', default_value = "up,gate_up,down,q,o,attn_decode")]
     ops: Vec<String>,
+    /// KV-cache lengths for attn_decode, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "2048,8192,32768")]
+    contexts: Vec<i64>,
     /// Token counts M, comma separated.
     #[arg(long, value_delimiter = ',', default_value = "1,4,16,128,1024,4096,16384")]
     m: Vec<i64>,
@@ -299,6 +302,7 @@ fn run(cli: Cli) -> Result<()> {
             let kind = parse_dtype(&a.dtype, device)?;
             wide_eval::bench::kernels::run(&wide_eval::bench::kernels::KernelBenchConfig {
                 ops: a.ops,
+                contexts: a.contexts,
                 m: a.m,
                 groups: a.groups,
                 sparsity: a.sparsity,

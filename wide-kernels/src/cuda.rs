@@ -170,3 +170,51 @@ pub fn device_name(device: usize) -> Result<String> {
     let dev = drv::device::get(device as i32).map_err(|e| driver_err(e, "opening the device"))?;
     drv::device::get_name(dev).map_err(|e| driver_err(e, "reading the device name"))
 }
+
+/// Device-side timing with CUDA events on libtorch's current stream: `start`, queue work,
+/// `stop_ms` waits for the end event and returns the elapsed milliseconds.
+pub struct GpuTimer {
+    start: sys::CUevent,
+    end: sys::CUevent,
+    device: usize,
+}
+
+impl GpuTimer {
+    pub fn new(device: usize) -> Result<Self> {
+        ensure_context(device)?;
+        let start = drv::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).map_err(|e| driver_err(e, "creating an event"))?;
+        let end = drv::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).map_err(|e| driver_err(e, "creating an event"))?;
+        Ok(Self { start, end, device })
+    }
+
+    pub fn start(&self) -> Result<()> {
+        let stream = shim::current_stream(self.device)? as sys::CUstream;
+        unsafe { drv::event::record(self.start, stream) }.map_err(|e| driver_err(e, "recording an event"))
+    }
+
+    pub fn stop_ms(&self) -> Result<f64> {
+        let stream = shim::current_stream(self.device)? as sys::CUstream;
+        unsafe { drv::event::record(self.end, stream) }.map_err(|e| driver_err(e, "recording an event"))?;
+        unsafe { drv::event::synchronize(self.end) }.map_err(|e| driver_err(e, "waiting for an event (a kernel may have faulted)"))?;
+        let ms = unsafe { drv::event::elapsed(self.start, self.end) }.map_err(|e| driver_err(e, "reading event time"))?;
+        Ok(ms as f64)
+    }
+}
+
+impl Drop for GpuTimer {
+    fn drop(&mut self) {
+        unsafe {
+            let _ = drv::event::destroy(self.start);
+            let _ = drv::event::destroy(self.end);
+        }
+    }
+}
+
+/// L2 cache size of a device in bytes.
+pub fn l2_cache_bytes(device: usize) -> Result<usize> {
+    ensure_context(device)?;
+    let dev = drv::device::get(device as i32).map_err(|e| driver_err(e, "opening the device"))?;
+    let v = unsafe { drv::device::get_attribute(dev, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE) }
+        .map_err(|e| driver_err(e, "reading the L2 size"))?;
+    Ok(v as usize)
+}

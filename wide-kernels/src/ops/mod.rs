@@ -1,14 +1,78 @@
 //! Ops on tch tensors. Each op has a tch reference (CPU and GPU) and, where it pays, a CUDA
 //! kernel; callers use the op and the op picks the path.
+//!
+//! Routed ops ([`layout`], [`gemm`], [`dispatch`]) share one CUDA source, `routed.cu`,
+//! specialised by dtype and tile shape.
+pub mod attention;
+pub mod dispatch;
+pub mod gemm;
+pub mod layout;
 pub mod scale_shift;
 
+use crate::cuda::{CudaKernel, KernelArg, LaunchConfig};
 use crate::nvrtc::KernelSource;
+use anyhow::Result;
+use dispatch::{TileConfig, TILES};
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+
+const ROUTED_SOURCE: &str = include_str!("routed.cu");
+
+/// The routed module for a dtype: without a tile, the layout and GEMV entries; with a tile
+/// (and gate+up fusion flag), the `mma.sync` tiled entries.
+pub fn routed_source(f16: bool, tile: Option<(TileConfig, bool)>) -> KernelSource {
+    let mut s = KernelSource::new("routed", ROUTED_SOURCE).define("WIDE_F16", f16 as u32);
+    if let Some((t, fused)) = tile {
+        s = s
+            .define("BM", t.bm)
+            .define("BN", t.bn)
+            .define("BK", t.bk)
+            .define("WM", t.wm)
+            .define("WN", t.wn)
+            .define("STAGES", t.stages)
+            .define("FUSED", fused as u32);
+    }
+    s
+}
+
+/// A routed entry point, loaded once per (dtype, tile, entry, device): the hot path does a map
+/// lookup instead of hashing the source again.
+pub(crate) fn routed_kernel(f16: bool, tile: Option<(TileConfig, bool)>, entry: &str, device: usize) -> Result<CudaKernel> {
+    type Key = (bool, Option<(TileConfig, bool)>, String, usize);
+    static K: OnceLock<Mutex<HashMap<Key, CudaKernel>>> = OnceLock::new();
+    let key = (f16, tile, entry.to_string(), device);
+    if let Some(k) = K.get_or_init(Default::default).lock().unwrap().get(&key) {
+        return Ok(*k);
+    }
+    let k = CudaKernel::get(&routed_source(f16, tile), entry, device)?;
+    if let Some((t, fused)) = tile {
+        k.set_max_dynamic_shared_mem(t.smem_bytes(fused))?;
+    }
+    K.get_or_init(Default::default).lock().unwrap().insert(key, k);
+    Ok(k)
+}
+
+/// Keeps the device busy for `micros` microseconds on libtorch's current stream. Benchmarks
+/// queue it before a timed region so the host enqueues the region's launches ahead of the
+/// GPU and CUDA events time device work alone (as a CUDA-graph replay would run).
+pub fn gpu_spin(device: usize, micros: u32) -> Result<()> {
+    let k = routed_kernel(false, None, "gpu_spin", device)?;
+    unsafe { k.launch(LaunchConfig { grid: (1, 1, 1), block: (1, 1, 1), shared_mem_bytes: 0 }, &[KernelArg::I64(micros as i64 * 1000)]) }
+}
 
 /// Every kernel source with every specialisation the project ships, so that a CPU-only CI
 /// run can compile all of them with NVRTC (a kernel that does not compile fails CI).
 pub fn all_kernel_variants() -> Vec<KernelSource> {
     let mut v = Vec::new();
     v.extend(scale_shift::kernel_variants());
+    for f16 in [false, true] {
+        v.push(routed_source(f16, None));
+        for t in TILES {
+            for fused in [false, true] {
+                v.push(routed_source(f16, Some((t, fused))));
+            }
+        }
+    }
     v
 }
 
@@ -28,6 +92,10 @@ mod tests {
                 let c = crate::nvrtc::compile(&k, arch).unwrap_or_else(|e| panic!("{e:#}"));
                 let text = String::from_utf8_lossy(&c.ptx);
                 assert!(text.contains(".entry"), "{}: no kernel entry in PTX", k.name);
+                if k.defines.iter().any(|(d, _)| d == "BM") {
+                    assert!(text.contains("mma.sync.aligned.m16n8k16"), "tiled variant without tensor-core MMA: {:?}", k.defines);
+                    assert!(!text.contains(".local"), "tiled variant spills to local memory: {:?}", k.defines);
+                }
             }
         }
     }

@@ -1,0 +1,251 @@
+//! GPU tests of the routed kernels (feature `cuda-tests`; run on the GPU machine through the
+//! device tool): the routing layout, gemm_mn (plain and fused SwiGLU) and gemm_k on every
+//! path (GEMV, each mma.sync tile, dispatch), against the tch reference computed in f32.
+//!
+//! Outputs are poisoned: before each call a NaN-filled block of the output's size is freed
+//! back to libtorch's caching allocator, which hands that block to the op's output, so an
+//! entry the kernel fails to write reads NaN.
+#![cfg(feature = "cuda-tests")]
+
+use tch::{Device, Kind, Tensor};
+use wide_kernels::ops::dispatch::{feasible_tiles, GemmPath, GemmShape, RoutedOp, TILES};
+use wide_kernels::ops::gemm::{gemm_k_reference, gemm_mn_reference, routed_gemm};
+use wide_kernels::ops::layout::{route_layout, route_layout_reference};
+use wide_kernels::CudaGraph;
+
+fn gpu() -> Device {
+    assert!(tch::Cuda::is_available(), "cuda-tests need a CUDA device (libtorch sees none)");
+    Device::Cuda(0)
+}
+
+fn poison(m: i64, n: i64, kind: Kind) {
+    let p = Tensor::full([m, n], f64::NAN, (kind, gpu()));
+    drop(p);
+}
+
+/// Random mask with `p_active` of entries on; 1.0 and 0.0 give all-active / all-inactive.
+fn mask(m: i64, ng: i64, p_active: f64) -> Tensor {
+    Tensor::rand([m, ng], (Kind::Float, gpu())).lt(p_active)
+}
+
+/// Checks y against the f32 reference: no NaN, skipped entries exactly 0, relative error.
+fn check(y: &Tensor, r: &Tensor, off: Option<&Tensor>, what: &str) {
+    let yf = y.to_kind(Kind::Float);
+    let nan = yf.isnan().sum(Kind::Int64).int64_value(&[]);
+    assert_eq!(nan, 0, "{what}: {nan} NaN outputs (unwritten or wrong)");
+    if let Some(off) = off {
+        let leak = yf.masked_fill(&off.logical_not(), 0.0).abs().max().double_value(&[]);
+        assert_eq!(leak, 0.0, "{what}: skipped entries must be exactly 0");
+    }
+    let rn = r.norm().double_value(&[]);
+    let err = (&yf - r).norm().double_value(&[]);
+    if rn == 0.0 {
+        assert_eq!(err, 0.0, "{what}: reference is all zero, output is not");
+    } else {
+        let rel = err / rn;
+        assert!(rel < 1e-2, "{what}: relative error {rel:.3e}");
+    }
+}
+
+fn paths_for(s: &GemmShape) -> Vec<GemmPath> {
+    let mut p = vec![GemmPath::DenseMasked];
+    if s.m <= 16 {
+        p.push(GemmPath::Gemv);
+    }
+    p.extend(feasible_tiles(s).into_iter().map(GemmPath::Tiled));
+    p
+}
+
+fn run_mn_case(kind: Kind, m: i64, n: i64, k: i64, g: i64, p_active: f64, fused: bool) {
+    let dev = gpu();
+    let x = Tensor::randn([m, k], (kind, dev));
+    let w = Tensor::randn([n, k], (kind, dev)) * 0.05;
+    let w2 = Tensor::randn([n, k], (kind, dev)) * 0.05;
+    let msk = mask(m, n / g, p_active);
+    let l = route_layout(&msk).unwrap();
+    let op = if fused { RoutedOp::MnSwiglu } else { RoutedOp::Mn };
+    let up = if fused { Some(&w2) } else { None };
+    let r = gemm_mn_reference(&x.to_kind(Kind::Float), &w.to_kind(Kind::Float), up.map(|u| u.to_kind(Kind::Float)).as_ref(), &msk, g);
+    let off = msk.logical_not().unsqueeze(-1).expand([m, n / g, g], false).reshape([m, n]);
+    let s = GemmShape { op, m, n, k, group: g };
+    for p in paths_for(&s) {
+        poison(m, n, kind);
+        let (y, _) = routed_gemm(op, &x, &w, up, &l, g, Some(p)).unwrap();
+        check(&y, &r, Some(&off), &format!("{op:?} {kind:?} M={m} N={n} K={k} G={g} active={p_active} {}", p.label()));
+    }
+}
+
+fn run_k_case(kind: Kind, m: i64, n: i64, k: i64, g: i64, p_active: f64) {
+    let dev = gpu();
+    let x = Tensor::randn([m, k], (kind, dev));
+    let w = Tensor::randn([n, k], (kind, dev)) * 0.02;
+    let msk = mask(m, k / g, p_active);
+    let l = route_layout(&msk).unwrap();
+    let r = gemm_k_reference(&x.to_kind(Kind::Float), &w.to_kind(Kind::Float), &msk, g);
+    // Tokens that run no group at all must get exactly 0.
+    let idle = msk.any_dim(1, false).logical_not().unsqueeze(-1).expand([m, n], false);
+    // KPremasked takes an input already zero at skipped slices (as routed SwiGLU produces).
+    let xpre = x.view([m, k / g, g]).masked_fill(&msk.logical_not().unsqueeze(-1), 0.0).view([m, k]);
+    for (op, xin) in [(RoutedOp::K, &x), (RoutedOp::KPremasked, &xpre)] {
+        let s = GemmShape { op, m, n, k, group: g };
+        for p in paths_for(&s) {
+            poison(m, n, kind);
+            let (y, _) = routed_gemm(op, xin, &w, None, &l, g, Some(p)).unwrap();
+            check(&y, &r, Some(&idle), &format!("{op:?} {kind:?} M={m} N={n} K={k} G={g} active={p_active} {}", p.label()));
+        }
+    }
+}
+
+#[test]
+fn route_layout_kernel_matches_reference() {
+    tch::manual_seed(11);
+    for (m, ng) in [(1, 1), (1, 112), (37, 112), (1000, 448), (4096, 112), (16384, 8), (3000, 32)] {
+        for p in [0.0, 0.3, 0.5, 1.0] {
+            let msk = mask(m, ng, p);
+            let l = route_layout(&msk).unwrap();
+            let (perm, count) = l.lists().unwrap();
+            let (rp, rc) = route_layout_reference(&msk);
+            assert_eq!(count.size(), [ng]);
+            assert!(count.equal(&rc), "count M={m} NG={ng} p={p}");
+            assert!(perm.equal(&rp), "perm M={m} NG={ng} p={p}");
+        }
+    }
+}
+
+#[test]
+fn gemm_mn_all_paths_match_reference() {
+    tch::manual_seed(12);
+    for kind in [Kind::BFloat16, Kind::Half] {
+        // 112 groups of 128 (14336 / 128), M not a multiple of any tile, one token, all on/off.
+        for (m, p) in [(1, 0.5), (3, 0.5), (16, 0.5), (77, 0.5), (300, 0.5), (1029, 0.5), (64, 1.0), (129, 0.0)] {
+            run_mn_case(kind, m, 14336, 256, 128, p, false);
+        }
+        for g in [32, 64, 256, 512] {
+            run_mn_case(kind, 200, 4096, 512, g, 0.5, false);
+        }
+    }
+}
+
+#[test]
+fn gemm_mn_swiglu_all_paths_match_reference() {
+    tch::manual_seed(13);
+    for kind in [Kind::BFloat16, Kind::Half] {
+        for (m, p) in [(1, 0.5), (5, 0.3), (250, 0.5), (1024, 0.75), (96, 1.0), (33, 0.0)] {
+            run_mn_case(kind, m, 14336, 256, 128, p, true);
+        }
+        run_mn_case(kind, 300, 2048, 512, 32, 0.5, true);
+    }
+}
+
+#[test]
+fn gemm_k_all_paths_match_reference() {
+    tch::manual_seed(14);
+    for kind in [Kind::BFloat16, Kind::Half] {
+        for (m, p) in [(1, 0.5), (2, 0.5), (16, 0.5), (77, 0.5), (300, 0.5), (1029, 0.5), (64, 1.0), (129, 0.0), (200, 0.02)] {
+            run_k_case(kind, m, 256, 14336, 128, p);
+        }
+        for g in [32, 64, 256, 512] {
+            run_k_case(kind, 200, 512, 4096, g, 0.5);
+        }
+    }
+}
+
+#[test]
+fn dispatch_end_to_end_matches_reference() {
+    tch::manual_seed(15);
+    let dev = gpu();
+    for (m, k, n, g) in [(1i64, 4096i64, 14336i64, 128i64), (2, 4096, 14336, 128), (8, 4096, 14336, 128), (2048, 4096, 14336, 128)] {
+        let x = Tensor::randn([m, k], (Kind::BFloat16, dev));
+        let w = Tensor::randn([n, k], (Kind::BFloat16, dev)) * 0.02;
+        let msk = mask(m, n / g, 0.5);
+        let l = route_layout(&msk).unwrap();
+        let y = wide_kernels::gemm_mn(&x, &w, &l, g).unwrap();
+        let r = gemm_mn_reference(&x.to_kind(Kind::Float), &w.to_kind(Kind::Float), None, &msk, g);
+        check(&y, &r, None, &format!("dispatch gemm_mn M={m}"));
+        // down projection shape
+        let xk = Tensor::randn([m, n], (Kind::BFloat16, dev));
+        let wk = Tensor::randn([k, n], (Kind::BFloat16, dev)) * 0.02;
+        let y = wide_kernels::gemm_k(&xk, &wk, &l, g).unwrap();
+        let r = gemm_k_reference(&xk.to_kind(Kind::Float), &wk.to_kind(Kind::Float), &msk, g);
+        check(&y, &r, None, &format!("dispatch gemm_k M={m}"));
+    }
+}
+
+#[test]
+fn gemv_path_replays_in_a_cuda_graph() {
+    let dev = gpu();
+    let (k, n, g) = (4096, 14336, 128);
+    let mut x = Tensor::randn([1, k], (Kind::BFloat16, dev));
+    let w = Tensor::randn([n, k], (Kind::BFloat16, dev)) * 0.02;
+    let msk = mask(1, n / g, 0.5);
+    let l = route_layout(&msk).unwrap().with_sparsity_hint(0.5);
+    let _ = wide_kernels::gemm_mn(&x, &w, &l, g).unwrap(); // load outside capture
+    let mut graph = CudaGraph::new(0).unwrap();
+    let y = graph.capture(|| wide_kernels::gemm_mn(&x, &w, &l, g)).unwrap();
+    // New inputs and a new mask in place, then replay.
+    x.copy_(&Tensor::randn([1, k], (Kind::BFloat16, dev)));
+    let m2 = mask(1, n / g, 0.5);
+    l.mask().shallow_clone().copy_(&m2.to_kind(Kind::Uint8));
+    graph.replay().unwrap();
+    wide_kernels::shim::synchronize(0).unwrap();
+    let r = gemm_mn_reference(&x.to_kind(Kind::Float), &w.to_kind(Kind::Float), None, &m2, g);
+    check(&y, &r, None, "graph replay gemv");
+}
+
+/// Small shapes of every op and path, for one `compute-sanitizer --tool memcheck` run.
+#[test]
+fn sanitizer_small_all_ops() {
+    tch::manual_seed(16);
+    for (m, p) in [(1, 0.5), (3, 1.0), (70, 0.5), (129, 0.0)] {
+        run_mn_case(Kind::BFloat16, m, 1024, 64, 128, p, false);
+        run_mn_case(Kind::BFloat16, m, 1024, 64, 128, p, true);
+        run_k_case(Kind::BFloat16, m, 128, 1024, 128, p);
+    }
+    run_mn_case(Kind::Half, 65, 512, 96, 32, 0.5, true);
+    run_k_case(Kind::Half, 65, 256, 512, 32, 0.5);
+    run_decode_case(Kind::BFloat16, 2, 8, 2, 300, 128, 2, &[1, 300], 0.5);
+    run_decode_case(Kind::BFloat16, 1, 16, 2, 200, 64, 4, &[150], 0.5);
+    let msk = mask(1000, 112, 0.5);
+    let l = route_layout(&msk).unwrap();
+    let (perm, _) = l.lists().unwrap();
+    assert!(perm.equal(&route_layout_reference(&msk).0));
+    assert!(!TILES.is_empty());
+}
+
+fn run_decode_case(kind: Kind, b: i64, hq: i64, hkv: i64, tcap: i64, d: i64, gh: i64, lengths: &[i32], p_active: f64) {
+    let dev = gpu();
+    let q = Tensor::randn([b, hq, d], (kind, dev));
+    let k = Tensor::randn([b, hkv, tcap, d], (kind, dev));
+    let v = Tensor::randn([b, hkv, tcap, d], (kind, dev));
+    let len = Tensor::from_slice(lengths).to_device(dev);
+    let msk = mask(b, hq / gh, p_active);
+    let scale = 1.0 / (d as f64).sqrt();
+    let r = wide_kernels::attention_decode_reference(
+        &q.to_kind(Kind::Float),
+        &k.to_kind(Kind::Float),
+        &v.to_kind(Kind::Float),
+        &len,
+        &msk,
+        gh,
+        scale,
+    );
+    let off = msk.logical_not().repeat_interleave_self_int(gh, 1, None::<i64>).unsqueeze(-1).expand([b, hq, d], false);
+    poison(b * hq, d, kind);
+    let y = wide_kernels::attention_decode(&q, &k, &v, &len, &msk, gh, scale).unwrap();
+    check(&y, &r, Some(&off), &format!("attention_decode {kind:?} B={b} HQ={hq} HKV={hkv} T={tcap} D={d} gh={gh} lens={lengths:?} active={p_active}"));
+}
+
+#[test]
+fn attention_decode_matches_reference() {
+    tch::manual_seed(17);
+    for kind in [Kind::BFloat16, Kind::Half] {
+        // Llama-3.1-8B: 32 query heads, 8 KV heads, groups of 4 heads (one KV head each).
+        run_decode_case(kind, 1, 32, 8, 32768, 128, 4, &[32768], 0.5);
+        run_decode_case(kind, 1, 32, 8, 2048, 128, 4, &[2048], 1.0);
+        run_decode_case(kind, 1, 32, 8, 2048, 128, 4, &[2048], 0.0);
+        // Groups that straddle KV heads, ragged lengths (one token; not a multiple of the split).
+        run_decode_case(kind, 3, 8, 2, 1000, 64, 2, &[1, 513, 1000], 0.5);
+        run_decode_case(kind, 2, 16, 2, 777, 64, 4, &[700, 5], 0.5);
+        run_decode_case(kind, 2, 4, 4, 300, 128, 1, &[300, 299], 0.5);
+    }
+}

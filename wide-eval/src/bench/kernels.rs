@@ -1,0 +1,360 @@
+//! `wide bench kernels`: routed projections against cuBLAS dense in the same process, on
+//! Llama-3.1-8B shapes (Q/O 4096x4096 with 8 groups of 4 heads; gate/up 4096->14336; down
+//! 14336->4096), over M, group size and sparsity, with cold L2 (a buffer of at least twice the
+//! L2 size is written between timed runs) and warm.
+//!
+//! Every timed iteration draws a fresh random mask (outside the timed region) and times, with
+//! CUDA events: dense = the cuBLAS product(s) alone (plus SiLU-multiply for gate+up); routed =
+//! building the routing layout + the routed kernel (GEMV for M <= 16, else the autotuned best
+//! tile); dispatch = layout + whatever the policy picks. Outputs are checked against the f32
+//! tch reference before timing. A 200 us device spin precedes each timed region so the host
+//! has queued its launches before it starts: the events time device work (as under CUDA-graph
+//! replay), not launch overhead.
+use super::device_label;
+use crate::report::{write_json, Provenance};
+use anyhow::{bail, Context, Result};
+use serde_json::json;
+use std::path::PathBuf;
+use tch::{Device, Kind, Tensor};
+use wide_kernels::ops::dispatch::{GemmPath, RoutedOp, GEMV_MAX_M};
+use wide_kernels::ops::gemm::{gemm_k_reference, gemm_mn_reference, routed_gemm, tuned_for};
+use wide_kernels::ops::layout::route_layout;
+use wide_kernels::GpuTimer;
+
+#[derive(Debug, Clone)]
+pub struct KernelBenchConfig {
+    /// Any of `up`, `gate_up`, `down`, `q`, `o`, `attn_decode`.
+    pub ops: Vec<String>,
+    /// KV-cache lengths for `attn_decode` (batch 1).
+    pub contexts: Vec<i64>,
+    pub m: Vec<i64>,
+    /// Group sizes for up/gate_up/down (q/o always use 512 = 4 heads of 128).
+    pub groups: Vec<i64>,
+    pub sparsity: Vec<f64>,
+    /// Any of `cold`, `warm`.
+    pub l2: Vec<String>,
+    pub warmup: usize,
+    pub iters: usize,
+    pub device: Device,
+    pub kind: Kind,
+    pub out: Option<PathBuf>,
+    pub commit: String,
+    pub seed: i64,
+}
+
+struct OpSpec {
+    name: &'static str,
+    op: RoutedOp,
+    n: i64,
+    k: i64,
+    fixed_group: Option<i64>,
+}
+
+fn spec(name: &str) -> Result<OpSpec> {
+    Ok(match name {
+        "up" => OpSpec { name: "up", op: RoutedOp::Mn, n: 14336, k: 4096, fixed_group: None },
+        "gate_up" => OpSpec { name: "gate_up", op: RoutedOp::MnSwiglu, n: 14336, k: 4096, fixed_group: None },
+        // down and O take inputs that are already zero at skipped slices (the routed SwiGLU's
+        // and routed attention's outputs), so their dense fallback needs no masking pass.
+        "down" => OpSpec { name: "down", op: RoutedOp::KPremasked, n: 4096, k: 14336, fixed_group: None },
+        "q" => OpSpec { name: "q", op: RoutedOp::Mn, n: 4096, k: 4096, fixed_group: Some(512) },
+        "o" => OpSpec { name: "o", op: RoutedOp::KPremasked, n: 4096, k: 4096, fixed_group: Some(512) },
+        o => bail!("unknown op `{o}` for bench kernels: use up, gate_up, down, q, o or attn_decode"),
+    })
+}
+
+/// Measured ceilings of this device: device-to-device copy bandwidth and dense bf16 matmul.
+fn ceilings(device: Device, timer: &GpuTimer) -> Result<serde_json::Value> {
+    let n = 1i64 << 30; // 2 GiB of bf16 each way
+    let a = Tensor::randn([n], (Kind::BFloat16, device));
+    let mut b = Tensor::empty([n], (Kind::BFloat16, device));
+    let mut v = vec![];
+    for _ in 0..6 {
+        timer.start()?;
+        b.copy_(&a);
+        v.push(timer.stop_ms()?);
+    }
+    let copy_ms = super::median(&mut v[1..].to_vec());
+    drop((a, b));
+    let s = 8192i64;
+    let x = Tensor::randn([s, s], (Kind::BFloat16, device));
+    let y = Tensor::randn([s, s], (Kind::BFloat16, device));
+    let mut v = vec![];
+    for _ in 0..6 {
+        timer.start()?;
+        let _ = x.matmul(&y);
+        v.push(timer.stop_ms()?);
+    }
+    let mm_ms = super::median(&mut v[1..].to_vec());
+    let gbps = 2.0 * (n as f64 * 2.0) / (copy_ms * 1e-3) / 1e9;
+    let tflops = 2.0 * (s as f64).powi(3) / (mm_ms * 1e-3) / 1e12;
+    eprintln!("ceilings: copy {gbps:.0} GB/s (read+write), bf16 matmul 8192^3 {tflops:.0} TFLOP/s");
+    Ok(json!({"copy_gb_per_s": gbps, "matmul_bf16_tflops": tflops}))
+}
+
+pub fn run(cfg: &KernelBenchConfig) -> Result<serde_json::Value> {
+    let _g = tch::no_grad_guard();
+    tch::manual_seed(cfg.seed);
+    let device = cfg.device;
+    let dev = match device {
+        Device::Cuda(d) => d,
+        _ => bail!("bench kernels needs a CUDA device (--device cuda)"),
+    };
+    let kind = cfg.kind;
+    if !matches!(kind, Kind::BFloat16 | Kind::Half) {
+        bail!("bench kernels runs bf16 or f16, got {kind:?}");
+    }
+    let timer = GpuTimer::new(dev)?;
+    let ceil = ceilings(device, &timer)?;
+    let l2 = wide_kernels::cuda::l2_cache_bytes(dev)?;
+    let mut flush = Tensor::empty([((2 * l2).max(256 << 20) / 4) as i64], (Kind::Float, device));
+    let mut records = vec![];
+    for opname in &cfg.ops {
+        if opname == "attn_decode" {
+            records.extend(bench_attn_decode(cfg, &timer, &mut flush)?);
+            continue;
+        }
+        let sp = spec(opname)?;
+        let groups = sp.fixed_group.map(|g| vec![g]).unwrap_or_else(|| cfg.groups.clone());
+        for &m in &cfg.m {
+            let x = Tensor::randn([m, sp.k], (kind, device));
+            let w = Tensor::randn([sp.n, sp.k], (kind, device)) * 0.02;
+            let w2 = (sp.op == RoutedOp::MnSwiglu).then(|| Tensor::randn([sp.n, sp.k], (kind, device)) * 0.02);
+            let (xf, wf, w2f) = (x.to_kind(Kind::Float), w.to_kind(Kind::Float), w2.as_ref().map(|u| u.to_kind(Kind::Float)));
+            for &g in &groups {
+                let routed_dim = if sp.op.reduces_over_groups() { sp.k } else { sp.n };
+                if routed_dim % g != 0 {
+                    bail!("group size {g} does not divide {routed_dim} for op {}", sp.name);
+                }
+                let ng = routed_dim / g;
+                for &s in &cfg.sparsity {
+                    let new_mask = || Tensor::rand([m, ng], (Kind::Float, device)).ge(s);
+                    // Check first: dispatch and the routed kernel against the f32 reference.
+                    // Inputs of gemm_k ops are zero at skipped slices, as in the model.
+                    let input = |msk: &Tensor| -> Tensor {
+                        if sp.op.reduces_over_groups() {
+                            let off = msk.logical_not().unsqueeze(-1);
+                            x.view([m, ng, g]).masked_fill(&off, 0.0).view([m, sp.k])
+                        } else {
+                            x.shallow_clone()
+                        }
+                    };
+                    let msk = new_mask();
+                    let lay = route_layout(&msk)?.with_sparsity_hint(s);
+                    let xin = input(&msk);
+                    let r = match sp.op {
+                        RoutedOp::K | RoutedOp::KPremasked => gemm_k_reference(&xf, &wf, &msk, g),
+                        _ => gemm_mn_reference(&xf, &wf, w2f.as_ref(), &msk, g),
+                    };
+                    let routed_path = if m <= GEMV_MAX_M {
+                        GemmPath::Gemv
+                    } else {
+                        match tuned_for(sp.op, &xin, &w, w2.as_ref(), &lay, g)?.best() {
+                            Some((t, _)) => GemmPath::Tiled(t),
+                            None => GemmPath::DenseMasked,
+                        }
+                    };
+                    let rel = |y: &Tensor| -> f64 {
+                        let y = y.to_kind(Kind::Float);
+                        if y.isnan().any().int64_value(&[]) != 0 {
+                            return f64::NAN;
+                        }
+                        let rn = r.norm().double_value(&[]);
+                        (y - &r).norm().double_value(&[]) / rn.max(1e-30)
+                    };
+                    let (yr, _) = routed_gemm(sp.op, &xin, &w, w2.as_ref(), &lay, g, Some(routed_path))?;
+                    let (yd, dispatch_path) = routed_gemm(sp.op, &xin, &w, w2.as_ref(), &lay, g, None)?;
+                    let err = rel(&yr).max(rel(&yd));
+                    if !(err < 1e-2) {
+                        bail!("{} M={m} G={g} s={s}: relative error {err:.3e} against the f32 reference", sp.name);
+                    }
+                    drop(r);
+                    for l2mode in &cfg.l2 {
+                        let cold = match l2mode.as_str() {
+                            "cold" => true,
+                            "warm" => false,
+                            o => bail!("--l2 takes cold or warm, got {o}"),
+                        };
+                        let mut time = |what: &str| -> Result<f64> {
+                            let mut v = vec![];
+                            for it in 0..cfg.warmup + cfg.iters {
+                                let msk = new_mask();
+                                let x = input(&msk);
+                                if cold {
+                                    let _ = flush.fill_(it as f64);
+                                }
+                                // The host enqueues the timed launches while the GPU spins.
+                                wide_kernels::ops::gpu_spin(dev, 200)?;
+                                timer.start()?;
+                                match what {
+                                    "dense" => {
+                                        let _ = match sp.op {
+                                            RoutedOp::MnSwiglu => x.linear::<&Tensor>(&w, None).silu() * x.linear::<&Tensor>(w2.as_ref().unwrap(), None),
+                                            _ => x.linear::<&Tensor>(&w, None),
+                                        };
+                                    }
+                                    "routed" => {
+                                        let lay = route_layout(&msk)?.with_sparsity_hint(s);
+                                        let _ = routed_gemm(sp.op, &x, &w, w2.as_ref(), &lay, g, Some(routed_path))?;
+                                    }
+                                    _ => {
+                                        let lay = route_layout(&msk)?.with_sparsity_hint(s);
+                                        let _ = routed_gemm(sp.op, &x, &w, w2.as_ref(), &lay, g, None)?;
+                                    }
+                                }
+                                let ms = timer.stop_ms()?;
+                                if it >= cfg.warmup {
+                                    v.push(ms);
+                                }
+                            }
+                            Ok(super::median(&mut v))
+                        };
+                        let dense_ms = time("dense")?;
+                        let routed_ms = time("routed")?;
+                        let dispatch_ms = time("dispatch")?;
+                        let rec = json!({
+                            "op": sp.name, "M": m, "N": sp.n, "K": sp.k, "G": g, "sparsity": s, "l2": l2mode,
+                            "dense_ms": dense_ms, "routed_ms": routed_ms, "speedup": dense_ms / routed_ms,
+                            "routed_kernel": routed_path.label(),
+                            "dispatch_path": dispatch_path.label(), "dispatch_ms": dispatch_ms,
+                            "dispatch_speedup": dense_ms / dispatch_ms,
+                            "max_rel_err": err,
+                        });
+                        eprintln!(
+                            "{:>7} M={m:>5} G={g:>3} s={s:.2} {l2mode}: dense {dense_ms:.4} ms  routed[{}] {routed_ms:.4} ms ({:.2}x)  dispatch[{}] {dispatch_ms:.4} ms ({:.2}x)  err {err:.1e}",
+                            sp.name,
+                            routed_path.label(),
+                            dense_ms / routed_ms,
+                            dispatch_path.label(),
+                            dense_ms / dispatch_ms
+                        );
+                        records.push(rec);
+                    }
+                }
+            }
+        }
+    }
+    let tuned: Vec<_> = wide_kernels::ops::gemm::tuned_records()
+        .into_iter()
+        .map(|(k, t)| {
+            json!({"op": format!("{:?}", k.op), "N": k.n, "K": k.k, "G": k.group, "m_bucket": k.m_bucket,
+                   "sparsity": k.sparsity_eighths as f64 / 8.0, "dense_ms": t.dense_ms,
+                   "tiles": t.tiles.iter().map(|(c, ms)| json!({"tile": c.label(), "ms": ms})).collect::<Vec<_>>()})
+        })
+        .collect();
+    let prov = Provenance::new(&cfg.commit, &device_label(device));
+    let result = json!({
+        "benchmark": "kernels",
+        "provenance": prov,
+        "settings": {"dtype": format!("{:?}", kind), "warmup": cfg.warmup, "iters": cfg.iters, "l2_bytes": l2,
+                     "flush_bytes": flush.numel() * 4,
+                     "timing": "median of CUDA-event-timed iterations; fresh random mask each iteration; routed and dispatch include building the routing layout"},
+        "ceilings": ceil,
+        "records": records,
+        "autotune": tuned,
+    });
+    print_table(&result);
+    if let Some(out) = &cfg.out {
+        write_json(out, &result).with_context(|| format!("writing {}", out.display()))?;
+        eprintln!("wrote {}", out.display());
+    }
+    Ok(result)
+}
+
+fn print_table(r: &serde_json::Value) {
+    println!("\n| op | M | G | sparsity | L2 | dense ms | routed ms | speedup | dispatch | dispatch x | rel err |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    for c in r["records"].as_array().into_iter().flatten() {
+        let f = |k: &str| c[k].as_f64().unwrap_or(f64::NAN);
+        println!(
+            "| {} | {} | {} | {:.2} | {} | {:.4} | {:.4} ({}) | {:.2}x | {} | {:.2}x | {:.1e} |",
+            c["op"].as_str().unwrap_or(""),
+            c["M"],
+            c["G"],
+            f("sparsity"),
+            c["l2"].as_str().unwrap_or(""),
+            f("dense_ms"),
+            f("routed_ms"),
+            c["routed_kernel"].as_str().unwrap_or(""),
+            f("speedup"),
+            c["dispatch_path"].as_str().unwrap_or(""),
+            f("dispatch_speedup"),
+            f("max_rel_err")
+        );
+    }
+}
+
+/// Decode attention, Llama-3.1-8B heads (32 query, 8 KV, head dim 128, groups of 4 query
+/// heads = one KV head), batch 1. Dense = the faster of SDPA (GQA) and our kernel with every
+/// group active; routed = our kernel with a fresh random head-group mask.
+fn bench_attn_decode(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Tensor) -> Result<Vec<serde_json::Value>> {
+    let device = cfg.device;
+    let dev = match device {
+        Device::Cuda(d) => d,
+        _ => bail!("bench kernels needs a CUDA device"),
+    };
+    let (hq, hkv, d, gh) = (32i64, 8i64, 128i64, 4i64);
+    let scale = 1.0 / (d as f64).sqrt();
+    let mut out = vec![];
+    for &t in &cfg.contexts {
+        let q = Tensor::randn([1, hq, d], (cfg.kind, device));
+        let k = Tensor::randn([1, hkv, t, d], (cfg.kind, device));
+        let v = Tensor::randn([1, hkv, t, d], (cfg.kind, device));
+        let len = Tensor::from_slice(&[t as i32]).to_device(device);
+        let all = Tensor::ones([1, hq / gh], (Kind::Bool, device));
+        for &s in &cfg.sparsity {
+            let new_mask = || Tensor::rand([1, hq / gh], (Kind::Float, device)).ge(s);
+            let msk = new_mask();
+            let r = wide_kernels::attention_decode_reference(&q.to_kind(Kind::Float), &k.to_kind(Kind::Float), &v.to_kind(Kind::Float), &len, &msk, gh, scale);
+            let y = wide_kernels::attention_decode(&q, &k, &v, &len, &msk, gh, scale)?.to_kind(Kind::Float);
+            let err = if r.norm().double_value(&[]) == 0.0 {
+                y.abs().max().double_value(&[])
+            } else {
+                (&y - &r).norm().double_value(&[]) / r.norm().double_value(&[])
+            };
+            if !(err < 1e-2) {
+                bail!("attn_decode T={t} s={s}: relative error {err:.3e} against the f32 reference");
+            }
+            for l2mode in &cfg.l2 {
+                let cold = l2mode == "cold";
+                let mut time = |what: &str| -> Result<f64> {
+                    let mut v_ms = vec![];
+                    for it in 0..cfg.warmup + cfg.iters {
+                        let msk = new_mask();
+                        if cold {
+                            let _ = flush.fill_(it as f64);
+                        }
+                        wide_kernels::ops::gpu_spin(dev, 200)?;
+                        timer.start()?;
+                        let _ = match what {
+                            "sdpa" => Tensor::scaled_dot_product_attention(&q.unsqueeze(2), &k, &v, None::<Tensor>, 0.0, false, scale, true),
+                            "own_dense" => wide_kernels::attention_decode(&q, &k, &v, &len, &all, gh, scale)?,
+                            _ => wide_kernels::attention_decode(&q, &k, &v, &len, &msk, gh, scale)?,
+                        };
+                        let ms = timer.stop_ms()?;
+                        if it >= cfg.warmup {
+                            v_ms.push(ms);
+                        }
+                    }
+                    Ok(super::median(&mut v_ms))
+                };
+                let sdpa_ms = time("sdpa")?;
+                let own_ms = time("own_dense")?;
+                let routed_ms = time("routed")?;
+                let dense_ms = sdpa_ms.min(own_ms);
+                eprintln!(
+                    "attn_decode T={t:>6} s={s:.2} {l2mode}: sdpa {sdpa_ms:.4} ms  own all-active {own_ms:.4} ms  routed {routed_ms:.4} ms ({:.2}x)  err {err:.1e}",
+                    dense_ms / routed_ms
+                );
+                out.push(json!({
+                    "op": "attn_decode", "M": 1, "N": t, "K": d, "G": gh, "sparsity": s, "l2": l2mode,
+                    "dense_ms": dense_ms, "routed_ms": routed_ms, "speedup": dense_ms / routed_ms,
+                    "sdpa_ms": sdpa_ms, "own_dense_ms": own_ms, "routed_kernel": "attn_decode_split",
+                    "dispatch_path": "attn_decode_split", "dispatch_ms": routed_ms, "dispatch_speedup": dense_ms / routed_ms,
+                    "max_rel_err": err, "shape": "batch 1, 32 query heads, 8 KV heads, head dim 128; N = context tokens",
+                }));
+            }
+        }
+    }
+    Ok(out)
+}

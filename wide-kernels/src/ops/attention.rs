@@ -1,0 +1,226 @@
+//! Head-group routed attention.
+//!
+//! - [`attention_decode`]: one new query per sequence against the KV cache; a head group that
+//!   is off gets exactly 0, and a KV head whose query heads are all off is not read at all
+//!   (CUDA split-K kernel; tch reference elsewhere).
+//! - [`attention_prefill`]: causal attention over a prompt with padding; today it runs the
+//!   dense SDPA (flash) kernel and zeroes the skipped heads. No routed prefill kernel yet.
+use super::routed_kernel;
+use crate::cuda::{KernelArg, LaunchConfig};
+use anyhow::{bail, ensure, Result};
+use tch::{Device, Kind, Tensor};
+
+/// Shapes of a decode call, checked.
+struct DecodeShape {
+    b: i64,
+    hq: i64,
+    hkv: i64,
+    tcap: i64,
+    d: i64,
+    group_heads: i64,
+    ng: i64,
+}
+
+fn decode_shape(q: &Tensor, k: &Tensor, v: &Tensor, lengths: &Tensor, mask: &Tensor, group_heads: i64) -> Result<DecodeShape> {
+    let (qs, ks) = (q.size(), k.size());
+    ensure!(qs.len() == 3, "attention_decode: q must be [batch, q_heads, head_dim], got {qs:?}");
+    ensure!(ks.len() == 4, "attention_decode: k cache must be [batch, kv_heads, capacity, head_dim], got {ks:?}");
+    ensure!(v.size() == ks, "attention_decode: v cache {:?} must match k cache {ks:?}", v.size());
+    let (b, hq, d) = (qs[0], qs[1], qs[2]);
+    let (hkv, tcap) = (ks[1], ks[2]);
+    ensure!(ks[0] == b && ks[3] == d, "attention_decode: k cache {ks:?} does not match q {qs:?}");
+    ensure!(hkv > 0 && hq % hkv == 0, "attention_decode: {hkv} KV heads do not divide {hq} query heads");
+    ensure!(group_heads > 0 && hq % group_heads == 0, "attention_decode: group size {group_heads} heads does not divide {hq} query heads");
+    ensure!(lengths.size() == [b], "attention_decode: lengths must be [batch] = [{b}], got {:?}", lengths.size());
+    let ng = hq / group_heads;
+    ensure!(mask.size() == [b, ng], "attention_decode: mask must be [batch, groups] = [{b}, {ng}], got {:?}", mask.size());
+    ensure!(q.kind() == k.kind() && k.kind() == v.kind(), "attention_decode: q, k and v differ in dtype");
+    Ok(DecodeShape { b, hq, hkv, tcap, d, group_heads, ng })
+}
+
+/// Reference decode attention in tch (any device), computed in q's dtype (pass f32 inputs for a
+/// precise reference). q `[B, HQ, D]`, k/v `[B, HKV, T, D]`, lengths i32/i64 `[B]` (valid cache
+/// positions), mask `[B, HQ / group_heads]`; returns `[B, HQ, D]`, skipped heads 0.
+pub fn attention_decode_reference(q: &Tensor, k: &Tensor, v: &Tensor, lengths: &Tensor, mask: &Tensor, group_heads: i64, scale: f64) -> Tensor {
+    let (b, hq, d) = (q.size()[0], q.size()[1], q.size()[2]);
+    let (hkv, t) = (k.size()[1], k.size()[2]);
+    let rep = hq / hkv;
+    let kr = k.repeat_interleave_self_int(rep, 1, None::<i64>);
+    let vr = v.repeat_interleave_self_int(rep, 1, None::<i64>);
+    let scores = q.unsqueeze(2).matmul(&kr.transpose(-1, -2)) * scale; // [B, HQ, 1, T]
+    let pos = Tensor::arange(t, (Kind::Int64, q.device())).unsqueeze(0);
+    let pad = pos.ge_tensor(&lengths.to_kind(Kind::Int64).unsqueeze(1)).view([b, 1, 1, t]);
+    let p = scores.masked_fill(&pad, f64::NEG_INFINITY).softmax(-1, q.kind());
+    let o = p.matmul(&vr).view([b, hq, d]);
+    let off = mask.to_kind(Kind::Bool).logical_not().repeat_interleave_self_int(group_heads, 1, None::<i64>).unsqueeze(-1);
+    o.masked_fill(&off, 0.0)
+}
+
+/// Decode attention with head-group routing. q `[B, HQ, D]`, k/v caches `[B, HKV, T, D]`
+/// (contiguous), lengths i32 `[B]` (valid positions, at least 1 for a non-zero output), mask
+/// bool/u8 `[B, HQ / group_heads]`; returns `[B, HQ, D]` in q's dtype, skipped heads exactly 0.
+/// CUDA (bf16/f16, D in {64, 128}) runs the split-K kernel; other inputs the reference.
+pub fn attention_decode(q: &Tensor, k: &Tensor, v: &Tensor, lengths: &Tensor, mask: &Tensor, group_heads: i64, scale: f64) -> Result<Tensor> {
+    let s = decode_shape(q, k, v, lengths, mask, group_heads)?;
+    let device = match q.device() {
+        Device::Cuda(dv) if matches!(q.kind(), Kind::BFloat16 | Kind::Half) => dv,
+        _ => return Ok(attention_decode_reference(q, k, v, lengths, mask, group_heads, scale)),
+    };
+    let qpk = s.hq / s.hkv;
+    if !matches!((s.d, qpk), (64, 1 | 2 | 4 | 8) | (128, 1 | 2 | 4)) {
+        bail!("attention_decode: the CUDA kernel takes head_dim 64 (<= 8 query heads per KV head) or 128 (<= 4), got head_dim {} with {qpk}", s.d);
+    }
+    ensure!(s.tcap <= i32::MAX as i64 / s.d, "attention_decode: cache too long for the kernel");
+    let f16 = q.kind() == Kind::Half;
+    let (q, k, v) = (q.contiguous(), k.contiguous(), v.contiguous());
+    let lengths = lengths.to_kind(Kind::Int).contiguous();
+    let mask = match mask.kind() {
+        Kind::Bool => mask.contiguous().view_dtype(Kind::Uint8),
+        Kind::Uint8 => mask.contiguous(),
+        k => bail!("attention_decode: mask must be bool or u8, got {k:?}"),
+    };
+    // Split the cache so that about 4 blocks a multiprocessor (132 on an H200) have work.
+    let blocks_wanted = 528i64;
+    let splits = (blocks_wanted / (s.b * s.hkv)).max(1);
+    let chunk = (((s.tcap + splits - 1) / splits).max(64) + 31) / 32 * 32;
+    let splits = ((s.tcap + chunk - 1) / chunk).max(1);
+    let part_o = Tensor::empty([s.b, s.hq, splits, s.d], (Kind::Float, q.device()));
+    let part_ml = Tensor::empty([s.b, s.hq, splits, 2], (Kind::Float, q.device()));
+    let out = Tensor::empty([s.b, s.hq, s.d], (q.kind(), q.device()));
+    let split = routed_kernel(f16, None, &format!("attn_decode_split_{}_{qpk}", s.d), device)?;
+    let combine = routed_kernel(f16, None, &format!("attn_decode_combine_{}", s.d), device)?;
+    ensure!(s.hkv <= 65535 && s.b <= 65535, "attention_decode: too many heads or sequences for one launch");
+    unsafe {
+        split.launch(
+            LaunchConfig { grid: (splits as u32, s.hkv as u32, s.b as u32), block: (128, 1, 1), shared_mem_bytes: 0 },
+            &[
+                KernelArg::tensor(&q)?,
+                KernelArg::tensor(&k)?,
+                KernelArg::tensor(&v)?,
+                KernelArg::tensor(&lengths)?,
+                KernelArg::tensor(&mask)?,
+                KernelArg::tensor(&part_o)?,
+                KernelArg::tensor(&part_ml)?,
+                KernelArg::I32(s.hq as i32),
+                KernelArg::I32(s.hkv as i32),
+                KernelArg::I32(s.tcap as i32),
+                KernelArg::I32(splits as i32),
+                KernelArg::I32(chunk as i32),
+                KernelArg::I32(s.group_heads as i32),
+                KernelArg::I32(s.ng as i32),
+                KernelArg::F32((scale * std::f64::consts::LOG2_E) as f32),
+            ],
+        )?;
+        combine.launch(
+            LaunchConfig { grid: (s.hq as u32, s.b as u32, 1), block: (s.d as u32, 1, 1), shared_mem_bytes: 0 },
+            &[
+                KernelArg::tensor(&part_o)?,
+                KernelArg::tensor(&part_ml)?,
+                KernelArg::tensor(&mask)?,
+                KernelArg::tensor(&out)?,
+                KernelArg::I32(s.hq as i32),
+                KernelArg::I32(splits as i32),
+                KernelArg::I32(s.group_heads as i32),
+                KernelArg::I32(s.ng as i32),
+            ],
+        )?;
+    }
+    Ok(out)
+}
+
+/// Causal prefill attention with padding and head-group routing, reference in tch. q
+/// `[B, HQ, T, D]`, k/v `[B, HKV, T, D]`, key_padding bool `[B, T]` (true = padded key),
+/// mask `[B, T, HQ / group_heads]` (per token and head group); returns `[B, HQ, T, D]` with
+/// skipped (token, head) rows exactly 0.
+pub fn attention_prefill_reference(q: &Tensor, k: &Tensor, v: &Tensor, key_padding: Option<&Tensor>, mask: &Tensor, group_heads: i64, scale: f64) -> Tensor {
+    let (b, hq, t, _) = (q.size()[0], q.size()[1], q.size()[2], q.size()[3]);
+    let rep = hq / k.size()[1];
+    let kr = k.repeat_interleave_self_int(rep, 1, None::<i64>);
+    let vr = v.repeat_interleave_self_int(rep, 1, None::<i64>);
+    let scores = q.matmul(&kr.transpose(-1, -2)) * scale; // [B, HQ, T, T]
+    let causal = Tensor::ones([t, t], (Kind::Bool, q.device())).triu(1);
+    let mut blocked = causal.view([1, 1, t, t]);
+    if let Some(p) = key_padding {
+        blocked = blocked.logical_or(&p.view([b, 1, 1, t]));
+    }
+    // A fully padded row would be all -inf: give it zeros instead of NaN.
+    let p = scores.masked_fill(&blocked, f64::NEG_INFINITY).softmax(-1, q.kind()).nan_to_num(0.0, None::<f64>, None::<f64>);
+    let o = p.matmul(&vr);
+    let off = mask.to_kind(Kind::Bool).logical_not().repeat_interleave_self_int(group_heads, 2, None::<i64>); // [B, T, HQ]
+    o.masked_fill(&off.transpose(1, 2).unsqueeze(-1), 0.0)
+}
+
+/// Causal prefill attention with head-group routing (shapes as in
+/// [`attention_prefill_reference`]). Runs dense SDPA with GQA (the flash kernel when there is
+/// no padding) and zeroes the skipped rows: the dispatch rule's dense+mask path, since no
+/// routed prefill kernel exists yet.
+pub fn attention_prefill(q: &Tensor, k: &Tensor, v: &Tensor, key_padding: Option<&Tensor>, mask: &Tensor, group_heads: i64, scale: f64) -> Result<Tensor> {
+    let (qs, ks) = (q.size(), k.size());
+    ensure!(qs.len() == 4 && ks.len() == 4, "attention_prefill: q and k must be [batch, heads, tokens, head_dim], got {qs:?} and {ks:?}");
+    ensure!(v.size() == ks, "attention_prefill: v {:?} must match k {ks:?}", v.size());
+    ensure!(qs[0] == ks[0] && qs[2] == ks[2] && qs[3] == ks[3], "attention_prefill: q {qs:?} and k {ks:?} disagree");
+    ensure!(ks[1] > 0 && qs[1] % ks[1] == 0, "attention_prefill: {} KV heads do not divide {} query heads", ks[1], qs[1]);
+    ensure!(group_heads > 0 && qs[1] % group_heads == 0, "attention_prefill: group size {group_heads} does not divide {} heads", qs[1]);
+    ensure!(
+        mask.size() == [qs[0], qs[2], qs[1] / group_heads],
+        "attention_prefill: mask must be [batch, tokens, groups] = [{}, {}, {}], got {:?}",
+        qs[0],
+        qs[2],
+        qs[1] / group_heads,
+        mask.size()
+    );
+    if key_padding.is_some() || !matches!(q.device(), Device::Cuda(_)) {
+        return Ok(attention_prefill_reference(q, k, v, key_padding, mask, group_heads, scale));
+    }
+    let o = Tensor::scaled_dot_product_attention(q, k, v, None::<Tensor>, 0.0, true, scale, true);
+    let off = mask.to_kind(Kind::Bool).logical_not().repeat_interleave_self_int(group_heads, 2, None::<i64>);
+    Ok(o.masked_fill(&off.transpose(1, 2).unsqueeze(-1), 0.0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decode_reference_matches_prefill_last_row_and_masks_heads() {
+        tch::manual_seed(3);
+        let (b, hq, hkv, t, d, gh) = (2, 8, 2, 9, 16, 2);
+        let opts = (Kind::Double, Device::Cpu);
+        let q = Tensor::randn([b, hq, t, d], opts);
+        let k = Tensor::randn([b, hkv, t, d], opts);
+        let v = Tensor::randn([b, hkv, t, d], opts);
+        let mask = Tensor::rand([b, t, hq / gh], (Kind::Float, Device::Cpu)).lt(0.5);
+        let full = attention_prefill_reference(&q, &k, &v, None, &mask, gh, 0.25);
+        let lengths = Tensor::from_slice(&[t as i32, t as i32]);
+        let last_q = q.select(2, t - 1);
+        let last_mask = mask.select(1, t - 1);
+        let dec = attention_decode(&last_q, &k, &v, &lengths, &last_mask, gh, 0.25).unwrap();
+        let want = full.select(2, t - 1);
+        assert!((&dec - &want).abs().max().double_value(&[]) < 1e-12);
+        // Skipped heads are exactly zero.
+        let off = last_mask.logical_not().repeat_interleave_self_int(gh, 1, None::<i64>);
+        assert_eq!(dec.abs().sum_dim_intlist(-1, false, Kind::Double).masked_select(&off).sum(Kind::Double).double_value(&[]), 0.0);
+    }
+
+    #[test]
+    fn decode_reference_ignores_positions_past_the_length() {
+        let opts = (Kind::Double, Device::Cpu);
+        let q = Tensor::randn([1, 2, 8], opts);
+        let k = Tensor::randn([1, 1, 6, 8], opts);
+        let v = Tensor::randn([1, 1, 6, 8], opts);
+        let mask = Tensor::ones([1, 2], (Kind::Bool, Device::Cpu));
+        let a = attention_decode_reference(&q, &k, &v, &Tensor::from_slice(&[4i32]), &mask, 1, 0.3);
+        let b = attention_decode_reference(&q, &k.narrow(2, 0, 4), &v.narrow(2, 0, 4), &Tensor::from_slice(&[4i32]), &mask, 1, 0.3);
+        assert!((a - b).abs().max().double_value(&[]) < 1e-12);
+    }
+
+    #[test]
+    fn decode_rejects_bad_shapes() {
+        let opts = (Kind::Float, Device::Cpu);
+        let q = Tensor::randn([1, 6, 8], opts);
+        let k = Tensor::randn([1, 4, 5, 8], opts);
+        let m = Tensor::ones([1, 3], (Kind::Bool, Device::Cpu));
+        let e = attention_decode(&q, &k, &k, &Tensor::from_slice(&[5i32]), &m, 2, 1.0).unwrap_err().to_string();
+        assert!(e.contains("do not divide"), "{e}");
+    }
+}

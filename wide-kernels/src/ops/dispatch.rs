@@ -1,0 +1,268 @@
+//! Which implementation a routed projection runs: a pure policy (testable on CPU) over the
+//! shape, group size, sparsity and, for large M, the timings the autotuner measured on first
+//! use per power-of-two M bucket. The rule is "never slower than dense": where a routed kernel
+//! does not pay, the dense cuBLAS product runs and the mask is applied to it.
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+
+/// Tile shape of the `mma.sync` kernels: block tile `bm x bn`, k step `bk`, `wm x wn` warps,
+/// `stages` cp.async pipeline stages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct TileConfig {
+    pub bm: u32,
+    pub bn: u32,
+    pub bk: u32,
+    pub wm: u32,
+    pub wn: u32,
+    pub stages: u32,
+}
+
+impl TileConfig {
+    pub const fn new(bm: u32, bn: u32, bk: u32, wm: u32, wn: u32, stages: u32) -> Self {
+        Self { bm, bn, bk, wm, wn, stages }
+    }
+    pub fn threads(&self) -> u32 {
+        self.wm * self.wn * 32
+    }
+    /// Dynamic shared memory: A tile plus one (or two, fused) B tiles per stage, rows padded
+    /// by 8 elements of 2 bytes.
+    pub fn smem_bytes(&self, fused: bool) -> u32 {
+        let b = if fused { 2 } else { 1 };
+        (self.bm + b * self.bn) * (self.bk + 8) * 2 * self.stages
+    }
+    pub fn label(&self) -> String {
+        format!("tiled{}x{}x{}", self.bm, self.bn, self.bk)
+    }
+}
+
+/// Every tile configuration shipped (each is an NVRTC specialisation).
+pub const TILES: [TileConfig; 8] = [
+    TileConfig::new(128, 128, 32, 2, 4, 3),
+    TileConfig::new(128, 128, 64, 2, 4, 3),
+    TileConfig::new(64, 128, 32, 2, 4, 4),
+    TileConfig::new(128, 64, 32, 4, 2, 4),
+    TileConfig::new(128, 64, 64, 4, 2, 3),
+    TileConfig::new(64, 64, 32, 2, 2, 4),
+    TileConfig::new(128, 32, 32, 4, 2, 4),
+    TileConfig::new(64, 32, 32, 2, 2, 4),
+];
+
+/// The routed projections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RoutedOp {
+    /// Output-width routed (`gemm_mn`), groups over N.
+    Mn,
+    /// `gemm_mn` of gate and up with the SiLU-multiply epilogue.
+    MnSwiglu,
+    /// Reduction-width routed (`gemm_k`), groups over K.
+    K,
+    /// `gemm_k` whose input is already exactly zero at the skipped (token, group) slices (the
+    /// output of the routed SwiGLU or of routed attention), so its dense path needs no mask.
+    KPremasked,
+}
+
+impl RoutedOp {
+    /// Groups run over the reduction (input) dimension.
+    pub fn reduces_over_groups(&self) -> bool {
+        matches!(self, RoutedOp::K | RoutedOp::KPremasked)
+    }
+}
+
+/// How one call runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemmPath {
+    /// cuBLAS dense product, then the mask (the reference formula in the input dtype).
+    DenseMasked,
+    /// Small-M kernel reading the raw mask; inactive weight rows/slices are never loaded.
+    Gemv,
+    /// `mma.sync` tiled kernel with block-level skipping.
+    Tiled(TileConfig),
+}
+
+impl GemmPath {
+    pub fn label(&self) -> String {
+        match self {
+            GemmPath::DenseMasked => "dense+mask".into(),
+            GemmPath::Gemv => "gemv".into(),
+            GemmPath::Tiled(t) => t.label(),
+        }
+    }
+}
+
+/// Largest M the GEMV kernels take (their per-token accumulators live in registers).
+pub const GEMV_MAX_M: i64 = 16;
+/// A routed kernel must beat dense by this factor to be chosen (timing noise margin).
+pub const MARGIN: f64 = 0.97;
+
+/// A routed projection's shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct GemmShape {
+    pub op: RoutedOp,
+    pub m: i64,
+    pub n: i64,
+    pub k: i64,
+    pub group: i64,
+}
+
+/// Timings measured by the autotuner for one (op, N, K, G, dtype, M bucket).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Tuned {
+    pub dense_ms: f64,
+    /// Each feasible tile with its time.
+    pub tiles: Vec<(TileConfig, f64)>,
+}
+
+impl Tuned {
+    pub fn best(&self) -> Option<(TileConfig, f64)> {
+        self.tiles.iter().copied().min_by(|a, b| a.1.partial_cmp(&b.1).unwrap_or(std::cmp::Ordering::Equal))
+    }
+}
+
+/// Tiles the tiled kernel can run for this shape: `bn` must divide the routed group (gemm_mn)
+/// or N (gemm_k), and K steps of 32 must tile K (gemm_mn) or the group (gemm_k).
+pub fn feasible_tiles(s: &GemmShape) -> Vec<TileConfig> {
+    TILES
+        .iter()
+        .copied()
+        .filter(|t| match s.op {
+            RoutedOp::Mn | RoutedOp::MnSwiglu => s.group % t.bn as i64 == 0 && s.k % t.bk as i64 == 0,
+            RoutedOp::K | RoutedOp::KPremasked => s.n % t.bn as i64 == 0 && s.group % t.bk as i64 == 0 && s.k / s.group <= 2048,
+        })
+        .collect()
+}
+
+/// Fraction of weight bytes a GEMV over `m` tokens must read at skip rate `sparsity`, for
+/// independent masks: a weight row (or slice) is needed if any of the tokens uses its group.
+pub fn gemv_weight_fraction(m: i64, sparsity: f64) -> f64 {
+    1.0 - sparsity.clamp(0.0, 1.0).powi(m as i32)
+}
+
+/// The GEMV path is chosen while it reads at most this fraction of the dense weight bytes (it
+/// also streams x per used row, so at full use it is a little behind cuBLAS).
+pub const GEMV_MAX_FRACTION: f64 = 0.8;
+
+/// The policy. `tuned` is the autotuner's record for this shape's M bucket, if any.
+pub fn choose(s: &GemmShape, sparsity: f64, tuned: Option<&Tuned>) -> GemmPath {
+    let gemv_ok = s.m <= GEMV_MAX_M && s.k % 8 == 0 && s.group % 8 == 0 && (!s.op.reduces_over_groups() || s.k / s.group <= 2048);
+    if gemv_ok && gemv_weight_fraction(s.m, sparsity) <= GEMV_MAX_FRACTION {
+        return GemmPath::Gemv;
+    }
+    if s.m <= GEMV_MAX_M {
+        return GemmPath::DenseMasked;
+    }
+    match tuned.and_then(|t| t.best().map(|b| (t.dense_ms, b))) {
+        Some((dense, (tile, ms))) if ms < MARGIN * dense && feasible_tiles(s).contains(&tile) => GemmPath::Tiled(tile),
+        _ => GemmPath::DenseMasked,
+    }
+}
+
+/// Key of the autotune cache: the M bucket is the next power of two; sparsity is bucketed to
+/// eighths, since whether the tiled kernel beats dense depends on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct TuneKey {
+    pub op: RoutedOp,
+    pub n: i64,
+    pub k: i64,
+    pub group: i64,
+    pub m_bucket: i64,
+    pub sparsity_eighths: i64,
+    pub f16: bool,
+    pub device: usize,
+}
+
+impl TuneKey {
+    pub fn new(s: &GemmShape, sparsity: f64, f16: bool, device: usize) -> Self {
+        Self {
+            op: s.op,
+            n: s.n,
+            k: s.k,
+            group: s.group,
+            m_bucket: (s.m.max(1) as u64).next_power_of_two() as i64,
+            sparsity_eighths: (sparsity.clamp(0.0, 1.0) * 8.0).round() as i64,
+            f16,
+            device,
+        }
+    }
+}
+
+pub(crate) fn tune_cache() -> &'static Mutex<HashMap<TuneKey, Tuned>> {
+    static C: OnceLock<Mutex<HashMap<TuneKey, Tuned>>> = OnceLock::new();
+    C.get_or_init(Default::default)
+}
+
+/// Forced path from `WIDE_ROUTED` (read once): `dense`, `gemv`, `tiled` (the tuned best tile)
+/// or unset/`auto` for the policy.
+pub fn env_override() -> Option<&'static str> {
+    static V: OnceLock<Option<String>> = OnceLock::new();
+    V.get_or_init(|| std::env::var("WIDE_ROUTED").ok().filter(|v| v != "auto")).as_deref()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(op: RoutedOp, m: i64, g: i64) -> GemmShape {
+        match op {
+            RoutedOp::K | RoutedOp::KPremasked => GemmShape { op, m, n: 4096, k: 14336, group: g },
+            _ => GemmShape { op, m, n: 14336, k: 4096, group: g },
+        }
+    }
+
+    #[test]
+    fn decode_takes_gemv_while_it_saves_bytes() {
+        for op in [RoutedOp::Mn, RoutedOp::MnSwiglu, RoutedOp::K, RoutedOp::KPremasked] {
+            assert_eq!(choose(&shape(op, 1, 128), 0.5, None), GemmPath::Gemv);
+            assert_eq!(choose(&shape(op, 2, 128), 0.5, None), GemmPath::Gemv);
+            // 4 independent tokens at 50% need 94% of the rows: dense is as good.
+            assert_eq!(choose(&shape(op, 4, 128), 0.5, None), GemmPath::DenseMasked);
+            // At 75% skip, 4 tokens need 68%: GEMV again.
+            assert_eq!(choose(&shape(op, 4, 128), 0.75, None), GemmPath::Gemv);
+            assert_eq!(choose(&shape(op, 16, 128), 0.5, None), GemmPath::DenseMasked);
+            // Nothing skipped: nothing to gain.
+            assert_eq!(choose(&shape(op, 1, 128), 0.0, None), GemmPath::DenseMasked);
+        }
+    }
+
+    #[test]
+    fn large_m_follows_the_measured_timings() {
+        let s = shape(RoutedOp::Mn, 4096, 128);
+        assert_eq!(choose(&s, 0.5, None), GemmPath::DenseMasked, "untuned large M stays dense");
+        let t = Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], 0.6), (TILES[1], 0.7)] };
+        assert_eq!(choose(&s, 0.5, Some(&t)), GemmPath::Tiled(TILES[0]));
+        let slow = Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], 0.98)] };
+        assert_eq!(choose(&s, 0.5, Some(&slow)), GemmPath::DenseMasked, "within the margin stays dense");
+    }
+
+    #[test]
+    fn tiles_must_divide_the_group() {
+        let s = shape(RoutedOp::Mn, 4096, 32);
+        let f = feasible_tiles(&s);
+        assert!(!f.is_empty() && f.iter().all(|t| t.bn == 32));
+        let k32 = feasible_tiles(&GemmShape { op: RoutedOp::K, m: 4096, n: 4096, k: 14336, group: 32 });
+        assert!(!k32.is_empty() && k32.iter().all(|t| t.bk == 32), "a 64-deep k step cannot tile a group of 32");
+        // A tuned tile that cannot run this group is never chosen.
+        let t = Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], 0.1)] };
+        assert_eq!(choose(&s, 0.5, Some(&t)), GemmPath::DenseMasked);
+        let odd = GemmShape { op: RoutedOp::Mn, m: 4096, n: 14336 / 7 * 7, k: 4100, group: 128 };
+        assert!(feasible_tiles(&odd).is_empty(), "K not a multiple of 32");
+    }
+
+    #[test]
+    fn tune_key_buckets_m_and_sparsity() {
+        let a = TuneKey::new(&shape(RoutedOp::K, 3000, 128), 0.49, false, 0);
+        let b = TuneKey::new(&shape(RoutedOp::K, 4096, 128), 0.51, false, 0);
+        assert_eq!(a, b);
+        let c = TuneKey::new(&shape(RoutedOp::K, 4097, 128), 0.5, false, 0);
+        assert_ne!(a, c);
+        assert_eq!(c.m_bucket, 8192);
+    }
+
+    #[test]
+    fn smem_fits_the_device_limit() {
+        for t in TILES {
+            assert!(t.smem_bytes(true) <= 227 * 1024, "{t:?}");
+            assert_eq!(t.bm % (16 * t.wm), 0);
+            assert_eq!(t.bn % (16 * t.wn), 0);
+        }
+    }
+}

@@ -1,0 +1,449 @@
+//! Routed projections on tch tensors (`x @ w^T` with `w` in the torch `[out, in]` layout):
+//!
+//! - [`gemm_mn`]: output-width routed, `out[m, n] = x[m] . w[n]` where token m runs group
+//!   `n / G`, else exactly 0 (Q, gate, up projections).
+//! - [`gemm_mn_swiglu`]: the same for gate and up at once, `silu(x . w_gate[n]) * (x . w_up[n])`.
+//! - [`gemm_k`]: reduction-width routed, `out[m] = sum over groups g run by token m of
+//!   x[m, gG..(g+1)G] . w[:, gG..(g+1)G]^T`; a token that runs no group gets exactly 0
+//!   (down and O projections).
+//!
+//! On CUDA (bf16, f16; fp32 accumulation) the op picks a path with [`super::dispatch::choose`];
+//! elsewhere, and for other dtypes, the tch reference runs.
+use super::dispatch::{self, GemmPath, GemmShape, RoutedOp, TileConfig, Tuned, TuneKey, GEMV_MAX_M};
+use super::layout::RouteLayout;
+use super::routed_kernel;
+use crate::cuda::{GpuTimer, KernelArg, LaunchConfig};
+use anyhow::{bail, ensure, Context, Result};
+use tch::{Device, Kind, Tensor};
+
+/// Output-width routed projection. x `[M, K]`, w `[N, K]`, layout of a mask `[M, N / group]`;
+/// returns `[M, N]` in x's dtype.
+pub fn gemm_mn(x: &Tensor, w: &Tensor, layout: &RouteLayout, group: i64) -> Result<Tensor> {
+    Ok(routed_gemm(RoutedOp::Mn, x, w, None, layout, group, None)?.0)
+}
+
+/// Fused gate+up with the SwiGLU epilogue. x `[M, K]`, w_gate and w_up `[N, K]`, layout of a
+/// mask `[M, N / group]`; returns `silu(x w_gate^T) * (x w_up^T)` masked, `[M, N]`.
+pub fn gemm_mn_swiglu(x: &Tensor, w_gate: &Tensor, w_up: &Tensor, layout: &RouteLayout, group: i64) -> Result<Tensor> {
+    Ok(routed_gemm(RoutedOp::MnSwiglu, x, w_gate, Some(w_up), layout, group, None)?.0)
+}
+
+/// Reduction-width routed projection. x `[M, K]`, w `[N, K]`, layout of a mask
+/// `[M, K / group]`; returns `[M, N]`.
+pub fn gemm_k(x: &Tensor, w: &Tensor, layout: &RouteLayout, group: i64) -> Result<Tensor> {
+    Ok(routed_gemm(RoutedOp::K, x, w, None, layout, group, None)?.0)
+}
+
+/// Reference for [`gemm_mn`] / [`gemm_mn_swiglu`] (with `w_up`) in tch on any device, in x's
+/// dtype (pass f32/f64 inputs for a high-precision reference). mask `[M, N / group]`.
+pub fn gemm_mn_reference(x: &Tensor, w: &Tensor, w_up: Option<&Tensor>, mask: &Tensor, group: i64) -> Tensor {
+    let (m, n) = (x.size()[0], w.size()[0]);
+    let mut y = x.linear::<&Tensor>(w, None);
+    if let Some(u) = w_up {
+        y = y.silu() * x.linear::<&Tensor>(u, None);
+    }
+    // masked_fill writes +0 (a product with 0 would give -0 for negative values).
+    let off = mask.to_kind(Kind::Bool).logical_not().unsqueeze(-1);
+    y.view([m, n / group, group]).masked_fill(&off, 0.0).view([m, n])
+}
+
+/// [`gemm_k`] for an input that is already exactly zero at the skipped (token, group) slices
+/// (the output of [`gemm_mn_swiglu`] or of routed attention): same result, but the dense
+/// fallback is the plain cuBLAS product with no masking pass.
+pub fn gemm_k_premasked(x: &Tensor, w: &Tensor, layout: &RouteLayout, group: i64) -> Result<Tensor> {
+    Ok(routed_gemm(RoutedOp::KPremasked, x, w, None, layout, group, None)?.0)
+}
+
+/// Reference for [`gemm_k`] in tch on any device, in x's dtype. mask `[M, K / group]`.
+pub fn gemm_k_reference(x: &Tensor, w: &Tensor, mask: &Tensor, group: i64) -> Tensor {
+    let (m, k) = (x.size()[0], x.size()[1]);
+    let off = mask.to_kind(Kind::Bool).logical_not().unsqueeze(-1);
+    let xm = x.view([m, k / group, group]).masked_fill(&off, 0.0).view([m, k]);
+    xm.linear::<&Tensor>(w, None)
+}
+
+fn shape_of(op: RoutedOp, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: &RouteLayout, group: i64) -> Result<GemmShape> {
+    let name = match op {
+        RoutedOp::Mn => "gemm_mn",
+        RoutedOp::MnSwiglu => "gemm_mn_swiglu",
+        RoutedOp::K | RoutedOp::KPremasked => "gemm_k",
+    };
+    let (xs, ws) = (x.size(), w.size());
+    ensure!(xs.len() == 2, "{name}: x must be [tokens, in_features], got {xs:?}");
+    ensure!(ws.len() == 2, "{name}: w must be [out_features, in_features], got {ws:?}");
+    ensure!(xs[1] == ws[1], "{name}: x has {} input features but w {:?} expects {}", xs[1], ws, ws[1]);
+    if let Some(u) = w2 {
+        ensure!(u.size() == ws, "{name}: w_up has shape {:?}, w_gate {:?}; they must match", u.size(), ws);
+        ensure!(u.kind() == w.kind() && u.device() == w.device(), "{name}: w_up and w_gate differ in dtype or device");
+    }
+    ensure!(x.kind() == w.kind(), "{name}: x is {:?} but w is {:?}", x.kind(), w.kind());
+    ensure!(x.device() == w.device() && x.device() == layout.device(), "{name}: x, w and the layout must be on one device");
+    ensure!(group > 0, "{name}: group size must be positive, got {group}");
+    let (m, k, n) = (xs[0], xs[1], ws[0]);
+    let routed = if op.reduces_over_groups() { k } else { n };
+    let what = if op.reduces_over_groups() { "input features" } else { "output features" };
+    if routed % group != 0 {
+        bail!("{name}: group size {group} does not divide the {routed} {what}");
+    }
+    ensure!(
+        layout.tokens() == m && layout.groups() == routed / group,
+        "{name}: the layout is for a mask [{}, {}] but x has {m} tokens and {routed} {what} / group {group} = {} groups",
+        layout.tokens(),
+        layout.groups(),
+        routed / group
+    );
+    Ok(GemmShape { op, m, n, k, group })
+}
+
+/// Runs one routed projection, on `path` if given (else the dispatch policy, autotuning large M
+/// on first use), and returns the output with the path taken. `w2` is w_up for
+/// [`RoutedOp::MnSwiglu`].
+pub fn routed_gemm(
+    op: RoutedOp,
+    x: &Tensor,
+    w: &Tensor,
+    w2: Option<&Tensor>,
+    layout: &RouteLayout,
+    group: i64,
+    path: Option<GemmPath>,
+) -> Result<(Tensor, GemmPath)> {
+    ensure!((op == RoutedOp::MnSwiglu) == w2.is_some(), "w_up is given exactly for the fused SwiGLU projection");
+    let s = shape_of(op, x, w, w2, layout, group)?;
+    let cuda_ok = matches!(x.device(), Device::Cuda(_)) && matches!(x.kind(), Kind::BFloat16 | Kind::Half);
+    let path = match path {
+        Some(p) => p,
+        None if !cuda_ok => GemmPath::DenseMasked,
+        None => match dispatch::env_override() {
+            Some("dense") => GemmPath::DenseMasked,
+            Some("gemv") => GemmPath::Gemv,
+            Some("tiled") => match tuned(&s, x, w, w2, layout)?.best() {
+                Some((t, _)) => GemmPath::Tiled(t),
+                None => GemmPath::DenseMasked,
+            },
+            _ => {
+                let sp = layout.sparsity();
+                let t = if s.m > GEMV_MAX_M { Some(tuned(&s, x, w, w2, layout)?) } else { None };
+                dispatch::choose(&s, sp, t.as_ref())
+            }
+        },
+    };
+    let out = run_path(&s, x, w, w2, layout, path)?;
+    Ok((out, path))
+}
+
+fn run_path(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: &RouteLayout, path: GemmPath) -> Result<Tensor> {
+    match path {
+        GemmPath::DenseMasked => dense_masked(s, x, w, w2, layout),
+        GemmPath::Gemv => launch_gemv(s, x, w, w2, layout),
+        GemmPath::Tiled(t) => launch_tiled(s, x, w, w2, layout, t),
+    }
+}
+
+fn cuda_inputs(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>) -> Result<(usize, bool, Tensor, Tensor, Option<Tensor>)> {
+    let device = match x.device() {
+        Device::Cuda(d) => d,
+        d => bail!("routed CUDA kernels need CUDA tensors, got {d:?}"),
+    };
+    let f16 = match x.kind() {
+        Kind::BFloat16 => false,
+        Kind::Half => true,
+        k => bail!("routed CUDA kernels take bf16 or f16, got {k:?} (the dense path takes any float dtype)"),
+    };
+    ensure!(s.k % 8 == 0, "routed CUDA kernels need in_features divisible by 8 (16-byte loads), got {}", s.k);
+    let (x, w, w2) = (x.contiguous(), w.contiguous(), w2.map(|u| u.contiguous()));
+    for (t, n) in [(&x, "x"), (&w, "w")].into_iter().chain(w2.as_ref().map(|u| (u, "w_up"))) {
+        ensure!(t.data_ptr() as usize % 16 == 0, "{n} is not 16-byte aligned (a view with an odd offset?)");
+    }
+    Ok((device, f16, x, w, w2))
+}
+
+fn launch_gemv(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: &RouteLayout) -> Result<Tensor> {
+    let (device, f16, x, w, w2) = cuda_inputs(s, x, w, w2)?;
+    ensure!(s.m <= GEMV_MAX_M, "the GEMV path takes at most {GEMV_MAX_M} tokens, got {}", s.m);
+    ensure!(s.group % 8 == 0, "the GEMV path needs a group size divisible by 8, got {}", s.group);
+    let ng = if s.op.reduces_over_groups() { s.k / s.group } else { s.n / s.group };
+    ensure!(!s.op.reduces_over_groups() || ng <= 2048, "gemm_k GEMV takes at most 2048 groups, got {ng}");
+    let mm = [1, 2, 4, 8, 16].into_iter().find(|&v| v >= s.m).unwrap();
+    let r = gemv_rows_per_warp(mm, s.n);
+    let entry = match s.op {
+        RoutedOp::Mn => format!("gemv_mn_{mm}_{r}"),
+        RoutedOp::MnSwiglu => format!("gemv_mn_swiglu_{mm}_{r}"),
+        RoutedOp::K | RoutedOp::KPremasked => format!("gemv_k_{mm}_{r}"),
+    };
+    let kernel = routed_kernel(f16, None, &entry, device)?;
+    let out = Tensor::empty([s.m, s.n], (x.kind(), x.device()));
+    let mut args = vec![KernelArg::tensor(&x)?, KernelArg::tensor(&w)?];
+    if let Some(u) = &w2 {
+        args.push(KernelArg::tensor(u)?);
+    }
+    args.extend([
+        KernelArg::tensor(layout.mask())?,
+        KernelArg::tensor(&out)?,
+        KernelArg::I32(s.m as i32),
+        KernelArg::I32(s.n as i32),
+        KernelArg::I32(s.k as i32),
+        KernelArg::I32(s.group as i32),
+        KernelArg::I32(ng as i32),
+    ]);
+    // 4 warps a block, r rows a warp.
+    let blocks = (s.n as u32).div_ceil(4 * r as u32);
+    unsafe { kernel.launch(LaunchConfig { grid: (blocks, 1, 1), block: (128, 1, 1), shared_mem_bytes: 0 }, &args)? };
+    Ok(out)
+}
+
+/// Output rows per warp of the GEMV kernels: more rows reuse each x chunk more often, but
+/// leave fewer warps to keep loads in flight; aim for at least ~4096 warps (31 a
+/// multiprocessor on an H200; at 50% sparsity half of them exit at once) and keep
+/// `r * mm <= 16` accumulators. `r` divides N (and every group size that is a multiple of 8).
+pub fn gemv_rows_per_warp(mm: i64, n: i64) -> i64 {
+    let cap = (16 / mm).clamp(1, 8);
+    let mut r = 1;
+    while r * 2 <= cap && n / (r * 2) >= 4096 && n % (r * 2) == 0 {
+        r *= 2;
+    }
+    r
+}
+
+/// Dense cuBLAS product(s) and the mask: one extra pass over the output (gemm_mn: zeros
+/// written where groups are off; SwiGLU: activation, product and mask fused), a masked copy of
+/// the input (gemm_k), or nothing (gemm_k with a premasked input).
+fn dense_masked(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: &RouteLayout) -> Result<Tensor> {
+    let cuda = match x.device() {
+        Device::Cuda(d) if matches!(x.kind(), Kind::BFloat16 | Kind::Half) && s.group % 8 == 0 => Some(d),
+        _ => None,
+    };
+    let Some(device) = cuda else {
+        return Ok(match s.op {
+            RoutedOp::K | RoutedOp::KPremasked => gemm_k_reference(x, w, layout.mask(), s.group),
+            _ => gemm_mn_reference(x, w, w2, layout.mask(), s.group),
+        });
+    };
+    let f16 = x.kind() == Kind::Half;
+    let apply = |a: &Tensor, b: Option<&Tensor>, dst: &Tensor, cols: i64, mode: i32| -> Result<()> {
+        let k = routed_kernel(f16, None, "apply_group_mask", device)?;
+        let grid = ((cols as u32 / 8).div_ceil(128), s.m.min(65535) as u32, 1);
+        unsafe {
+            k.launch(
+                LaunchConfig { grid, block: (128, 1, 1), shared_mem_bytes: 0 },
+                &[
+                    KernelArg::tensor(a)?,
+                    KernelArg::tensor(b.unwrap_or(a))?,
+                    KernelArg::tensor(dst)?,
+                    KernelArg::tensor(layout.mask())?,
+                    KernelArg::I64(s.m),
+                    KernelArg::I32(cols as i32),
+                    KernelArg::I32(s.group as i32),
+                    KernelArg::I32((cols / s.group) as i32),
+                    KernelArg::I32(mode),
+                ],
+            )
+        }
+    };
+    Ok(match s.op {
+        RoutedOp::Mn => {
+            let y = x.linear::<&Tensor>(w, None);
+            apply(&y, None, &y, s.n, 0)?;
+            y
+        }
+        RoutedOp::MnSwiglu => {
+            let (g, u) = (x.linear::<&Tensor>(w, None), x.linear::<&Tensor>(w2.context("w_up")?, None));
+            apply(&g, Some(&u), &g, s.n, 2)?;
+            g
+        }
+        RoutedOp::K => {
+            let x = x.contiguous();
+            let xm = x.empty_like();
+            apply(&x, None, &xm, s.k, 1)?;
+            xm.linear::<&Tensor>(w, None)
+        }
+        RoutedOp::KPremasked => x.linear::<&Tensor>(w, None),
+    })
+}
+
+fn launch_tiled(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: &RouteLayout, t: TileConfig) -> Result<Tensor> {
+    ensure!(
+        dispatch::feasible_tiles(s).contains(&t),
+        "tile {t:?} cannot run {:?} with N {} K {} group {}",
+        s.op,
+        s.n,
+        s.k,
+        s.group
+    );
+    let (device, f16, x, w, w2) = cuda_inputs(s, x, w, w2)?;
+    let fused = s.op == RoutedOp::MnSwiglu;
+    let entry = if s.op.reduces_over_groups() { "gemm_k_tiled" } else { "gemm_mn_tiled" };
+    let kernel = routed_kernel(f16, Some((t, fused)), entry, device)?;
+    let smem = t.smem_bytes(fused);
+    let out = Tensor::empty([s.m, s.n], (x.kind(), x.device()));
+    let grid = ((s.n / t.bn as i64) as u32, (s.m as u32).div_ceil(t.bm), 1);
+    ensure!(grid.1 <= 65535, "too many tokens ({}) for one launch of tile {t:?}", s.m);
+    let cfg = LaunchConfig { grid, block: (t.threads(), 1, 1), shared_mem_bytes: smem };
+    let dims = [KernelArg::I32(s.m as i32), KernelArg::I32(s.n as i32), KernelArg::I32(s.k as i32), KernelArg::I32(s.group as i32)];
+    if s.op.reduces_over_groups() {
+        let mut args = vec![KernelArg::tensor(&x)?, KernelArg::tensor(&w)?, KernelArg::tensor(layout.mask())?, KernelArg::tensor(&out)?];
+        args.extend(dims);
+        unsafe { kernel.launch(cfg, &args)? };
+    } else {
+        let (perm, count) = layout.lists()?;
+        let w_up = w2.as_ref().unwrap_or(&w);
+        let mut args = vec![
+            KernelArg::tensor(&x)?,
+            KernelArg::tensor(&w)?,
+            KernelArg::tensor(w_up)?,
+            KernelArg::tensor(perm)?,
+            KernelArg::tensor(count)?,
+            KernelArg::tensor(&out)?,
+        ];
+        args.extend(dims);
+        unsafe { kernel.launch(cfg, &args)? };
+    }
+    Ok(out)
+}
+
+/// The autotuner's record for this shape's bucket, measuring it on these inputs on first use:
+/// dense+mask and every feasible tile, median of 3 event-timed runs after one warm-up. It
+/// synchronises the device, so run a first (un-captured) call before capturing a CUDA graph.
+fn tuned(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: &RouteLayout) -> Result<Tuned> {
+    let device = match x.device() {
+        Device::Cuda(d) => d,
+        _ => bail!("autotuning needs a CUDA device"),
+    };
+    let key = TuneKey::new(s, layout.sparsity(), x.kind() == Kind::Half, device);
+    if let Some(t) = dispatch::tune_cache().lock().unwrap().get(&key) {
+        return Ok(t.clone());
+    }
+    let t = autotune(s, x, w, w2, layout).with_context(|| format!("autotuning {s:?}"))?;
+    dispatch::tune_cache().lock().unwrap().insert(key, t.clone());
+    Ok(t)
+}
+
+fn autotune(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: &RouteLayout) -> Result<Tuned> {
+    let device = match x.device() {
+        Device::Cuda(d) => d,
+        _ => bail!("autotuning needs a CUDA device"),
+    };
+    let timer = GpuTimer::new(device)?;
+    let time = |p: GemmPath| -> Result<f64> {
+        let _ = run_path(s, x, w, w2, layout, p)?;
+        let mut v = vec![];
+        for _ in 0..3 {
+            timer.start()?;
+            let _ = run_path(s, x, w, w2, layout, p)?;
+            v.push(timer.stop_ms()?);
+        }
+        v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        Ok(v[1])
+    };
+    let dense_ms = time(GemmPath::DenseMasked)?;
+    let mut tiles = vec![];
+    for t in dispatch::feasible_tiles(s) {
+        tiles.push((t, time(GemmPath::Tiled(t))?));
+    }
+    Ok(Tuned { dense_ms, tiles })
+}
+
+/// The autotuner's record for a routed projection on these inputs (measured on first use per
+/// M bucket and sparsity eighth, then cached). CUDA bf16/f16 only.
+pub fn tuned_for(op: RoutedOp, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: &RouteLayout, group: i64) -> Result<Tuned> {
+    let s = shape_of(op, x, w, w2, layout, group)?;
+    tuned(&s, x, w, w2, layout)
+}
+
+/// Records the autotuner has measured so far (for reports).
+pub fn tuned_records() -> Vec<(TuneKey, Tuned)> {
+    dispatch::tune_cache().lock().unwrap().iter().map(|(k, v)| (*k, v.clone())).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::layout::route_layout;
+    use super::*;
+
+    fn rand_mask(m: i64, ng: i64, p_active: f64) -> Tensor {
+        Tensor::rand([m, ng], (Kind::Float, Device::Cpu)).lt(p_active)
+    }
+
+    #[test]
+    fn cpu_ops_match_an_explicit_loop() {
+        tch::manual_seed(1);
+        let (m, k, n, g) = (5, 16, 12, 4);
+        let x = Tensor::randn([m, k], (Kind::Double, Device::Cpu));
+        let w = Tensor::randn([n, k], (Kind::Double, Device::Cpu));
+        let mask = rand_mask(m, n / g, 0.5);
+        let l = route_layout(&mask).unwrap();
+        let y = gemm_mn(&x, &w, &l, g).unwrap();
+        let xv: Vec<f64> = Vec::try_from(x.view([-1])).unwrap();
+        let wv: Vec<f64> = Vec::try_from(w.view([-1])).unwrap();
+        let mv: Vec<u8> = Vec::try_from(mask.to_kind(Kind::Uint8).view([-1])).unwrap();
+        let yv: Vec<f64> = Vec::try_from(y.view([-1])).unwrap();
+        for t in 0..m as usize {
+            for o in 0..n as usize {
+                let on = mv[t * (n / g) as usize + o / g as usize] != 0;
+                let d: f64 = (0..k as usize).map(|i| xv[t * k as usize + i] * wv[o * k as usize + i]).sum();
+                let want = if on { d } else { 0.0 };
+                assert!((yv[t * n as usize + o] - want).abs() < 1e-9);
+                if !on {
+                    assert_eq!(yv[t * n as usize + o].to_bits(), 0.0f64.to_bits(), "skipped entries are exactly +0");
+                }
+            }
+        }
+        // gemm_k: groups over the 16 inputs.
+        let w2 = Tensor::randn([n, k], (Kind::Double, Device::Cpu));
+        let mk = rand_mask(m, k / g, 0.5);
+        let lk = route_layout(&mk).unwrap();
+        let yk: Vec<f64> = Vec::try_from(gemm_k(&x, &w2, &lk, g).unwrap().view([-1])).unwrap();
+        let w2v: Vec<f64> = Vec::try_from(w2.view([-1])).unwrap();
+        let mkv: Vec<u8> = Vec::try_from(mk.to_kind(Kind::Uint8).view([-1])).unwrap();
+        for t in 0..m as usize {
+            for o in 0..n as usize {
+                let d: f64 = (0..k as usize)
+                    .filter(|i| mkv[t * (k / g) as usize + i / g as usize] != 0)
+                    .map(|i| xv[t * k as usize + i] * w2v[o * k as usize + i])
+                    .sum();
+                assert!((yk[t * n as usize + o] - d).abs() < 1e-9);
+            }
+        }
+    }
+
+    #[test]
+    fn gemv_rows_per_warp_keeps_enough_warps() {
+        // Llama-3.1-8B: 14336 rows -> 2 a warp (7168 warps); 4096 rows -> 1 (4096 warps).
+        assert_eq!(gemv_rows_per_warp(1, 14336), 2);
+        assert_eq!(gemv_rows_per_warp(1, 4096), 1);
+        assert_eq!(gemv_rows_per_warp(16, 14336), 1, "16 tokens x 1 row = 16 accumulators");
+        assert_eq!(gemv_rows_per_warp(4, 1 << 20), 4);
+        assert_eq!(gemv_rows_per_warp(1, 1 << 20), 8);
+        assert_eq!(gemv_rows_per_warp(1, 100), 1);
+        for (mm, n) in [(1, 12288), (2, 65536), (8, 8192)] {
+            let r = gemv_rows_per_warp(mm, n);
+            assert!(n % r == 0 && r * mm <= 16 && r <= 8);
+        }
+    }
+
+    #[test]
+    fn swiglu_reference_is_silu_gate_times_up() {
+        let (m, k, n, g) = (3, 8, 8, 2);
+        let x = Tensor::randn([m, k], (Kind::Double, Device::Cpu));
+        let (wg, wu) = (Tensor::randn([n, k], (Kind::Double, Device::Cpu)), Tensor::randn([n, k], (Kind::Double, Device::Cpu)));
+        let mask = Tensor::ones([m, n / g], (Kind::Bool, Device::Cpu));
+        let l = route_layout(&mask).unwrap();
+        let y = gemm_mn_swiglu(&x, &wg, &wu, &l, g).unwrap();
+        let want = x.linear::<&Tensor>(&wg, None).silu() * x.linear::<&Tensor>(&wu, None);
+        assert!((y - want).abs().max().double_value(&[]) < 1e-12);
+    }
+
+    #[test]
+    fn bad_shapes_are_clear_errors() {
+        let x = Tensor::randn([4, 16], (Kind::Float, Device::Cpu));
+        let w = Tensor::randn([12, 16], (Kind::Float, Device::Cpu));
+        let l = route_layout(&rand_mask(4, 3, 0.5)).unwrap();
+        let e = gemm_mn(&x, &w, &l, 5).unwrap_err().to_string();
+        assert!(e.contains("does not divide"), "{e}");
+        let e = gemm_k(&x, &w, &l, 4).unwrap_err().to_string();
+        assert!(e.contains("layout"), "{e}");
+        let e = gemm_mn(&x, &Tensor::randn([12, 8], (Kind::Float, Device::Cpu)), &l, 4).unwrap_err().to_string();
+        assert!(e.contains("input features"), "{e}");
+        let e = gemm_mn(&x.to_kind(Kind::Double), &w, &l, 4).unwrap_err().to_string();
+        assert!(e.contains("Double"), "{e}");
+    }
+}

@@ -1,0 +1,159 @@
+//! The routing layout: one routing decision (a token x group mask) turned into per-group token
+//! lists, built once and shared by every op of that decision (gate, up and down share the FFN
+//! mask; Q, attention and O share the attention mask).
+use super::routed_source;
+use crate::cuda::{CudaKernel, KernelArg, LaunchConfig};
+use anyhow::{bail, Context, Result};
+use std::cell::OnceCell;
+use tch::{Device, Kind, Tensor};
+
+/// Per-group active-token lists of one mask.
+///
+/// - `mask`: u8 `[M, NG]`, 1 where token m runs group g (kept raw for the GEMV paths).
+/// - `perm`: i32 `[NG, M]`, for each group the active tokens in ascending order, then the
+///   inactive ones in ascending order (the tiled kernels write zeros for those).
+/// - `count`: i32 `[NG]`, active tokens per group.
+///
+/// `perm`/`count` are built on first use (decode-size calls read only the mask).
+pub struct RouteLayout {
+    mask: Tensor,
+    lists: OnceCell<(Tensor, Tensor)>,
+    sparsity_hint: Option<f64>,
+    measured: OnceCell<f64>,
+}
+
+impl std::fmt::Debug for RouteLayout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "RouteLayout {{ tokens: {}, groups: {} }}", self.tokens(), self.groups())
+    }
+}
+
+impl RouteLayout {
+    /// Number of tokens M.
+    pub fn tokens(&self) -> i64 {
+        self.mask.size()[0]
+    }
+    /// Number of groups NG.
+    pub fn groups(&self) -> i64 {
+        self.mask.size()[1]
+    }
+    /// The raw mask, u8 `[M, NG]`.
+    pub fn mask(&self) -> &Tensor {
+        &self.mask
+    }
+    pub fn device(&self) -> Device {
+        self.mask.device()
+    }
+    /// `(perm [NG, M] i32, count [NG] i32)`, built on first call.
+    pub fn lists(&self) -> Result<&(Tensor, Tensor)> {
+        if let Some(l) = self.lists.get() {
+            return Ok(l);
+        }
+        let l = match self.mask.device() {
+            Device::Cuda(d) => build_cuda(&self.mask, d)?,
+            _ => build_reference(&self.mask),
+        };
+        Ok(self.lists.get_or_init(|| l))
+    }
+    /// The caller's expected skip rate (e.g. the router's running mean), used by dispatch so it
+    /// need not synchronise to measure the mask.
+    pub fn with_sparsity_hint(mut self, s: f64) -> Self {
+        self.sparsity_hint = Some(s.clamp(0.0, 1.0));
+        self
+    }
+    /// Skip rate: the hint if one was given, else measured once from the mask (a device sync).
+    pub fn sparsity(&self) -> f64 {
+        if let Some(s) = self.sparsity_hint {
+            return s;
+        }
+        *self.measured.get_or_init(|| {
+            let n = self.mask.numel().max(1) as f64;
+            1.0 - self.mask.sum(Kind::Int64).int64_value(&[]) as f64 / n
+        })
+    }
+}
+
+/// Builds the layout of `mask` (`[M, NG]`, bool or u8, nonzero = active) on the mask's device.
+pub fn route_layout(mask: &Tensor) -> Result<RouteLayout> {
+    let size = mask.size();
+    if size.len() != 2 {
+        bail!("route_layout: mask must be [tokens, groups], got shape {size:?}");
+    }
+    if size[0] < 1 || size[1] < 1 {
+        bail!("route_layout: mask must have at least one token and one group, got shape {size:?}");
+    }
+    if size[0] > i32::MAX as i64 / 2 {
+        bail!("route_layout: {} tokens do not fit the i32 token lists", size[0]);
+    }
+    let mask = match mask.kind() {
+        // A bool tensor is one byte of 0/1 per entry: viewed as u8 without a device copy.
+        Kind::Bool => mask.contiguous().view_dtype(Kind::Uint8),
+        Kind::Uint8 => mask.contiguous(),
+        k => bail!("route_layout: mask must be bool or u8, got {k:?}"),
+    };
+    Ok(RouteLayout { mask, lists: OnceCell::new(), sparsity_hint: None, measured: OnceCell::new() })
+}
+
+/// Reference layout in tch (any device): a stable descending sort of each group's column.
+pub fn route_layout_reference(mask: &Tensor) -> (Tensor, Tensor) {
+    build_reference(&mask.to_kind(Kind::Uint8))
+}
+
+fn build_reference(mask: &Tensor) -> (Tensor, Tensor) {
+    let mt = mask.to_kind(Kind::Int64).transpose(0, 1); // [NG, M]
+    let (_, perm) = mt.sort_stable(true, 1, true);
+    let count = mt.sum_dim_intlist(1, false, Kind::Int64);
+    (perm.to_kind(Kind::Int).contiguous(), count.to_kind(Kind::Int))
+}
+
+fn build_cuda(mask: &Tensor, device: usize) -> Result<(Tensor, Tensor)> {
+    let (m, ng) = (mask.size()[0], mask.size()[1]);
+    // Transposed once so each group's column is read coalesced.
+    let mask_t = mask.transpose(0, 1).contiguous();
+    let perm = Tensor::empty([ng, m], (Kind::Int, mask.device()));
+    let count = Tensor::empty([ng], (Kind::Int, mask.device()));
+    let src = routed_source(false, None); // the layout entry is the same in both dtype modules
+    let k = CudaKernel::get(&src, "route_layout", device).context("loading route_layout")?;
+    let threads = (m.min(1024) as u32).div_ceil(32) * 32;
+    unsafe {
+        k.launch(
+            LaunchConfig { grid: (ng as u32, 1, 1), block: (threads, 1, 1), shared_mem_bytes: 0 },
+            &[KernelArg::tensor(&mask_t)?, KernelArg::I32(m as i32), KernelArg::tensor(&perm)?, KernelArg::tensor(&count)?],
+        )?;
+    }
+    Ok((perm, count))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reference_lists_active_first_ascending_then_inactive() {
+        let mask = Tensor::from_slice(&[1u8, 0, 0, 1, 1, 1, 0, 0, 1, 0]).view([5, 2]);
+        let l = route_layout(&mask).unwrap();
+        let (perm, count) = l.lists().unwrap();
+        assert_eq!(Vec::<i32>::try_from(count).unwrap(), vec![3, 2]);
+        // group 0: tokens 0,2,4 active; 1,3 inactive. group 1: tokens 1,2 active.
+        assert_eq!(Vec::<i32>::try_from(perm.view([-1])).unwrap(), vec![0, 2, 4, 1, 3, 1, 2, 0, 3, 4]);
+        assert!((l.sparsity() - 0.5).abs() < 1e-12);
+    }
+
+    #[test]
+    fn all_inactive_and_all_active() {
+        let l = route_layout(&Tensor::zeros([7, 3], (Kind::Bool, Device::Cpu))).unwrap();
+        let (perm, count) = l.lists().unwrap();
+        assert_eq!(count.sum(Kind::Int64).int64_value(&[]), 0);
+        assert_eq!(Vec::<i32>::try_from(perm.get(2)).unwrap(), (0..7).collect::<Vec<_>>());
+        let l = route_layout(&Tensor::ones([7, 3], (Kind::Bool, Device::Cpu))).unwrap();
+        assert_eq!(Vec::<i32>::try_from(&l.lists().unwrap().1).unwrap(), vec![7, 7, 7]);
+        assert_eq!(l.sparsity(), 0.0);
+    }
+
+    #[test]
+    fn rejects_bad_masks() {
+        assert!(route_layout(&Tensor::ones([4], (Kind::Bool, Device::Cpu))).is_err());
+        assert!(route_layout(&Tensor::ones([4, 2], (Kind::Float, Device::Cpu))).is_err());
+        assert!(route_layout(&Tensor::ones([0, 2], (Kind::Bool, Device::Cpu))).is_err());
+    }
+}
