@@ -9,6 +9,7 @@ pub mod model;
 pub mod presets;
 pub mod pretrained;
 pub mod rope;
+pub mod routing;
 pub mod safetensors;
 pub mod tokenizer;
 
@@ -18,3 +19,5 @@ pub use generate::{Generation, SamplingConfig};
 pub use model::{ForwardOptions, KvCache, LlamaModel, Logits};
 pub use tokenizer::Tokenizer;
 pub use pretrained::{parse_device, parse_dtype, Pretrained};
+#[cfg(test)]
+mod routing_forward_tests;

@@ -6,6 +6,7 @@
 use crate::checkpoint::WeightSource;
 use crate::config::ModelConfig;
 use crate::rope::{self, Rope};
+use crate::routing::RoutingRun;
 use anyhow::{bail, ensure, Result};
 use std::collections::HashMap;
 use tch::{nn, Device, Kind, Tensor};
@@ -236,7 +237,15 @@ impl LlamaModel {
     /// in the model's dtype. With a cache, K/V of the new tokens are written at slots
     /// `cache.len..cache.len + T` and `cache.len` advances.
     pub fn forward(&self, input_ids: &Tensor, opts: ForwardOptions) -> Result<Tensor> {
-        let hidden = self.forward_hidden(input_ids, opts.position_ids, opts.attention_mask, opts.cache)?;
+        let hidden = self.forward_hidden(input_ids, opts.position_ids, opts.attention_mask, opts.cache, None)?;
+        Ok(self.logits(&hidden, opts.logits.unwrap_or(Logits::All)))
+    }
+
+    /// [`LlamaModel::forward`] with routing: the run's routers (or fixed masks) decide per token
+    /// which head groups / channel groups / sublayers / layers execute, and the run records
+    /// skip statistics. The same code path as the dense forward.
+    pub fn forward_routed(&self, input_ids: &Tensor, opts: ForwardOptions, run: &mut RoutingRun) -> Result<Tensor> {
+        let hidden = self.forward_hidden(input_ids, opts.position_ids, opts.attention_mask, opts.cache, Some(run))?;
         Ok(self.logits(&hidden, opts.logits.unwrap_or(Logits::All)))
     }
 
@@ -247,6 +256,7 @@ impl LlamaModel {
         position_ids: Option<&Tensor>,
         attention_mask: Option<&Tensor>,
         mut cache: Option<&mut KvCache>,
+        mut routing: Option<&mut RoutingRun>,
     ) -> Result<Tensor> {
         let size = input_ids.size();
         ensure!(size.len() == 2, "input_ids must be [batch, seq], got {size:?}");
@@ -274,9 +284,13 @@ impl LlamaModel {
         }
         let ctx = self.attn_context(b, t, past, positions, attention_mask, cache.is_some())?;
         let mut x = Tensor::embedding(&self.embed_tokens, &input_ids.to_device(self.device), -1, false, false);
+        if let Some(r) = routing.as_deref() {
+            ensure!(r.routing.layers.len() == self.layers.len(), "routing has {} layers, the model {}", r.routing.layers.len(), self.layers.len());
+            ensure!(r.valid.size() == [b, t], "routing valid-token mask must be [{b}, {t}], got {:?}", r.valid.size());
+        }
         for (i, layer) in self.layers.iter().enumerate() {
             let kv = cache.as_deref_mut().map(|c| (&c.keys[i], &c.values[i]));
-            x = self.layer_forward(layer, &x, &ctx, kv);
+            x = self.layer_forward(layer, &x, &ctx, kv, routing.as_deref_mut().map(|r| (r, i)));
         }
         if let Some(c) = cache {
             c.len += t;
@@ -305,7 +319,7 @@ impl LlamaModel {
         let ctx = AttnContext { cos, sin, slots: Some(slot.shallow_clone()), kv_len: cap, masks, causal_fast: false };
         let mut x = Tensor::embedding(&self.embed_tokens, tokens, -1, false, false);
         for (i, layer) in self.layers.iter().enumerate() {
-            x = self.layer_forward(layer, &x, &ctx, Some((&cache.keys[i], &cache.values[i])));
+            x = self.layer_forward(layer, &x, &ctx, Some((&cache.keys[i], &cache.values[i])), None);
         }
         self.logits(&self.norm.forward(&x), Logits::Last).squeeze_dim(1)
     }
@@ -354,12 +368,52 @@ impl LlamaModel {
         Ok(AttnContext { cos, sin, slots, kv_len, masks, causal_fast })
     }
 
-    fn layer_forward(&self, layer: &DecoderLayer, x: &Tensor, ctx: &AttnContext, kv: Option<(&Tensor, &Tensor)>) -> Tensor {
+    /// One decoder layer. With routing, execute masks act where method.md puts them: per query
+    /// head before `o_proj`, per intermediate channel before `down_proj`, on a whole sublayer's
+    /// output, or on the whole layer's update; K/V are always computed.
+    fn layer_forward(
+        &self,
+        layer: &DecoderLayer,
+        x: &Tensor,
+        ctx: &AttnContext,
+        kv: Option<(&Tensor, &Tensor)>,
+        routing: Option<(&mut RoutingRun, usize)>,
+    ) -> Tensor {
+        let a = &layer.self_attn;
+        let (b, t, _) = x.size3().unwrap();
+        let (mut run, i) = match routing {
+            Some((r, i)) => (Some(r), i),
+            None => (None, 0),
+        };
+        let mut masks = run.as_deref_mut().map(|r| r.layer_masks_pre(i, x, a.num_heads));
         let h = layer.input_layernorm.forward(x);
-        let attn = self.attention(&layer.self_attn, &h, ctx, kv);
-        let x = x + layer.self_attn.o_proj.forward(&attn);
-        let h = layer.post_attention_layernorm.forward(&x);
-        &x + layer.mlp.forward(&h)
+        let mut attn = self.attention(a, &h, ctx, kv);
+        if let Some(hm) = masks.as_ref().and_then(|m| m.heads.as_ref()) {
+            attn = (attn.view([b, t, a.num_heads, a.head_dim]) * hm.unsqueeze(-1).to_kind(attn.kind())).view([b, t, a.num_heads * a.head_dim]);
+        }
+        let mut attn_out = a.o_proj.forward(&attn);
+        if let Some(m) = masks.as_ref().and_then(|m| m.attention_out.as_ref()) {
+            attn_out = attn_out * m.to_kind(x.kind());
+        }
+        let x1 = x + attn_out;
+        if let (Some(r), Some(m)) = (run.as_deref_mut(), masks.as_mut()) {
+            r.ffn_masks(i, &x1, layer.mlp.gate_proj.weight.size()[0], m);
+        }
+        let h2 = layer.post_attention_layernorm.forward(&x1);
+        let mut hidden = layer.mlp.hidden(&h2);
+        if let Some(cm) = masks.as_ref().and_then(|m| m.channels.as_ref()) {
+            hidden = hidden * cm.to_kind(x.kind());
+        }
+        let mut ffn_out = layer.mlp.down_proj.forward(&hidden);
+        if let Some(m) = masks.as_ref().and_then(|m| m.ffn_out.as_ref()) {
+            ffn_out = ffn_out * m.to_kind(x.kind());
+        }
+        let x2 = &x1 + ffn_out;
+        match masks.as_ref().and_then(|m| m.layer.as_ref()) {
+            // Skipping the layer keeps the residual exactly (x + 0 * update).
+            Some(lm) => x + lm.to_kind(x.kind()) * (x2 - x),
+            None => x2,
+        }
     }
 
     /// Attention outputs before `o_proj`: `[B, T, heads * head_dim]`.
