@@ -11,22 +11,27 @@ use anyhow::{bail, ensure, Result};
 use std::collections::HashMap;
 use tch::{nn, Device, Kind, Tensor};
 
-/// A linear layer `y = x W^T + b` with `W: [out, in]`.
+/// A linear layer `y = x W^T + b` with `W: [out, in]`, optionally with a LoRA adapter.
 #[derive(Debug)]
 pub struct Linear {
     pub weight: Tensor,
     pub bias: Option<Tensor>,
+    pub lora: Option<crate::lora::LoraAdapter>,
 }
 
 impl Linear {
     fn load(p: &nn::Path, src: &mut dyn WeightSource, spec: &BuildSpec, out: i64, inp: i64, bias: bool) -> Result<Self> {
         let weight = spec.param(p, src, "weight", &[out, inp])?;
         let bias = if bias { Some(spec.param(p, src, "bias", &[out])?) } else { None };
-        Ok(Self { weight, bias })
+        Ok(Self { weight, bias, lora: None })
     }
     /// `[.., in] -> [.., out]`
     pub fn forward(&self, x: &Tensor) -> Tensor {
-        x.linear(&self.weight, self.bias.as_ref())
+        let y = x.linear(&self.weight, self.bias.as_ref());
+        match &self.lora {
+            Some(l) => y + l.forward(x),
+            None => y,
+        }
     }
 }
 
