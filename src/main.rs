@@ -100,6 +100,32 @@ enum Command {
         #[arg(long)]
         prepare_only: bool,
     },
+    /// Stage 1: calibrate routers on a frozen model (or choose static_width groups) from a
+    /// TOML recipe; writes routers.safetensors and the routing manifest routing.json.
+    Calibrate {
+        #[arg(long)]
+        config: PathBuf,
+        /// Override a recipe field: `--set routing.target_sparsity=0.5` (repeatable).
+        #[arg(long = "set")]
+        overrides: Vec<String>,
+        #[arg(long)]
+        resume: bool,
+    },
+    /// Stage 2: LoRA recovery on top of a stage 1 folder (LoRA + routers, or LoRA only with
+    /// --freeze-routers); writes lora.safetensors, routers.safetensors and routing.json.
+    Recover {
+        #[arg(long)]
+        config: PathBuf,
+        /// The stage 1 output folder.
+        #[arg(long)]
+        stage1: Option<PathBuf>,
+        #[arg(long)]
+        freeze_routers: bool,
+        #[arg(long = "set")]
+        overrides: Vec<String>,
+        #[arg(long)]
+        resume: bool,
+    },
     /// Plot the loss curves of a training run's metrics.jsonl as a PNG.
     PlotLoss {
         metrics: PathBuf,
@@ -242,6 +268,27 @@ fn run(cli: Cli) -> Result<()> {
             new_model(&preset, &out, seed, kind, overwrite)
         }
         Command::Demo { workdir } => demo(&workdir),
+        Command::Calibrate { config, overrides, resume } => {
+            let (recipe, table) = wide_train::calibrate::CalibrationRecipe::load(&config, &overrides)?;
+            if recipe.stage1_dir.is_some() {
+                bail!("{} names a stage1_dir: that is a stage 2 recipe, run it with `wide recover`", config.display());
+            }
+            report_calibration(wide_train::calibrate::run(&recipe, &table, resume, provenance())?)
+        }
+        Command::Recover { config, stage1, freeze_routers, overrides, resume } => {
+            let (mut recipe, table) = wide_train::calibrate::CalibrationRecipe::load(&config, &overrides)?;
+            if let Some(s) = stage1 {
+                recipe.stage1_dir = Some(s);
+            }
+            recipe.freeze_routers |= freeze_routers;
+            if recipe.stage1_dir.is_none() {
+                bail!("stage 2 needs the stage 1 folder: pass --stage1 DIR (or set stage1_dir in the recipe)");
+            }
+            if recipe.lora.is_none() {
+                recipe.lora = Some(Default::default());
+            }
+            report_calibration(wide_train::calibrate::run(&recipe, &table, resume, provenance())?)
+        }
         Command::PlotLoss { metrics, out, title } => wide_eval::plots::loss_curve(&metrics, &out, &title),
         Command::Corpus { out, sources, validation_fraction, test_fraction } => {
             let recipe = wide_train::pretrain::DataConfig {
@@ -338,6 +385,27 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
     }
+}
+
+fn provenance() -> serde_json::Value {
+    serde_json::json!({"commit": env!("WIDE_GIT_COMMIT"), "version": env!("CARGO_PKG_VERSION"), "command": std::env::args().collect::<Vec<_>>().join(" ")})
+}
+
+fn report_calibration(r: Option<wide_train::calibrate::CalibrationReport>) -> Result<()> {
+    let Some(r) = r else { return Ok(()) };
+    let rates: Vec<String> = r.heldout.sparsity.skip_rate.iter().map(|(k, v)| format!("{k} {v:.3}")).collect();
+    println!(
+        "{} (stage {}, {}): held-out loss {:.4} (perplexity {:.2}); skip rates {}; executed FLOPs {:.3} of dense; written to {}",
+        r.name,
+        r.stage,
+        r.variant,
+        r.heldout.loss,
+        r.heldout.perplexity,
+        rates.join(", "),
+        r.heldout.sparsity.flops_fraction,
+        r.output_dir.display()
+    );
+    Ok(())
 }
 
 fn info(dir: &Path, as_json: bool, load: Option<(tch::Device, Kind)>) -> Result<()> {

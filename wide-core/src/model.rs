@@ -393,6 +393,9 @@ impl LlamaModel {
         let mut masks = run.as_deref_mut().map(|r| r.layer_masks_pre(i, x, a.num_heads));
         let h = layer.input_layernorm.forward(x);
         let mut attn = self.attention(a, &h, ctx, kv);
+        if let Some(obs) = run.as_deref_mut().and_then(|r| r.observer.as_mut()) {
+            obs.observe_heads(i, &attn.view([b, t, a.num_heads, a.head_dim]));
+        }
         if let Some(hm) = masks.as_ref().and_then(|m| m.heads.as_ref()) {
             attn = (attn.view([b, t, a.num_heads, a.head_dim]) * hm.unsqueeze(-1).to_kind(attn.kind())).view([b, t, a.num_heads * a.head_dim]);
         }
@@ -406,6 +409,9 @@ impl LlamaModel {
         }
         let h2 = layer.post_attention_layernorm.forward(&x1);
         let mut hidden = layer.mlp.hidden(&h2);
+        if let Some(obs) = run.as_deref_mut().and_then(|r| r.observer.as_mut()) {
+            obs.observe_channels(i, &hidden);
+        }
         if let Some(cm) = masks.as_ref().and_then(|m| m.channels.as_ref()) {
             hidden = hidden * cm.to_kind(x.kind());
         }

@@ -114,6 +114,20 @@ pub struct RoutingConfig {
     pub ffn_logit_offset: f64,
     #[serde(default)]
     pub layer_logit_offset: f64,
+    /// After router training, search the inference offsets on training text so that the
+    /// deterministic skip rate meets the target (the Gumbel-trained rate is a mean of
+    /// probabilities; the deterministic one thresholds them).
+    #[serde(default = "d_true")]
+    pub calibrate_offsets: bool,
+    /// Training sequences used for that search.
+    #[serde(default = "d_offset_seqs")]
+    pub offset_calibration_sequences: u64,
+}
+fn d_true() -> bool {
+    true
+}
+fn d_offset_seqs() -> u64 {
+    64
 }
 fn d_attn_group() -> i64 {
     1
@@ -151,6 +165,8 @@ impl RoutingConfig {
             attn_logit_offset: 0.0,
             ffn_logit_offset: 0.0,
             layer_logit_offset: 0.0,
+            calibrate_offsets: true,
+            offset_calibration_sequences: d_offset_seqs(),
         }
     }
 
@@ -488,6 +504,45 @@ pub(crate) struct LayerMasks {
     pub layer: Option<Tensor>,
 }
 
+/// Accumulates the mean activation norm of every attention head group (per-head output norm
+/// before `o_proj`) and FFN channel group (|silu(gate) * up| before `down_proj`) per layer:
+/// the importance that `static_width` keeps the largest groups by.
+pub struct ActivationObserver {
+    /// Per layer: `[groups]` summed scores (CPU f64).
+    pub heads: Vec<Tensor>,
+    pub channels: Vec<Tensor>,
+    attn_groups: i64,
+    ffn_groups: i64,
+}
+
+impl ActivationObserver {
+    pub fn new(m: &ModelConfig, c: &RoutingConfig) -> Self {
+        let n = m.num_hidden_layers as usize;
+        let ag = m.num_attention_heads / c.attn_group_size.max(1);
+        let fg = m.intermediate_size / c.ffn_group_size.max(1);
+        Self {
+            heads: (0..n).map(|_| Tensor::zeros([ag], (Kind::Double, Device::Cpu))).collect(),
+            channels: (0..n).map(|_| Tensor::zeros([fg], (Kind::Double, Device::Cpu))).collect(),
+            attn_groups: ag,
+            ffn_groups: fg,
+        }
+    }
+    /// `attn: [B, T, heads, head_dim]`.
+    pub(crate) fn observe_heads(&mut self, layer: usize, attn: &Tensor) {
+        let (b, t, h, _) = attn.size4().unwrap();
+        let norms = attn.to_kind(Kind::Float).norm_scalaropt_dim(2.0, [-1], false).view([b * t, self.attn_groups, h / self.attn_groups]);
+        let s = norms.mean_dim([0i64, 2].as_slice(), false, Kind::Float).to_device(Device::Cpu).to_kind(Kind::Double);
+        self.heads[layer] += s;
+    }
+    /// `hidden: [B, T, intermediate]`.
+    pub(crate) fn observe_channels(&mut self, layer: usize, hidden: &Tensor) {
+        let (b, t, i) = hidden.size3().unwrap();
+        let a = hidden.to_kind(Kind::Float).abs().view([b * t, self.ffn_groups, i / self.ffn_groups]);
+        let s = a.mean_dim([0i64, 2].as_slice(), false, Kind::Float).to_device(Device::Cpu).to_kind(Kind::Double);
+        self.channels[layer] += s;
+    }
+}
+
 /// Per-forward routing context: the routers, the gate mode, valid tokens and collected stats.
 pub struct RoutingRun<'a> {
     pub routing: &'a Routing,
@@ -498,12 +553,14 @@ pub struct RoutingRun<'a> {
     /// generator when absent.
     pub noise: Option<Vec<Tensor>>,
     pub stats: RoutingStats,
+    /// Activation statistics for `static_width` calibration.
+    pub observer: Option<ActivationObserver>,
     noise_cursor: usize,
 }
 
 impl<'a> RoutingRun<'a> {
     pub fn new(routing: &'a Routing, mode: GateMode, valid: Tensor) -> Self {
-        Self { routing, mode, valid, noise: None, stats: RoutingStats::default(), noise_cursor: 0 }
+        Self { routing, mode, valid, noise: None, stats: RoutingStats::default(), observer: None, noise_cursor: 0 }
     }
 
     /// Gate of router `r` on input `x: [B, T, hidden]` -> execute mask `[B, T, groups]`.

@@ -11,3 +11,4 @@ pub mod trainer;
 pub mod baselines;
 pub mod pretrain;
 pub mod recipe;
+pub mod calibrate;

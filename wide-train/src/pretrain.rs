@@ -5,7 +5,7 @@ use crate::bpe;
 use crate::corpus::{self, CorpusManifest, Source, Split, SplitFractions};
 use crate::dataset::{build_dataset, DatasetFiles, TokenFile};
 use crate::recipe;
-use crate::trainer::{evaluate, TrainConfig, TrainSummary, TrainTask, Trainer};
+use crate::trainer::{evaluate, StepContext, TrainConfig, TrainSummary, TrainTask, Trainer};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -194,8 +194,13 @@ pub fn lm_loss(model: &LlamaModel, batch: &Tensor) -> Result<Tensor> {
     let inputs = batch.narrow(1, 0, l);
     let targets = batch.narrow(1, 1, l);
     let logits = model.forward(&inputs, Default::default())?;
+    Ok(lm_loss_logits(&logits, &targets))
+}
+
+/// Mean cross-entropy of `logits: [B, T, V]` against `targets: [B, T]`, in f32.
+pub fn lm_loss_logits(logits: &Tensor, targets: &Tensor) -> Tensor {
     let v = logits.size()[2];
-    Ok(logits.to_kind(Kind::Float).view([-1, v]).cross_entropy_for_logits(&targets.reshape([-1])))
+    logits.to_kind(Kind::Float).view([-1, v]).cross_entropy_for_logits(&targets.reshape([-1]))
 }
 
 /// Stage 0 task: every parameter of the model trains.
@@ -210,7 +215,7 @@ impl TrainTask for PretrainTask {
         v.sort_by(|a, b| a.0.cmp(&b.0));
         v
     }
-    fn loss(&mut self, batch: &Tensor, _training: bool) -> Result<Tensor> {
+    fn loss(&mut self, batch: &Tensor, _ctx: &StepContext) -> Result<Tensor> {
         lm_loss(&self.model, batch)
     }
     fn fingerprint(&self) -> serde_json::Value {

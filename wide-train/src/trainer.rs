@@ -13,12 +13,26 @@ use std::sync::Arc;
 use tch::{Device, Tensor};
 use wide_core::safetensors::{self, SafetensorsFile};
 
+/// Where a loss is computed: training or evaluation, the optimizer step, and the global
+/// indices of the samples in the batch (random numbers are keyed by these, not by process).
+#[derive(Debug, Clone)]
+pub struct StepContext {
+    pub training: bool,
+    pub step: u64,
+    pub total_steps: u64,
+    pub sample_ids: Vec<u64>,
+}
+
 /// What a stage trains: its trainable tensors and its loss on a batch of token sequences.
 pub trait TrainTask {
     /// Named trainable parameters (they require grad).
     fn parameters(&self) -> Vec<(String, Tensor)>;
     /// Mean loss of `batch: [b, L + 1]` token ids (inputs `[.., :L]`, targets `[.., 1:]`).
-    fn loss(&mut self, batch: &Tensor, training: bool) -> Result<Tensor>;
+    fn loss(&mut self, batch: &Tensor, ctx: &StepContext) -> Result<Tensor>;
+    /// Extra scalars gathered since the last call (logged with the loss), e.g. skip rates.
+    fn take_metrics(&mut self) -> Vec<(String, f64)> {
+        vec![]
+    }
     /// Identity of the model configuration: a resume from a checkpoint of another
     /// configuration is refused.
     fn fingerprint(&self) -> serde_json::Value;
@@ -160,7 +174,8 @@ pub fn evaluate(task: &mut dyn TrainTask, file: &TokenFile, seq_len: usize, batc
     while i < n && (max_batches == 0 || count < max_batches * batch) {
         let idx: Vec<u64> = (i..(i + batch as u64).min(n)).collect();
         let b = file.batch(&idx, seq_len).to_device(task.device());
-        let l = task.loss(&b, false)?.double_value(&[]);
+        let ctx = StepContext { training: false, step: 0, total_steps: 0, sample_ids: idx.clone() };
+        let l = task.loss(&b, &ctx)?.double_value(&[]);
         sum += l * idx.len() as f64;
         count += idx.len();
         i += batch as u64;
@@ -335,9 +350,11 @@ impl Trainer<'_> {
                 opt.zero_grad();
                 let mut total = 0.0;
                 for _ in 0..cfg.grad_accum {
-                    let idx: Vec<u64> = (state.samples..state.samples + cfg.micro_batch as u64).map(|p| order.at(p)).collect();
+                    let positions: Vec<u64> = (state.samples..state.samples + cfg.micro_batch as u64).collect();
+                    let idx: Vec<u64> = positions.iter().map(|p| order.at(*p)).collect();
                     let batch = self.train.batch(&idx, seq_len).to_device(device);
-                    let loss = task.loss(&batch, true)?;
+                    let ctx = StepContext { training: true, step: state.step, total_steps, sample_ids: positions };
+                    let loss = task.loss(&batch, &ctx)?;
                     let l = loss.double_value(&[]);
                     if !l.is_finite() {
                         bail!(
@@ -371,12 +388,19 @@ impl Trainer<'_> {
                 tb.add_scalar("train/lr", lr as f32, s);
                 tb.add_scalar("train/grad_norm", grad_norm as f32, s);
                 tb.add_scalar("train/tokens_per_second", tps as f32, s);
-                writeln!(metrics, "{}", serde_json::json!({"step": state.step, "tokens": state.tokens, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_second": tps}))?;
+                let mut line = serde_json::json!({"step": state.step, "tokens": state.tokens, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_second": tps});
+                for (k, v) in task.take_metrics() {
+                    tb.add_scalar(&format!("train/{k}"), v as f32, s);
+                    line[k] = v.into();
+                }
+                writeln!(metrics, "{line}")?;
             }
             let last = state.step == total_steps;
             if let Some(val) = self.val {
                 if state.step % cfg.eval_every == 0 || last {
+                    let _ = task.take_metrics();
                     let vl = guarded(cfg, seq_len, || evaluate(task, val, seq_len, cfg.micro_batch, cfg.eval_batches))?;
+                    let _ = task.take_metrics();
                     state.last_val_loss = Some(vl);
                     tb.add_scalar("val/loss", vl as f32, state.step as usize);
                     writeln!(metrics, "{}", serde_json::json!({"step": state.step, "tokens": state.tokens, "val_loss": vl}))?;

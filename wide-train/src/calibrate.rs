@@ -1,0 +1,517 @@
+//! Stage 1 (router calibration: backbone frozen, routers only) and stage 2 (LoRA recovery:
+//! LoRA + routers, routers optionally frozen) on the trainer core, and the calibration of the
+//! `static_width` baseline (fixed groups chosen by mean activation norm). Outputs a routing
+//! checkpoint folder: `routers.safetensors`, `lora.safetensors` (stage 2) and the routing
+//! manifest `routing.json`.
+use crate::corpus::Split;
+use crate::pretrain::{lm_loss_logits, DataConfig};
+use crate::recipe;
+use crate::trainer::{StepContext, TrainConfig, TrainSummary, TrainTask, Trainer};
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use tch::{nn, Device, Kind, Tensor};
+use wide_core::lora::{Lora, LoraConfig};
+use wide_core::routing::{GateMode, RouterKind, Routing, RoutingConfig, RoutingRun, SparsityMeter, SparsityReport, Variant};
+use wide_core::safetensors::{self as st, SafetensorsFile};
+use wide_core::{parse_device, parse_dtype, ForwardOptions, LlamaModel, ModelConfig, Pretrained};
+
+/// A stage 1 or stage 2 recipe.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CalibrationRecipe {
+    pub name: String,
+    /// The Hugging Face model folder whose routers are trained.
+    pub model_dir: PathBuf,
+    pub routing: RoutingConfig,
+    pub data: DataConfig,
+    pub train: TrainConfig,
+    pub output: CalibrationOutput,
+    /// Stage 2 only.
+    #[serde(default)]
+    pub lora: Option<LoraConfig>,
+    /// Stage 2: the stage 1 folder to start from.
+    #[serde(default)]
+    pub stage1_dir: Option<PathBuf>,
+    /// Stage 2: keep the stage 1 routers fixed.
+    #[serde(default)]
+    pub freeze_routers: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CalibrationOutput {
+    pub dir: PathBuf,
+}
+
+impl CalibrationRecipe {
+    pub fn load(path: &Path, overrides: &[String]) -> Result<(Self, toml::Table)> {
+        let (r, t): (Self, _) = recipe::load(path, overrides)?;
+        r.train.validate()?;
+        Ok((r, t))
+    }
+}
+
+/// The routing manifest written next to router (and LoRA) weights.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RoutingManifest {
+    pub format: u32,
+    pub stage: u32,
+    pub routing: RoutingConfig,
+    pub model: ModelConfig,
+    pub lora: Option<LoraConfig>,
+    pub calibration_tokens: u64,
+    /// Deterministic skip rates, executed FLOPs fraction and loss on held-out text.
+    pub heldout: Option<HeldOut>,
+    pub provenance: serde_json::Value,
+    pub recipe: toml::Table,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct HeldOut {
+    pub split: String,
+    pub tokens: u64,
+    pub loss: f64,
+    pub perplexity: f64,
+    pub sparsity: SparsityReport,
+}
+
+/// The model, its routers and (stage 2) LoRA, ready to train or evaluate.
+pub struct RoutedModel {
+    pub pretrained: Pretrained,
+    pub routing: Routing,
+    pub router_vs: nn::VarStore,
+    pub lora: Option<(Lora, nn::VarStore)>,
+}
+
+impl RoutedModel {
+    /// Loads `model_dir` and creates fresh routers for `config`.
+    pub fn new(model_dir: &Path, config: &RoutingConfig, device: Device, kind: Kind) -> Result<Self> {
+        let pretrained = Pretrained::load(model_dir, device, kind)?;
+        for (_, t) in pretrained.vs.variables() {
+            let _ = t.set_requires_grad(false);
+        }
+        let router_vs = nn::VarStore::new(device);
+        let routing = Routing::new(&router_vs.root(), &pretrained.model.config, config, kind)?;
+        Ok(Self { pretrained, routing, router_vs, lora: None })
+    }
+
+    /// Loads a routing checkpoint folder (stage 1 or 2) onto `model_dir`.
+    pub fn load(model_dir: &Path, routing_dir: &Path, device: Device, kind: Kind) -> Result<Self> {
+        let manifest = read_manifest(routing_dir)?;
+        let mut m = Self::new(model_dir, &manifest.routing, device, kind)?;
+        check_model_matches(&manifest, &m.pretrained.model.config, routing_dir)?;
+        m.load_routers(routing_dir)?;
+        if let Some(lc) = &manifest.lora {
+            m.attach_lora(lc)?;
+            let f = SafetensorsFile::open(&routing_dir.join("lora.safetensors"))
+                .with_context(|| format!("{} lists LoRA adapters but has no readable lora.safetensors", routing_dir.display()))?;
+            Lora::load(&mut m.pretrained.model, &mut |n| f.read(n))?;
+        }
+        Ok(m)
+    }
+
+    pub fn load_routers(&self, dir: &Path) -> Result<()> {
+        let f = SafetensorsFile::open(&dir.join("routers.safetensors"))
+            .with_context(|| format!("{} has no readable routers.safetensors (is it a stage 1 folder?)", dir.display()))?;
+        self.routing.load_tensors(&mut |n| f.read(n))
+    }
+
+    pub fn attach_lora(&mut self, cfg: &LoraConfig) -> Result<()> {
+        let vs = nn::VarStore::new(self.pretrained.model.device);
+        let lora = Lora::attach(&mut self.pretrained.model, &vs.root(), cfg)?;
+        self.lora = Some((lora, vs));
+        Ok(())
+    }
+
+    pub fn model(&self) -> &LlamaModel {
+        &self.pretrained.model
+    }
+
+    /// Routed forward of `inputs: [B, T]` with `mode`; returns logits and the run's stats.
+    pub fn forward(&self, inputs: &Tensor, mode: GateMode, noise: Option<Vec<Tensor>>) -> Result<(Tensor, wide_core::routing::RoutingStats)> {
+        let (b, t) = inputs.size2()?;
+        let valid = Tensor::ones([b, t], (Kind::Float, inputs.device()));
+        let mut run = RoutingRun::new(&self.routing, mode, valid);
+        run.noise = noise;
+        let logits = self.pretrained.model.forward_routed(inputs, ForwardOptions::default(), &mut run)?;
+        Ok((logits, run.stats))
+    }
+}
+
+fn read_manifest(dir: &Path) -> Result<RoutingManifest> {
+    let p = dir.join("routing.json");
+    let text = std::fs::read_to_string(&p).with_context(|| format!("{} has no routing.json: run `wide calibrate` first (stage 1 files are missing)", dir.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("{} is not a valid routing manifest", p.display()))
+}
+
+fn check_model_matches(m: &RoutingManifest, cfg: &ModelConfig, dir: &Path) -> Result<()> {
+    let a = &m.model;
+    if (a.hidden_size, a.intermediate_size, a.num_hidden_layers, a.num_attention_heads, a.vocab_size)
+        != (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.vocab_size)
+    {
+        bail!(
+            "routers in {} were trained for another model (hidden {}, intermediate {}, {} layers, {} heads, vocab {}), not this one (hidden {}, intermediate {}, {} layers, {} heads, vocab {})",
+            dir.display(),
+            a.hidden_size,
+            a.intermediate_size,
+            a.num_hidden_layers,
+            a.num_attention_heads,
+            a.vocab_size,
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            cfg.num_hidden_layers,
+            cfg.num_attention_heads,
+            cfg.vocab_size
+        );
+    }
+    Ok(())
+}
+
+/// Uniform noise for every router call of a forward, drawn per sample from a generator
+/// seeded by (seed, global sample index): identical whatever the batch composition or the
+/// number of processes.
+pub fn routing_noise(routing: &Routing, model: &ModelConfig, sample_ids: &[u64], seq_len: i64, seed: u64, device: Device) -> Vec<Tensor> {
+    let calls: Vec<i64> = (0..model.num_hidden_layers as usize)
+        .flat_map(|i| {
+            let l = &routing.layers[i];
+            [&l.layer, &l.attention, &l.ffn].into_iter().flatten().map(|r| r.groups).collect::<Vec<_>>()
+        })
+        .collect();
+    let per_sample: Vec<Vec<Tensor>> = sample_ids
+        .iter()
+        .map(|id| {
+            tch::manual_seed((seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ id.wrapping_mul(0xBF58_476D_1CE4_E5B9)) as i64 & i64::MAX);
+            calls.iter().map(|g| Tensor::rand([1, seq_len, *g, 2], (Kind::Float, device))).collect()
+        })
+        .collect();
+    (0..calls.len()).map(|c| Tensor::cat(&per_sample.iter().map(|s| &s[c]).collect::<Vec<_>>(), 0)).collect()
+}
+
+/// Stage 1 / stage 2 training task.
+pub struct RoutingTask {
+    pub m: RoutedModel,
+    pub seed: u64,
+    pub train_routers: bool,
+    metrics: BTreeMap<String, (f64, usize)>,
+}
+
+impl TrainTask for RoutingTask {
+    fn parameters(&self) -> Vec<(String, Tensor)> {
+        let mut v = vec![];
+        if self.train_routers {
+            v.extend(self.m.routing.tensors().into_iter().filter(|(_, t)| t.requires_grad()));
+        }
+        if let Some((_, vs)) = &self.m.lora {
+            let mut l: Vec<_> = vs.variables().into_iter().collect();
+            l.sort_by(|a, b| a.0.cmp(&b.0));
+            v.extend(l);
+        }
+        v
+    }
+
+    fn loss(&mut self, batch: &Tensor, ctx: &StepContext) -> Result<Tensor> {
+        let l = batch.size()[1] - 1;
+        let inputs = batch.narrow(1, 0, l);
+        let targets = batch.narrow(1, 1, l);
+        let cfg = self.m.routing.config.clone();
+        if let Some((lora, _)) = &self.m.lora {
+            lora.set_training(ctx.training);
+        }
+        let (mode, noise) = if ctx.training {
+            let tau = cfg.tau(ctx.step, ctx.total_steps);
+            self.add_metric("tau", tau);
+            (GateMode::Train { tau }, Some(routing_noise(&self.m.routing, &self.m.model().config, &ctx.sample_ids, l, self.seed, batch.device())))
+        } else {
+            (GateMode::Inference, None)
+        };
+        let (logits, stats) = self.m.forward(&inputs, mode, noise)?;
+        let ce = lm_loss_logits(&logits, &targets);
+        self.add_metric("lm_loss", ce.double_value(&[]));
+        for k in stats.kinds() {
+            let r = stats.skip_rate(k).unwrap().double_value(&[]);
+            self.add_metric(&format!("skip_rate_{}", k.name()), r);
+        }
+        if ctx.training && self.train_routers {
+            if let Some(sl) = stats.sparsity_loss(&cfg) {
+                self.add_metric("sparsity_loss", sl.double_value(&[]));
+                return Ok(ce + sl);
+            }
+        }
+        Ok(ce)
+    }
+
+    fn take_metrics(&mut self) -> Vec<(String, f64)> {
+        std::mem::take(&mut self.metrics).into_iter().map(|(k, (s, n))| (k, s / n as f64)).collect()
+    }
+
+    fn fingerprint(&self) -> serde_json::Value {
+        serde_json::json!({"model": self.m.model().config, "routing": self.m.routing.config, "lora": self.m.lora.as_ref().map(|l| &l.0.config)})
+    }
+
+    fn device(&self) -> Device {
+        self.m.model().device
+    }
+}
+
+impl RoutingTask {
+    fn add_metric(&mut self, k: &str, v: f64) {
+        let e = self.metrics.entry(k.to_string()).or_insert((0.0, 0));
+        e.0 += v;
+        e.1 += 1;
+    }
+}
+
+/// Deterministic evaluation of a routed model on a token split: loss, skip rates per router
+/// kind and layer, executed FLOPs fraction.
+pub fn evaluate_routed(m: &RoutedModel, file: &crate::dataset::TokenFile, seq_len: usize, batch: usize, max_batches: usize) -> Result<HeldOut> {
+    let _g = tch::no_grad_guard();
+    if let Some((l, _)) = &m.lora {
+        l.set_training(false);
+    }
+    let n = file.num_sequences(seq_len);
+    if n == 0 {
+        bail!("{} is shorter than one sequence of {seq_len} tokens", file.path.display());
+    }
+    let mut meter = SparsityMeter::default();
+    let (mut sum, mut count) = (0.0, 0u64);
+    let mut i = 0u64;
+    let device = m.model().device;
+    while i < n && (max_batches == 0 || count < (max_batches * batch) as u64) {
+        let idx: Vec<u64> = (i..(i + batch as u64).min(n)).collect();
+        let b = file.batch(&idx, seq_len).to_device(device);
+        let inputs = b.narrow(1, 0, seq_len as i64);
+        let targets = b.narrow(1, 1, seq_len as i64);
+        let (logits, stats) = m.forward(&inputs, GateMode::Inference, None)?;
+        sum += lm_loss_logits(&logits, &targets).double_value(&[]) * idx.len() as f64;
+        meter.add(&m.model().config, m.routing.config.variant, &stats, &Tensor::ones(inputs.size(), (Kind::Float, device)));
+        count += idx.len() as u64;
+        i += batch as u64;
+    }
+    let loss = sum / count as f64;
+    Ok(HeldOut { split: String::new(), tokens: count * seq_len as u64, loss, perplexity: loss.exp(), sparsity: meter.report() })
+}
+
+/// Chooses the `static_width` groups of every layer: the groups with the largest mean
+/// activation norm over `batches` calibration batches are kept, `1 - target` of each type.
+pub fn calibrate_static_width(m: &RoutedModel, file: &crate::dataset::TokenFile, seq_len: usize, batch: usize, sequences: u64, seed: u64) -> Result<()> {
+    let _g = tch::no_grad_guard();
+    let cfg = &m.routing.config;
+    let model = m.model();
+    let mc = &model.config;
+    let n = file.num_sequences(seq_len);
+    let mut order = crate::dataset::SampleOrder::new(n, seed);
+    let device = model.device;
+    let mut obs = wide_core::routing::ActivationObserver::new(mc, cfg);
+    let mut pos = 0u64;
+    while pos < sequences {
+        let idx: Vec<u64> = (pos..(pos + batch as u64).min(sequences)).map(|p| order.at(p)).collect();
+        let b = file.batch(&idx, seq_len).to_device(device);
+        let inputs = b.narrow(1, 0, seq_len as i64);
+        let valid = Tensor::ones(inputs.size(), (Kind::Float, device));
+        let mut run = RoutingRun::new(&m.routing, GateMode::Inference, valid);
+        run.observer = Some(obs);
+        let _ = model.forward_routed(&inputs, ForwardOptions::default(), &mut run)?;
+        obs = run.observer.take().unwrap();
+        pos += idx.len() as u64;
+    }
+    let (ta, tf) = cfg.per_type_targets().unwrap_or((cfg.shared_target(), cfg.shared_target()));
+    for (i, l) in m.routing.layers.iter().enumerate() {
+        for (mask, scores, target) in [(&l.static_attention, &obs.heads[i], ta), (&l.static_ffn, &obs.channels[i], tf)] {
+            let Some(mask) = mask else { continue };
+            let g = mask.size()[0];
+            let keep = ((1.0 - target) * g as f64).round().max(1.0) as i64;
+            let top = scores.topk(keep, 0, true, false).1;
+            let new = Tensor::zeros([g], (Kind::Float, Device::Cpu)).index_fill(0, &top, 1.0);
+            mask.detach().copy_(&new.to_device(mask.device()));
+        }
+    }
+    Ok(())
+}
+
+/// What `wide calibrate` / `wide recover` report.
+#[derive(Debug, Clone, Serialize)]
+pub struct CalibrationReport {
+    pub name: String,
+    pub stage: u32,
+    pub variant: String,
+    pub train: Option<TrainSummary>,
+    pub heldout: HeldOut,
+    pub output_dir: PathBuf,
+}
+
+/// Runs stage 1 (no `stage1_dir`) or stage 2 (with it) of a recipe.
+pub fn run(recipe: &CalibrationRecipe, table: &toml::Table, resume: bool, provenance: serde_json::Value) -> Result<Option<CalibrationReport>> {
+    let stage = if recipe.stage1_dir.is_some() { 2 } else { 1 };
+    if stage == 2 && recipe.lora.is_none() {
+        bail!("stage 2 needs a [lora] table in the recipe");
+    }
+    // The data must be tokenized with the model's own tokenizer: use it where the recipe's
+    // tokenizer file does not exist yet.
+    let tok_model = recipe.model_dir.join("tokenizer.json");
+    if !recipe.data.tokenizer.exists() && tok_model.exists() {
+        if let Some(dir) = recipe.data.tokenizer.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir)?;
+        }
+        std::fs::copy(&tok_model, &recipe.data.tokenizer).with_context(|| format!("copying {}", tok_model.display()))?;
+    }
+    if let Some(dir) = &recipe.stage1_dir {
+        let man = read_manifest(dir)?;
+        let (a, b) = (&man.routing, &recipe.routing);
+        if (a.attn_group_size, a.ffn_group_size) != (b.attn_group_size, b.ffn_group_size) {
+            bail!(
+                "routers in {} use attention group size {} and FFN group size {}, the recipe asks for {} and {}",
+                dir.display(),
+                a.attn_group_size,
+                a.ffn_group_size,
+                b.attn_group_size,
+                b.ffn_group_size
+            );
+        }
+    }
+    let files = recipe.data.prepare()?;
+    let train = files.open(Split::Train)?;
+    let val = files.open(Split::Validation)?;
+    let device = parse_device(&recipe.train.device)?;
+    let kind = parse_dtype(&recipe.train.dtype, device)?;
+    tch::manual_seed(recipe.train.seed as i64);
+    let mut m = match &recipe.stage1_dir {
+        Some(dir) => {
+            let m = RoutedModel::load(&recipe.model_dir, dir, device, kind)?;
+            if m.routing.config.variant != recipe.routing.variant {
+                bail!("stage 1 in {} trained variant {}, the recipe asks for {}", dir.display(), m.routing.config.variant.name(), recipe.routing.variant.name());
+            }
+            m
+        }
+        None => RoutedModel::new(&recipe.model_dir, &recipe.routing, device, kind)?,
+    };
+    if tok_model.exists() && crate::dataset::sha256_file(&tok_model)? != crate::dataset::sha256_file(&recipe.data.tokenizer)? {
+        bail!(
+            "data.tokenizer {} is not the model's tokenizer ({}): the token ids would not match the model",
+            recipe.data.tokenizer.display(),
+            tok_model.display()
+        );
+    }
+    if (train.vocab_size as i64) > m.model().config.vocab_size {
+        bail!("the token files have a vocabulary of {}, larger than the model's {}", train.vocab_size, m.model().config.vocab_size);
+    }
+    let seq_len = recipe.data.seq_len;
+    if seq_len as i64 > m.model().config.max_position_embeddings {
+        bail!("data.seq_len {seq_len} is longer than the model's context ({})", m.model().config.max_position_embeddings);
+    }
+    let out = &recipe.output.dir;
+    recipe::write_effective(out, table)?;
+    let seqs = recipe.train.tokens.div_ceil(seq_len as u64);
+    let mut summary = None;
+    if m.routing.config.variant == Variant::StaticWidth {
+        if stage == 1 {
+            eprintln!("choosing static_width groups from {} calibration tokens", seqs * seq_len as u64);
+            calibrate_static_width(&m, &train, seq_len, recipe.train.micro_batch, seqs, recipe.train.seed)?;
+        }
+    }
+    let trains_routers = m.routing.config.variant != Variant::StaticWidth && m.routing.config.variant != Variant::Dense && !recipe.freeze_routers;
+    if stage == 2 {
+        m.attach_lora(recipe.lora.as_ref().unwrap())?;
+    }
+    if !trains_routers {
+        for (_, t) in m.routing.tensors() {
+            let _ = t.set_requires_grad(false);
+        }
+    }
+    if trains_routers || stage == 2 {
+        let mut task = RoutingTask { m, seed: recipe.train.seed, train_routers: trains_routers, metrics: BTreeMap::new() };
+        let trainer = Trainer { cfg: recipe.train.clone(), seq_len, out_dir: out.clone(), train: &train, val: Some(&val) };
+        let s = trainer.run(&mut task, resume)?;
+        if s.interrupted {
+            return Ok(None);
+        }
+        summary = Some(s);
+        m = task.m;
+    }
+    if trains_routers && m.routing.config.calibrate_offsets {
+        let n = m.routing.config.offset_calibration_sequences.min(train.num_sequences(seq_len)).max(1);
+        let idx: Vec<u64> = (0..n).collect();
+        let inputs = train.batch(&idx, seq_len).narrow(1, 0, seq_len as i64).to_device(device);
+        let found = calibrate_offsets(&mut m, &inputs)?;
+        eprintln!("inference logit offsets calibrated on {n} training sequences: {found:?}");
+    }
+    let mut heldout = evaluate_routed(&m, &val, seq_len, recipe.train.micro_batch, 0)?;
+    heldout.split = "validation".into();
+    save_routing_dir(&mut m, out, stage, seqs * seq_len as u64, Some(heldout.clone()), provenance, table.clone())?;
+    let report = CalibrationReport { name: recipe.name.clone(), stage, variant: m.routing.config.variant.name().into(), train: summary, heldout, output_dir: out.clone() };
+    std::fs::write(out.join("summary.json"), serde_json::to_string_pretty(&report)?)?;
+    Ok(Some(report))
+}
+
+/// Writes `routers.safetensors`, `lora.safetensors` (when adapters exist) and `routing.json`
+/// into `dir` (each through a temporary file).
+pub fn save_routing_dir(m: &mut RoutedModel, dir: &Path, stage: u32, tokens: u64, heldout: Option<HeldOut>, provenance: serde_json::Value, recipe: toml::Table) -> Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let routers: Vec<(String, Tensor)> = m.routing.tensors().into_iter().map(|(n, t)| (n, t.detach())).collect();
+    st::write(&dir.join("routers.safetensors"), &routers, &Default::default())?;
+    let lora_cfg = m.lora.as_ref().map(|l| l.0.config.clone());
+    if lora_cfg.is_some() {
+        let t: Vec<(String, Tensor)> = Lora::tensors(&mut m.pretrained.model).into_iter().map(|(n, t)| (n, t.detach())).collect();
+        st::write(&dir.join("lora.safetensors"), &t, &Default::default())?;
+    }
+    let manifest = RoutingManifest {
+        format: 1,
+        stage,
+        routing: m.routing.config.clone(),
+        model: m.model().config.clone(),
+        lora: lora_cfg,
+        calibration_tokens: tokens,
+        heldout,
+        provenance,
+        recipe,
+    };
+    let tmp = dir.join(".routing.json.tmp");
+    std::fs::write(&tmp, serde_json::to_string_pretty(&manifest)?)?;
+    std::fs::rename(&tmp, dir.join("routing.json"))?;
+    Ok(())
+}
+
+/// Searches inference logit offsets so that deterministic skip rates on `inputs` reach the
+/// recipe's targets: with per-type targets each router kind gets its own offset; with a shared
+/// target one offset moves every kind and their average is matched. Bisection (the skip rate
+/// grows with the offset). Returns the offsets found.
+pub fn calibrate_offsets(m: &mut RoutedModel, inputs: &Tensor) -> Result<BTreeMap<RouterKind, f64>> {
+    let _g = tch::no_grad_guard();
+    let (_, stats) = m.forward(inputs, GateMode::Inference, None)?;
+    let kinds = stats.kinds();
+    let cfg = m.routing.config.clone();
+    let groups: Vec<(Vec<RouterKind>, f64)> = match cfg.per_type_targets() {
+        Some((a, f)) => kinds.iter().map(|k| (vec![*k], if *k == RouterKind::Attention { a } else { f })).collect(),
+        None => vec![(kinds.clone(), cfg.shared_target())],
+    };
+    for (ks, target) in groups {
+        let (mut lo, mut hi) = (-30.0f64, 30.0f64);
+        for _ in 0..32 {
+            let mid = 0.5 * (lo + hi);
+            for k in &ks {
+                set_offset(&mut m.routing.config, *k, mid);
+            }
+            let (_, stats) = m.forward(inputs, GateMode::Inference, None)?;
+            let rate = ks.iter().map(|k| stats.skip_rate(*k).map(|r| r.double_value(&[])).unwrap_or(0.0)).sum::<f64>() / ks.len() as f64;
+            if rate < target {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        let best = 0.5 * (lo + hi);
+        for k in &ks {
+            set_offset(&mut m.routing.config, *k, best);
+        }
+    }
+    Ok(kinds.iter().map(|k| (*k, m.routing.config.logit_offset(*k))).collect())
+}
+
+pub fn set_offset(c: &mut RoutingConfig, kind: RouterKind, v: f64) {
+    match kind {
+        RouterKind::Attention => c.attn_logit_offset = v,
+        RouterKind::Ffn => c.ffn_logit_offset = v,
+        RouterKind::Layer => c.layer_logit_offset = v,
+    }
+}
