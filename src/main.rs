@@ -145,6 +145,40 @@ enum BenchCommand {
     Dense(DenseArgs),
     /// Routed kernels (gemm_mn, fused gate+up, gemm_k) against cuBLAS dense, cold and warm L2.
     Kernels(KernelsArgs),
+    /// Stage 1 (router calibration) training throughput, peak memory and MFU.
+    Train(TrainBenchArgs),
+}
+
+#[derive(Args)]
+struct TrainBenchArgs {
+    #[arg(long, default_value = "llama-3.1-8b")]
+    preset: String,
+    #[arg(long, default_value = "cuda")]
+    device: String,
+    #[arg(long, default_value = "bf16")]
+    dtype: String,
+    /// wide, sublayer_skip or layer_skip.
+    #[arg(long, default_value = "wide")]
+    variant: String,
+    #[arg(long, default_value_t = 0.5)]
+    sparsity: f64,
+    #[arg(long, default_value_t = 4)]
+    attn_group_size: i64,
+    #[arg(long, default_value_t = 128)]
+    ffn_group_size: i64,
+    #[arg(long, default_value_t = 4096)]
+    seq_len: i64,
+    #[arg(long, default_value_t = 1)]
+    micro_batch: i64,
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    #[arg(long, default_value_t = 6)]
+    iters: usize,
+    /// The bf16 matrix-product ceiling measured on the device (TFLOP/s), for MFU.
+    #[arg(long, default_value_t = 790.0)]
+    peak_tflops: f64,
+    #[arg(long)]
+    out: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -363,6 +397,28 @@ fn run(cli: Cli) -> Result<()> {
                 seed: a.seed,
             })
             .map(|_| ())
+        }
+        Command::Bench(BenchCommand::Train(a)) => {
+            let device = parse_device(&a.device)?;
+            let kind = parse_dtype(&a.dtype, device)?;
+            wide_core::routing::check_sparsity(a.sparsity)?;
+            wide_eval::bench::train::run(&wide_eval::bench::train::TrainBenchConfig {
+                preset: a.preset,
+                device,
+                kind,
+                variant: wide_core::routing::Variant::parse(&a.variant)?,
+                sparsity: a.sparsity,
+                attn_group_size: a.attn_group_size,
+                ffn_group_size: a.ffn_group_size,
+                seq_len: a.seq_len,
+                micro_batch: a.micro_batch,
+                warmup: a.warmup,
+                iters: a.iters,
+                peak_tflops: a.peak_tflops,
+                out: a.out,
+                commit: env!("WIDE_GIT_COMMIT").to_string(),
+            })?;
+            Ok(())
         }
         Command::Bench(BenchCommand::Dense(a)) => {
             let device = parse_device(&a.device)?;

@@ -88,7 +88,12 @@ pub struct RoutedModel {
 impl RoutedModel {
     /// Loads `model_dir` and creates fresh routers for `config`.
     pub fn new(model_dir: &Path, config: &RoutingConfig, device: Device, kind: Kind) -> Result<Self> {
-        let pretrained = Pretrained::load(model_dir, device, kind)?;
+        Self::from_pretrained(Pretrained::load(model_dir, device, kind)?, config)
+    }
+
+    /// Fresh routers for an already loaded (or randomly initialised) model, which is frozen.
+    pub fn from_pretrained(pretrained: Pretrained, config: &RoutingConfig) -> Result<Self> {
+        let (device, kind) = (pretrained.model.device, pretrained.model.kind);
         for (_, t) in pretrained.vs.variables() {
             let _ = t.set_requires_grad(false);
         }
@@ -256,6 +261,10 @@ impl TrainTask for RoutingTask {
 }
 
 impl RoutingTask {
+    pub fn new(m: RoutedModel, seed: u64, train_routers: bool) -> Self {
+        Self { m, seed, train_routers, metrics: BTreeMap::new() }
+    }
+
     fn add_metric(&mut self, k: &str, v: f64) {
         let e = self.metrics.entry(k.to_string()).or_insert((0.0, 0));
         e.0 += v;
@@ -420,7 +429,7 @@ pub fn run(recipe: &CalibrationRecipe, table: &toml::Table, resume: bool, proven
         }
     }
     if trains_routers || stage == 2 {
-        let mut task = RoutingTask { m, seed: recipe.train.seed, train_routers: trains_routers, metrics: BTreeMap::new() };
+        let mut task = RoutingTask::new(m, recipe.train.seed, trains_routers);
         let trainer = Trainer { cfg: recipe.train.clone(), seq_len, out_dir: out.clone(), train: &train, val: Some(&val) };
         let s = trainer.run(&mut task, resume)?;
         if s.interrupted {

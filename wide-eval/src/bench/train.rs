@@ -1,0 +1,131 @@
+//! `wide bench train`: stage 1 (router calibration) throughput on a random-weight model —
+//! Llama-3.1-8B-shaped by default, bf16, one 4096-token sequence per micro-batch — with the
+//! real training step (routed forward with Gumbel gates, LM + sparsity loss, backward through
+//! the frozen backbone to the routers, AdamW), peak memory and model FLOPs utilisation.
+use super::{device_label, peak_bytes, reset_peak, sync};
+use crate::report::{write_json, Provenance};
+use anyhow::Result;
+use serde_json::json;
+use std::path::PathBuf;
+use tch::{nn, Device, Kind, Tensor};
+use wide_core::routing::{RoutingConfig, Variant};
+use wide_core::{presets, LlamaModel, Pretrained, RandomWeights};
+use wide_train::calibrate::{RoutedModel, RoutingTask};
+use wide_train::optim::{AdamW, AdamWConfig};
+use wide_train::trainer::{StepContext, TrainTask};
+
+#[derive(Debug, Clone)]
+pub struct TrainBenchConfig {
+    pub preset: String,
+    pub device: Device,
+    pub kind: Kind,
+    pub variant: Variant,
+    pub sparsity: f64,
+    pub attn_group_size: i64,
+    pub ffn_group_size: i64,
+    pub seq_len: i64,
+    pub micro_batch: i64,
+    pub warmup: usize,
+    pub iters: usize,
+    /// Measured bf16 matrix ceiling, TFLOP/s, for MFU.
+    pub peak_tflops: f64,
+    pub out: Option<PathBuf>,
+    pub commit: String,
+}
+
+pub fn run(cfg: &TrainBenchConfig) -> Result<serde_json::Value> {
+    tch::manual_seed(0);
+    let mc = presets::preset(&cfg.preset)?;
+    let device = cfg.device;
+    let vs = nn::VarStore::new(device);
+    let model = tch::no_grad(|| LlamaModel::new(&vs.root(), &mc, &mut RandomWeights { std: 0.02 }, cfg.kind, false))?;
+    let mut rc = RoutingConfig::new(cfg.variant);
+    rc.attn_group_size = cfg.attn_group_size;
+    rc.ffn_group_size = cfg.ffn_group_size;
+    rc.target_sparsity = Some(cfg.sparsity);
+    let routed = RoutedModel::from_pretrained(Pretrained { vs, model, tokenizer: None }, &rc)?;
+    let mut task = RoutingTask::new(routed, 0, true);
+    let params = task.parameters();
+    let n_router: i64 = params.iter().map(|(_, t)| t.numel() as i64).sum();
+    let mut opt = AdamW::new(params, AdamWConfig { lr: 2e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 });
+    let total = (cfg.warmup + cfg.iters) as u64;
+    let tokens_per_step = (cfg.micro_batch * cfg.seq_len) as f64;
+    eprintln!(
+        "{}: {:.2}B parameters frozen, {} router parameters trained; {} x {} tokens per step on {}",
+        cfg.preset,
+        mc.parameter_count() as f64 / 1e9,
+        n_router,
+        cfg.micro_batch,
+        cfg.seq_len,
+        device_label(device)
+    );
+    sync(device)?;
+    reset_peak(device)?;
+    let mut times = vec![];
+    let mut losses = vec![];
+    for step in 0..total {
+        let batch = Tensor::randint(mc.vocab_size, [cfg.micro_batch, cfg.seq_len + 1], (Kind::Int64, device));
+        let ids: Vec<u64> = (0..cfg.micro_batch as u64).map(|i| step * cfg.micro_batch as u64 + i).collect();
+        sync(device)?;
+        let t0 = std::time::Instant::now();
+        opt.zero_grad();
+        let loss = task.loss(&batch, &StepContext { training: true, step, total_steps: total, sample_ids: ids })?;
+        loss.backward();
+        opt.clip_grad_norm(1.0);
+        opt.step(2e-3);
+        sync(device)?;
+        let dt = t0.elapsed().as_secs_f64();
+        let l = loss.double_value(&[]);
+        eprintln!("step {step}: {:.1} ms, {:.0} tokens/s, loss {l:.3}", dt * 1e3, tokens_per_step / dt);
+        if step as usize >= cfg.warmup {
+            times.push(dt);
+            losses.push(l);
+        }
+    }
+    let peak = peak_bytes(device)?;
+    let secs = super::median(&mut times);
+    let tps = tokens_per_step / secs;
+    // Executed FLOPs per token (the masked training path runs every matrix product): forward
+    // 2N and input-gradient backward 2N over the matmul parameters (everything but the input
+    // embedding), plus causal attention (forward QK^T and PV; backward about twice that).
+    let n_matmul = (mc.parameter_count() - mc.vocab_size * mc.hidden_size) as f64;
+    let attn_fwd = 4.0 * (mc.num_hidden_layers * mc.num_attention_heads * mc.head_dim) as f64 * (cfg.seq_len as f64 / 2.0);
+    let flops_per_token = 4.0 * n_matmul + 3.0 * attn_fwd;
+    let achieved = flops_per_token * tps / 1e12;
+    let mfu = achieved / cfg.peak_tflops;
+    let metrics = task.take_metrics();
+    let result = json!({
+        "benchmark": "train",
+        "provenance": Provenance::new(&cfg.commit, &device_label(device)),
+        "model": {"preset": cfg.preset, "parameters": mc.parameter_count(), "dtype": format!("{:?}", cfg.kind)},
+        "routing": {"variant": cfg.variant.name(), "sparsity": cfg.sparsity, "attn_group_size": cfg.attn_group_size, "ffn_group_size": cfg.ffn_group_size, "router_parameters": n_router},
+        "settings": {"seq_len": cfg.seq_len, "micro_batch": cfg.micro_batch, "warmup": cfg.warmup, "iters": cfg.iters},
+        "ms_per_step": secs * 1e3,
+        "tokens_per_s": tps,
+        "peak_gib": peak as f64 / (1u64 << 30) as f64,
+        "flops_per_token": flops_per_token,
+        "achieved_tflops": achieved,
+        "peak_tflops_reference": cfg.peak_tflops,
+        "mfu": mfu,
+        "losses": losses,
+        "last_metrics": metrics.into_iter().collect::<std::collections::BTreeMap<_, _>>(),
+    });
+    println!("\n| variant | sparsity | seq | ms/step | tokens/s | peak GiB | TFLOP/s | MFU |");
+    println!("|---|---|---|---|---|---|---|---|");
+    println!(
+        "| {} | {} | {} | {:.1} | {:.0} | {:.1} | {:.0} | {:.1}% |",
+        cfg.variant.name(),
+        cfg.sparsity,
+        cfg.seq_len,
+        secs * 1e3,
+        tps,
+        result["peak_gib"].as_f64().unwrap_or(0.0),
+        achieved,
+        mfu * 100.0
+    );
+    if let Some(out) = &cfg.out {
+        write_json(out, &result)?;
+        eprintln!("wrote {}", out.display());
+    }
+    Ok(result)
+}
