@@ -126,6 +126,38 @@ enum Command {
         #[arg(long)]
         resume: bool,
     },
+    /// Compare variants at one sparsity: calibrate (or load) wide, sublayer_skip, layer_skip
+    /// and static_width with the same recipe and budget, evaluate them next to dense, and
+    /// write compare.md/.csv/.json and compare.png.
+    Compare {
+        /// The stage 1 recipe shared by every variant.
+        #[arg(long)]
+        config: PathBuf,
+        #[arg(long = "set")]
+        overrides: Vec<String>,
+        #[arg(long, default_value_t = 0.5)]
+        sparsity: f64,
+        #[arg(long, value_delimiter = ',', default_value = "wide,sublayer_skip,layer_skip,static_width")]
+        variants: Vec<String>,
+        #[arg(long)]
+        out: PathBuf,
+        /// A stage 2 recipe: also train dense + LoRA and wide + LoRA identically.
+        #[arg(long)]
+        stage2: Option<PathBuf>,
+        /// Held-out split to evaluate on.
+        #[arg(long, default_value = "test")]
+        split: String,
+        /// Also score this JSONL multiple-choice task file.
+        #[arg(long)]
+        tasks: Option<PathBuf>,
+    },
+    /// Group-granularity sweep of `wide` from a TOML grid (resumable).
+    Sweep {
+        #[arg(long)]
+        config: PathBuf,
+        #[arg(long = "set")]
+        overrides: Vec<String>,
+    },
     /// Plot the loss curves of a training run's metrics.jsonl as a PNG.
     PlotLoss {
         metrics: PathBuf,
@@ -137,6 +169,9 @@ enum Command {
     /// Benchmark programs (GPU machine): print a table and write JSON results.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Evaluate models: perplexity, multiple-choice tasks, cloze task building.
+    #[command(subcommand)]
+    Eval(wide_eval::cli::EvalCommand),
 }
 
 #[derive(Subcommand)]
@@ -287,6 +322,7 @@ fn main() {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
+        Command::Eval(c) => wide_eval::cli::run(c, env!("WIDE_GIT_COMMIT")),
         Command::Info { model_dir, json, load, device, dtype } => {
             let load = if load {
                 let device = parse_device(&device)?;
@@ -322,6 +358,26 @@ fn run(cli: Cli) -> Result<()> {
                 recipe.lora = Some(Default::default());
             }
             report_calibration(wide_train::calibrate::run(&recipe, &table, resume, provenance())?)
+        }
+        Command::Compare { config, overrides, sparsity, variants, out, stage2, split, tasks } => {
+            let variants = variants.iter().map(|v| wide_core::routing::Variant::parse(v)).collect::<Result<Vec<_>>>()?;
+            wide_eval::compare::run(&wide_eval::compare::CompareConfig {
+                recipe: config,
+                overrides,
+                sparsity,
+                variants,
+                out,
+                stage2,
+                split: wide_train::corpus::Split::parse(&split)?,
+                tasks,
+                commit: env!("WIDE_GIT_COMMIT").to_string(),
+            })?;
+            Ok(())
+        }
+        Command::Sweep { config, overrides } => {
+            let cfg = wide_eval::sweep::load(&config, &overrides)?;
+            wide_eval::sweep::run(&cfg, env!("WIDE_GIT_COMMIT"))?;
+            Ok(())
         }
         Command::PlotLoss { metrics, out, title } => wide_eval::plots::loss_curve(&metrics, &out, &title),
         Command::Corpus { out, sources, validation_fraction, test_fraction } => {

@@ -4,3 +4,9 @@
 pub mod bench;
 pub mod report;
 pub mod plots;
+pub mod perplexity;
+pub mod zeroshot;
+pub mod cli;
+pub mod compare;
+mod zeroshot_bridge;
+pub mod sweep;

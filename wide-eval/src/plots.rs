@@ -90,3 +90,115 @@ pub fn loss_curve(metrics: &Path, out: &Path, title: &str) -> Result<()> {
         &[Series { name: "train".into(), points: train }, Series { name: "validation".into(), points: val }],
     )
 }
+
+/// A bar chart: one bar per label (PNG, 1000 x 600).
+pub fn bar_chart(path: &Path, title: &str, y_label: &str, bars: &[(String, f64)]) -> Result<()> {
+    ensure_font()?;
+    if bars.is_empty() {
+        bail!("nothing to plot for {title}");
+    }
+    let lo = bars.iter().map(|b| b.1).fold(0.0f64, f64::min);
+    let hi = bars.iter().map(|b| b.1).fold(0.0f64, f64::max);
+    let pad = ((hi - lo) * 0.1).max(1e-3);
+    let tmp = path.with_extension("tmp.png");
+    {
+        let root = BitMapBackend::new(&tmp, (1000, 600)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let n = bars.len();
+        let labels: Vec<String> = bars.iter().map(|b| b.0.clone()).collect();
+        let mut chart = ChartBuilder::on(&root)
+            .caption(title, ("sans-serif", 24))
+            .margin(15)
+            .x_label_area_size(45)
+            .y_label_area_size(70)
+            .build_cartesian_2d((0..n).into_segmented(), (lo - pad)..(hi + pad))
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .y_desc(y_label)
+            .x_label_formatter(&|x| match x {
+                SegmentValue::CenterOf(i) => labels.get(*i).cloned().unwrap_or_default(),
+                _ => String::new(),
+            })
+            .label_style(("sans-serif", 15))
+            .draw()
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        chart
+            .draw_series(bars.iter().enumerate().map(|(i, (_, v))| {
+                let color = Palette99::pick(i).to_rgba().filled();
+                let mut r = Rectangle::new([(SegmentValue::Exact(i), 0.0), (SegmentValue::Exact(i + 1), *v)], color);
+                r.set_margin(0, 0, 25, 25);
+                r
+            }))
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        chart
+            .draw_series(bars.iter().enumerate().map(|(i, (_, v))| {
+                Text::new(format!("{v:.3}"), (SegmentValue::CenterOf(i), *v), ("sans-serif", 16).into_font())
+            }))
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        root.present().map_err(|e| anyhow::anyhow!("{e}"))?;
+    }
+    std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))
+}
+
+/// A heatmap of `values[row][col]` (None = missing cell) with row and column labels.
+pub fn heatmap(path: &Path, title: &str, x_label: &str, y_label: &str, cols: &[String], rows: &[String], values: &[Vec<Option<f64>>]) -> Result<()> {
+    ensure_font()?;
+    let vals: Vec<f64> = values.iter().flatten().flatten().copied().filter(|v| v.is_finite()).collect();
+    if vals.is_empty() {
+        bail!("nothing to plot for {title}");
+    }
+    let (lo, hi) = vals.iter().fold((f64::MAX, f64::MIN), |(a, b), v| (a.min(*v), b.max(*v)));
+    let tmp = path.with_extension("tmp.png");
+    {
+        let root = BitMapBackend::new(&tmp, (900, 650)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(title, ("sans-serif", 22))
+            .margin(15)
+            .x_label_area_size(50)
+            .y_label_area_size(70)
+            .build_cartesian_2d((0..cols.len()).into_segmented(), (0..rows.len()).into_segmented())
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        chart
+            .configure_mesh()
+            .disable_mesh()
+            .x_desc(x_label)
+            .y_desc(y_label)
+            .x_label_formatter(&|x| match x {
+                SegmentValue::CenterOf(i) => cols.get(*i).cloned().unwrap_or_default(),
+                _ => String::new(),
+            })
+            .y_label_formatter(&|y| match y {
+                SegmentValue::CenterOf(i) => rows.get(*i).cloned().unwrap_or_default(),
+                _ => String::new(),
+            })
+            .label_style(("sans-serif", 15))
+            .draw()
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        for (r, row) in values.iter().enumerate() {
+            for (c, v) in row.iter().enumerate() {
+                let (fill, text) = match v {
+                    Some(v) if v.is_finite() => {
+                        let t = if hi > lo { (v - lo) / (hi - lo) } else { 0.5 };
+                        // Low (good) values green, high values red.
+                        (RGBColor((60.0 + 180.0 * t) as u8, (200.0 - 140.0 * t) as u8, 90), format!("{v:.3}"))
+                    }
+                    _ => (RGBColor(200, 200, 200), "failed".to_string()),
+                };
+                chart
+                    .draw_series(std::iter::once(Rectangle::new(
+                        [(SegmentValue::Exact(c), SegmentValue::Exact(r)), (SegmentValue::Exact(c + 1), SegmentValue::Exact(r + 1))],
+                        fill.filled(),
+                    )))
+                    .map_err(|e| anyhow::anyhow!("{e}"))?;
+                chart
+                    .draw_series(std::iter::once(Text::new(text, (SegmentValue::CenterOf(c), SegmentValue::CenterOf(r)), ("sans-serif", 18).into_font())))
+                    .map_err(|e| anyhow::anyhow!("{e}"))?;
+            }
+        }
+        root.present().map_err(|e| anyhow::anyhow!("{e}"))?;
+    }
+    std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))
+}
