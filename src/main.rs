@@ -158,6 +158,13 @@ enum Command {
         #[arg(long = "set")]
         overrides: Vec<String>,
     },
+    /// Rewrite the tables and charts of a compare.json or sweep.json (e.g. one made on a machine
+    /// without fonts) into a folder.
+    Replot {
+        json: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+    },
     /// Plot the loss curves of a training run's metrics.jsonl as a PNG.
     PlotLoss {
         metrics: PathBuf,
@@ -378,6 +385,16 @@ fn run(cli: Cli) -> Result<()> {
             let cfg = wide_eval::sweep::load(&config, &overrides)?;
             wide_eval::sweep::run(&cfg, env!("WIDE_GIT_COMMIT"))?;
             Ok(())
+        }
+        Command::Replot { json, out } => {
+            let text = std::fs::read_to_string(&json).with_context(|| format!("cannot read {}", json.display()))?;
+            if text.contains("\"cells\"") {
+                wide_eval::sweep::replot(&json, &out)
+            } else if text.contains("\"rows\"") {
+                wide_eval::compare::replot(&json, &out)
+            } else {
+                bail!("{} is neither a compare.json nor a sweep.json", json.display())
+            }
         }
         Command::PlotLoss { metrics, out, title } => wide_eval::plots::loss_curve(&metrics, &out, &title),
         Command::Corpus { out, sources, validation_fraction, test_fraction } => {

@@ -35,6 +35,8 @@ NCCL_LINK_DIR=$(mktemp -d) && ln -sf "$NCCL_DIR/libnccl.so.2" "$NCCL_LINK_DIR/li
 export LD_LIBRARY_PATH="$NCCL_LINK_DIR:$TORCH_LIB:$CUDA_PY/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 [ -f "$CUDA_PY/include/cuda_bf16.h" ] && export WIDE_CUDA_INCLUDE="$CUDA_PY/include"
 export WIDE_KERNEL_CACHE=/tmp/wide-kernels
+# No system fonts there: plots use the DejaVu Sans that matplotlib ships.
+WIDE_FONT=$(python3 -c 'import os, matplotlib; print(os.path.join(os.path.dirname(matplotlib.__file__), "mpl-data/fonts/ttf/DejaVuSans.ttf"))' 2>/dev/null) && export WIDE_FONT
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 ENV
 du -sh "$S" | awk '{print "staged .device: " $1 " (carry limit 64 MiB)"}' >&2

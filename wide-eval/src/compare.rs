@@ -29,7 +29,7 @@ pub struct CompareConfig {
     pub commit: String,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct Row {
     pub variant: String,
     pub stage: u32,
@@ -182,11 +182,36 @@ fn fmt(v: Option<f64>) -> String {
     v.map(|x| format!("{x:.3}")).unwrap_or_else(|| "-".into())
 }
 
+/// Rewrites compare.md, compare.csv and compare.png from a compare.json (e.g. one made on a
+/// machine without fonts) into `out`.
+pub fn replot(json: &Path, out: &Path) -> Result<()> {
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(json).with_context(|| format!("cannot read {}", json.display()))?)?;
+    let rows: Vec<Row> = serde_json::from_value(v["rows"].clone()).context("compare.json has no rows")?;
+    let cfg = CompareConfig {
+        recipe: PathBuf::from(v["recipe"].as_str().unwrap_or("")),
+        overrides: vec![],
+        sparsity: v["sparsity"].as_f64().unwrap_or(0.0),
+        variants: vec![],
+        out: out.to_path_buf(),
+        stage2: None,
+        split: Split::parse(v["split"].as_str().unwrap_or("test"))?,
+        tasks: None,
+        commit: v["provenance"]["commit"].as_str().unwrap_or("").to_string(),
+    };
+    std::fs::create_dir_all(out)?;
+    let model = v["model_dir"].as_str().unwrap_or("").to_string();
+    write_tables(&cfg, &model, &rows, None)
+}
+
 fn write_outputs(cfg: &CompareConfig, base: &CalibrationRecipe, rows: &[Row], device: Device) -> Result<()> {
+    write_tables(cfg, &base.model_dir.display().to_string(), rows, Some(device))
+}
+
+fn write_tables(cfg: &CompareConfig, model_dir: &str, rows: &[Row], device: Option<Device>) -> Result<()> {
     let mut md = String::new();
     md.push_str(&format!(
         "Model `{}`, sparsity {}, {} calibration tokens per variant (recipe `{}`), evaluated on the {} split.\n\n",
-        base.model_dir.display(),
+        model_dir,
         cfg.sparsity,
         rows.first().map(|r| r.calibration_tokens).unwrap_or(0),
         cfg.recipe.display(),
@@ -246,19 +271,21 @@ fn write_outputs(cfg: &CompareConfig, base: &CalibrationRecipe, rows: &[Row], de
     }
     std::fs::write(cfg.out.join("compare.md"), &md)?;
     std::fs::write(cfg.out.join("compare.csv"), &csv)?;
-    write_json(
-        &cfg.out.join("compare.json"),
-        &serde_json::json!({"provenance": Provenance::new(&cfg.commit, &crate::bench::device_label(device)), "sparsity": cfg.sparsity, "recipe": cfg.recipe, "split": cfg.split.name(), "rows": rows}),
-    )?;
+    if let Some(device) = device {
+        write_json(
+            &cfg.out.join("compare.json"),
+            &serde_json::json!({"provenance": Provenance::new(&cfg.commit, &crate::bench::device_label(device)), "model_dir": model_dir, "sparsity": cfg.sparsity, "recipe": cfg.recipe, "split": cfg.split.name(), "rows": rows}),
+        )?;
+    }
     let bars: Vec<(String, f64)> = rows
         .iter()
         .filter(|r| r.variant != "dense")
-        .map(|r| (format!("{}{} (FLOPs {:.2})", r.variant, if r.stage == 2 { "+LoRA" } else { "" }, r.flops_fraction), r.delta_loss))
+        .map(|r| (format!("{}{} {:.2}", r.variant, if r.stage == 2 { "+LoRA" } else { "" }, r.flops_fraction), r.delta_loss))
         .collect();
     if !bars.is_empty() {
         crate::plots::bar_chart(
             &cfg.out.join("compare.png"),
-            &format!("eval loss above dense at sparsity {} (lower is better)", cfg.sparsity),
+            &format!("eval loss above dense at sparsity {} (label: variant, FLOPs fraction)", cfg.sparsity),
             "Δ eval loss (nats/token)",
             &bars,
         )?;

@@ -111,7 +111,7 @@ pub fn bar_chart(path: &Path, title: &str, y_label: &str, bars: &[(String, f64)]
             .margin(15)
             .x_label_area_size(45)
             .y_label_area_size(70)
-            .build_cartesian_2d((0..n).into_segmented(), (lo - pad)..(hi + pad))
+            .build_cartesian_2d((0..n - 1).into_segmented(), (lo - pad)..(hi + pad))
             .map_err(|e| anyhow::anyhow!("{e}"))?;
         chart
             .configure_mesh()
@@ -159,7 +159,7 @@ pub fn heatmap(path: &Path, title: &str, x_label: &str, y_label: &str, cols: &[S
             .margin(15)
             .x_label_area_size(50)
             .y_label_area_size(70)
-            .build_cartesian_2d((0..cols.len()).into_segmented(), (0..rows.len()).into_segmented())
+            .build_cartesian_2d((0..cols.len() - 1).into_segmented(), (0..rows.len() - 1).into_segmented())
             .map_err(|e| anyhow::anyhow!("{e}"))?;
         chart
             .configure_mesh()

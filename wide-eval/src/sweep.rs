@@ -159,11 +159,11 @@ pub fn run(cfg: &SweepConfig, commit: &str) -> Result<Vec<Cell>> {
             }
         }
     }
-    write_outputs(cfg, &cells, dense_loss, commit)?;
+    write_outputs(cfg, &cells, dense_loss, commit, true)?;
     Ok(cells)
 }
 
-fn write_outputs(cfg: &SweepConfig, cells: &[Cell], dense_loss: f64, commit: &str) -> Result<()> {
+fn write_outputs(cfg: &SweepConfig, cells: &[Cell], dense_loss: f64, commit: &str, json: bool) -> Result<()> {
     let f = |v: Option<f64>| v.map(|x| format!("{x:.4}")).unwrap_or_else(|| "-".into());
     let mut md = format!("Sweep `{}` of `wide`: dense eval loss {dense_loss:.4} on the {} split.\n\n", cfg.name, cfg.split);
     md.push_str("| stage | sparsity | attn group | FFN group | eval loss | Δloss | skip attn | skip ffn | FLOPs frac | error |\n|---|---|---|---|---|---|---|---|---|---|\n");
@@ -199,7 +199,9 @@ fn write_outputs(cfg: &SweepConfig, cells: &[Cell], dense_loss: f64, commit: &st
     }
     std::fs::write(cfg.out.join("sweep.md"), &md)?;
     std::fs::write(cfg.out.join("sweep.csv"), &csv)?;
-    write_json(&cfg.out.join("sweep.json"), &serde_json::json!({"provenance": Provenance::new(commit, ""), "config": cfg, "dense_eval_loss": dense_loss, "cells": cells}))?;
+    if json {
+        write_json(&cfg.out.join("sweep.json"), &serde_json::json!({"provenance": Provenance::new(commit, ""), "config": cfg, "dense_eval_loss": dense_loss, "cells": cells}))?;
+    }
     for &stage in &cfg.stages {
         for &s in &cfg.sparsities {
             let cols: Vec<String> = cfg.ffn_group_sizes.iter().map(|g| g.to_string()).collect();
@@ -223,6 +225,17 @@ fn write_outputs(cfg: &SweepConfig, cells: &[Cell], dense_loss: f64, commit: &st
     }
     println!("{md}");
     Ok(())
+}
+
+/// Rewrites the sweep table and heatmaps from a sweep.json into `out`.
+pub fn replot(json: &Path, out: &Path) -> Result<()> {
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(json).with_context(|| format!("cannot read {}", json.display()))?)?;
+    let mut cfg: SweepConfig = serde_json::from_value(v["config"].clone()).context("sweep.json has no config")?;
+    let cells: Vec<Cell> = serde_json::from_value(v["cells"].clone()).context("sweep.json has no cells")?;
+    cfg.out = out.to_path_buf();
+    std::fs::create_dir_all(out)?;
+    let commit = v["provenance"]["commit"].as_str().unwrap_or("").to_string();
+    write_outputs(&cfg, &cells, v["dense_eval_loss"].as_f64().unwrap_or(f64::NAN), &commit, false)
 }
 
 /// Reads a sweep TOML (with `--set` overrides).
