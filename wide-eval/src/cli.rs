@@ -13,9 +13,11 @@ use wide_train::corpus::{read_split, Split};
 
 #[derive(Subcommand, Debug)]
 pub enum EvalCommand {
-    /// Perplexity of a model (dense, or with a routing folder) on a corpus split or a text
-    /// file, in windows of --seq-len tokens every --stride tokens; routed models also report
-    /// skip rates and the executed FLOPs fraction on that text.
+    /// Perplexity on a corpus split or a text file (dense or routed).
+    ///
+    /// Windows of --seq-len tokens every --stride tokens, each scoring only tokens no earlier
+    /// window scored; routed models also report skip rates and the executed FLOPs fraction on
+    /// that text.
     Ppl {
         /// Hugging Face model folder.
         model_dir: PathBuf,
@@ -51,8 +53,10 @@ pub enum EvalCommand {
         #[arg(long)]
         json: Option<PathBuf>,
     },
-    /// Zero-shot multiple choice from a JSONL task file ({"context", "choices", "gold"} per
-    /// line): log-likelihood of every choice, acc and byte-normalised acc_norm.
+    /// Zero-shot multiple choice from a JSONL task file: acc and acc_norm.
+    ///
+    /// One {"context", "choices", "gold"} object per line; every choice is scored by its
+    /// log-likelihood given the context; acc_norm divides it by the choice's UTF-8 bytes.
     Tasks {
         /// Hugging Face model folder.
         model_dir: PathBuf,
@@ -80,9 +84,10 @@ pub enum EvalCommand {
         #[arg(long)]
         json: Option<PathBuf>,
     },
-    /// Build cloze tasks from held-out corpus text: a passage of --context-words words, the
-    /// next --continuation-words words as the right choice, and --distractors spans of as many
-    /// words from elsewhere in the same document; written as a JSONL task file.
+    /// Build cloze tasks (JSONL) from held-out corpus text.
+    ///
+    /// A passage of --context-words words, the next --continuation-words words as the right
+    /// choice, and --distractors spans of as many words from elsewhere in the same document.
     BuildCloze {
         /// Corpus folder (`wide corpus`).
         #[arg(long)]
