@@ -150,7 +150,8 @@ enum Command {
         /// Held-out split to evaluate on.
         #[arg(long, default_value = "test")]
         split: String,
-        /// Also score this JSONL multiple-choice task file.
+        /// Multiple-choice task file (JSONL) for acc/acc_norm; default: cloze tasks built from
+        /// the evaluation split.
         #[arg(long)]
         tasks: Option<PathBuf>,
     },

@@ -24,7 +24,7 @@ pub struct CompareConfig {
     pub stage2: Option<PathBuf>,
     /// Held-out split for the evaluation.
     pub split: Split,
-    /// Extra evaluation of the multiple-choice tasks in this JSONL file.
+    /// Multiple-choice tasks (JSONL); default: cloze tasks built from the evaluation split.
     pub tasks: Option<PathBuf>,
     pub commit: String,
 }
@@ -129,18 +129,27 @@ pub fn run(cfg: &CompareConfig) -> Result<Vec<Row>> {
     // Evaluation on the held-out split, every variant on the same sequences.
     let files = base.data.prepare()?;
     let eval_file = files.open(cfg.split)?;
+    // Zero-shot tasks: the user's file, or cloze tasks cut from the same held-out split.
+    let tasks = match &cfg.tasks {
+        Some(t) => t.clone(),
+        None => {
+            let p = cfg.out.join(format!("cloze-{}.jsonl", cfg.split.name()));
+            if !p.exists() {
+                let docs = wide_train::corpus::read_split(&base.data.corpus_dir, cfg.split)?;
+                let t = crate::zeroshot::build_cloze(&docs, &crate::zeroshot::ClozeConfig::default())?;
+                crate::zeroshot::write_jsonl(&p, &t)?;
+                eprintln!("== built {} cloze tasks from the {} split: {}", t.len(), cfg.split.name(), p.display());
+            }
+            p
+        }
+    };
     let mut rows = vec![];
     for (v, stage, dir) in &dirs {
         let m = RoutedModel::load(&base.model_dir, dir, device, kind)?;
         let h = evaluate_routed(&m, &eval_file, seq_len, base.train.micro_batch, 0)?;
         let manifest: RoutingManifest = serde_json::from_str(&std::fs::read_to_string(dir.join("routing.json"))?)?;
-        let (acc, acc_norm) = match &cfg.tasks {
-            Some(t) => {
-                let r = crate::zeroshot_bridge::accuracy(&m, t)?;
-                (Some(r.0), Some(r.1))
-            }
-            None => (None, None),
-        };
+        let r = crate::zeroshot::evaluate_task_file(&m, &tasks, None, &crate::zeroshot::TaskConfig::default())?;
+        let (acc, acc_norm) = (Some(r.acc), Some(r.acc_norm));
         let get = |k: &str| h.sparsity.skip_rate.get(k).copied();
         rows.push(Row {
             variant: v.name().to_string(),

@@ -8,5 +8,4 @@ pub mod perplexity;
 pub mod zeroshot;
 pub mod cli;
 pub mod compare;
-mod zeroshot_bridge;
 pub mod sweep;
