@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use tch::{Device, Kind, Tensor};
 use wide_core::routing::{GateMode, RoutingConfig, RoutingRun, SparsityMeter, SparsityReport, Variant};
-use wide_core::{ForwardOptions, Tokenizer};
+use wide_core::{Logits, Tokenizer};
 use wide_train::calibrate::RoutedModel;
 use wide_train::corpus::{read_split, Split};
 
@@ -171,30 +171,51 @@ pub fn window_batch(tokens: &[i64], ws: &[Window], pad: i64) -> WindowBatch {
     }
 }
 
+/// Rows of LM-head logits computed at once (bounds memory for large vocabularies).
+const LOGIT_ROWS: i64 = 2048;
+
 /// Log-probability of each target given the inputs up to and including its position:
 /// `inputs, targets: [B, T]` i64, `valid: [B, T]` f32 (1 = real token; padding must follow
-/// every real token of its row) -> `[B, T]` f32 on the CPU. Routed models gate
-/// deterministically; their skip statistics over valid tokens go to `meter`.
-pub fn target_logprobs(m: &RoutedModel, inputs: &Tensor, targets: &Tensor, valid: &Tensor, meter: Option<&mut SparsityMeter>) -> Result<Tensor> {
+/// every real token of its row), `scored: [B, T]` (nonzero where the log-probability is
+/// wanted) -> `[B, T]` f32 on the CPU, 0 where not scored. The LM head runs only at scored
+/// positions. Routed models gate deterministically; their skip statistics over valid tokens
+/// go to `meter`.
+pub fn target_logprobs(m: &RoutedModel, inputs: &Tensor, targets: &Tensor, valid: &Tensor, scored: &Tensor, meter: Option<&mut SparsityMeter>) -> Result<Tensor> {
     let _g = tch::no_grad_guard();
     let model = m.model();
     let dev = model.device;
     let (b, t) = inputs.size2()?;
-    ensure!(targets.size() == [b, t], "targets must be [{b}, {t}] like the inputs, got {:?}", targets.size());
-    ensure!(valid.size() == [b, t], "the valid-token mask must be [{b}, {t}] like the inputs, got {:?}", valid.size());
+    for (name, x) in [("targets", targets), ("the valid-token mask", valid), ("the scored mask", scored)] {
+        ensure!(x.size() == [b, t], "{name} must be [{b}, {t}] like the inputs, got {:?}", x.size());
+    }
     ensure!(t <= model.config.max_position_embeddings, "{t} input tokens exceed the model's context of {}", model.config.max_position_embeddings);
     let valid_d = valid.to_device(dev).to_kind(Kind::Float);
     let mut run = RoutingRun::new(&m.routing, GateMode::Inference, valid_d.shallow_clone());
     // Right padding under causal attention cannot reach real positions, so no padding mask is
     // needed (and the fast causal attention path stays in use).
-    let logits = model.forward_routed(&inputs.to_device(dev), ForwardOptions::default(), &mut run)?;
-    let logits = logits.to_kind(Kind::Float);
-    let picked = logits.gather(-1, &targets.to_device(dev).unsqueeze(-1), false).squeeze_dim(-1);
-    let lp = picked - logits.logsumexp([-1i64].as_slice(), false);
+    let hidden = model.forward_hidden(&inputs.to_device(dev), None, None, None, Some(&mut run))?;
     if let Some(meter) = meter {
         meter.add(&model.config, m.routing.config.variant, &run.stats, &valid_d);
     }
-    Ok(lp.to_device(Device::Cpu))
+    let idx = scored.to_device(dev).ne(0).reshape([-1]).nonzero().squeeze_dim(-1);
+    let n = idx.size()[0];
+    let out = Tensor::zeros([b * t], (Kind::Float, dev));
+    if n == 0 {
+        return Ok(out.view([b, t]).to_device(Device::Cpu));
+    }
+    let h = hidden.reshape([b * t, -1]).index_select(0, &idx);
+    let tg = targets.to_device(dev).reshape([-1]).index_select(0, &idx);
+    let mut parts = vec![];
+    let mut s = 0;
+    while s < n {
+        let len = LOGIT_ROWS.min(n - s);
+        let logits = model.logits(&h.narrow(0, s, len), Logits::All).to_kind(Kind::Float);
+        let picked = logits.gather(-1, &tg.narrow(0, s, len).unsqueeze(-1), false).squeeze_dim(-1);
+        parts.push(picked - logits.logsumexp([-1i64].as_slice(), false));
+        s += len;
+    }
+    let lp = out.index_copy(0, &idx, &Tensor::cat(&parts, 0));
+    Ok(lp.view([b, t]).to_device(Device::Cpu))
 }
 
 /// Window and batch settings.
@@ -254,7 +275,7 @@ pub fn perplexity(m: &RoutedModel, tokens: &[i64], cfg: &PerplexityConfig) -> Re
     let (mut nll, mut scored) = (0f64, 0usize);
     for chunk in ws.chunks(cfg.batch) {
         let b = window_batch(tokens, chunk, 0);
-        let lp = target_logprobs(m, &b.inputs, &b.targets, &b.valid, routed.then_some(&mut meter))?;
+        let lp = target_logprobs(m, &b.inputs, &b.targets, &b.valid, &b.scored, routed.then_some(&mut meter))?;
         nll -= (lp.to_kind(Kind::Double) * b.scored.to_kind(Kind::Double)).sum(Kind::Double).double_value(&[]);
         scored += chunk.iter().map(Window::scored).sum::<usize>();
     }

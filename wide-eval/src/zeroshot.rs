@@ -302,14 +302,16 @@ pub fn evaluate_tasks(m: &RoutedModel, tok: &Tokenizer, tasks: &[McTask], cfg: &
             tokens_read += len;
         }
         let shape = [b as i64, t as i64];
+        let scored = Tensor::from_slice(&scored).view(shape);
         let lp = target_logprobs(
             m,
             &Tensor::from_slice(&inputs).view(shape),
             &Tensor::from_slice(&targets).view(shape),
             &Tensor::from_slice(&valid).view(shape),
+            &scored,
             routed.then_some(&mut meter),
         )?;
-        let sums = Vec::<f64>::try_from((lp.to_kind(Kind::Double) * Tensor::from_slice(&scored).view(shape)).sum_dim_intlist(1, false, Kind::Double))?;
+        let sums = Vec::<f64>::try_from((lp.to_kind(Kind::Double) * scored).sum_dim_intlist(1, false, Kind::Double))?;
         for (r, &i) in chunk.iter().enumerate() {
             let q = &reqs[i];
             loglik[q.task][q.choice] = sums[r];
