@@ -71,6 +71,7 @@ pub fn parse_task(line: &str) -> Result<McTask> {
 
 /// Reads a JSONL task file (blank lines are skipped), at most `limit` tasks.
 pub fn read_tasks(path: &Path, limit: Option<usize>) -> Result<Vec<McTask>> {
+    ensure!(limit != Some(0), "--limit must be at least 1");
     let f = std::fs::File::open(path).with_context(|| format!("cannot read task file {}", path.display()))?;
     let mut tasks = vec![];
     for (i, line) in std::io::BufReader::new(f).lines().enumerate() {
@@ -607,6 +608,7 @@ mod tests {
         assert!(e.contains("t.jsonl line 3") && e.contains("\"gold\" is 3 but there are only 1 choices"), "{e}");
         // The limit stops before the bad line.
         assert_eq!(read_tasks(&p, Some(1)).unwrap().len(), 1);
+        assert!(format!("{:#}", read_tasks(&p, Some(0)).unwrap_err()).contains("--limit must be at least 1"));
         std::fs::write(&p, "\n").unwrap();
         assert!(format!("{:#}", read_tasks(&p, None).unwrap_err()).contains("holds no tasks"));
         assert!(format!("{:#}", read_tasks(&dir.0.join("none.jsonl"), None).unwrap_err()).contains("cannot read task file"));
