@@ -189,7 +189,13 @@ fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
 
 /// Runs `f`, turning a libtorch panic into an error (out-of-memory gets the one-line advice).
 fn guarded<T>(cfg: &TrainConfig, seq_len: usize, f: impl FnOnce() -> Result<T>) -> Result<T> {
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+    // libtorch errors arrive as panics from tch; keep the default hook from printing them (the
+    // caller prints one line).
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    std::panic::set_hook(hook);
+    match r {
         Ok(r) => r,
         Err(p) => {
             let msg = panic_message(p);
