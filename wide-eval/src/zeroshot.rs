@@ -526,7 +526,7 @@ pub fn build_cloze(docs: &[Document], cfg: &ClozeConfig) -> Result<Vec<ClozeTask
             }
             let t = span_text(text, w, s, m);
             let ratio = t.len() as f64 / alen;
-            if ratio > LENGTH_RATIO || ratio < 1.0 / LENGTH_RATIO || !plain_words(text, &w[s..s + m]) || t == answer || picked.iter().any(|(_, x)| *x == t) {
+            if !(1.0 / LENGTH_RATIO..=LENGTH_RATIO).contains(&ratio) || !plain_words(text, &w[s..s + m]) || t == answer || picked.iter().any(|(_, x)| *x == t) {
                 continue;
             }
             picked.push((s, t));
