@@ -1,0 +1,109 @@
+//! `wide compare` and `wide sweep` end to end on the committed testbed-tiny (CPU, tiny budgets):
+//! outputs, dense-relative columns, resumability, and a failing sweep cell that does not stop
+//! the rest.
+mod common;
+
+use common::run_wide;
+use std::path::{Path, PathBuf};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn data_overrides() -> Vec<String> {
+    let data = root().join("target/test-data");
+    vec![
+        format!("model_dir=\"{}\"", root().join("testbed/testbed-tiny").display()),
+        format!("data.corpus_dir=\"{}\"", data.join("corpus").display()),
+        format!("data.tokenizer=\"{}\"", data.join("tokenizer-tiny.json").display()),
+        format!("data.token_cache=\"{}\"", data.join("tokens").display()),
+        "train.tokens=4096".to_string(),
+    ]
+}
+
+/// The data folders under target/test-data are shared: the tests here run one at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn set_args(ov: &[String]) -> Vec<String> {
+    ov.iter().flat_map(|o| ["--set".to_string(), o.clone()]).collect()
+}
+
+#[test]
+fn compare_writes_tables_relative_to_dense_and_reuses_calibrations() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("cmp");
+    let mut args = vec![
+        "compare".to_string(),
+        "--config".into(),
+        root().join("configs/calibrate-testbed-tiny.toml").display().to_string(),
+        "--variants".into(),
+        "wide,layer_skip".into(),
+        "--out".into(),
+        out.display().to_string(),
+        "--split".into(),
+        "validation".into(),
+    ];
+    args.extend(set_args(&data_overrides()));
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    let o = run_wide(&refs);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    for f in ["compare.md", "compare.csv", "compare.json", "compare.png", "cloze-validation.jsonl"] {
+        assert!(out.join(f).exists(), "missing {f}");
+    }
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("compare.json")).unwrap()).unwrap();
+    let rows = v["rows"].as_array().unwrap();
+    assert_eq!(rows.iter().map(|r| r["variant"].as_str().unwrap()).collect::<Vec<_>>(), vec!["dense", "wide", "layer_skip"]);
+    assert_eq!(rows[0]["delta_loss"].as_f64().unwrap(), 0.0);
+    let dense_loss = rows[0]["eval_loss"].as_f64().unwrap();
+    for r in rows {
+        assert_eq!(r["calibration_tokens"].as_u64().unwrap(), 4096);
+        assert!((r["delta_loss"].as_f64().unwrap() - (r["eval_loss"].as_f64().unwrap() - dense_loss)).abs() < 1e-12);
+        let acc = r["acc"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&acc));
+    }
+    assert!(rows[2]["skip_layer"].as_f64().is_some() && rows[1]["skip_attention"].as_f64().is_some());
+    // A second run loads every calibrated variant instead of training it again.
+    let o = run_wide(&refs);
+    assert!(o.status.success());
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(stderr.matches("already calibrated").count(), 3, "{stderr}");
+}
+
+#[test]
+fn sweep_records_a_failing_cell_goes_on_and_resumes() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("sweep");
+    let ov: Vec<String> = data_overrides().iter().map(|o| format!("\"{}\"", o.replace('"', "\\\""))).collect();
+    let cfg = format!(
+        "name = \"t\"\nrecipe = \"{}\"\nstage2_recipe = \"{}\"\nout = \"{}\"\nattn_group_sizes = [2]\nffn_group_sizes = [100, 128]\nsparsities = [0.5]\nstages = [1, 2]\nsplit = \"validation\"\noverrides = [{}]\n",
+        root().join("configs/calibrate-testbed-tiny.toml").display(),
+        root().join("configs/recover-testbed-tiny.toml").display(),
+        out.display(),
+        ov.join(", ")
+    );
+    let cfg_path = dir.path().join("sweep.toml");
+    std::fs::write(&cfg_path, cfg).unwrap();
+    let run = || run_wide(&["sweep", "--config", cfg_path.to_str().unwrap(), "--set", "stages=[1]"]);
+    let o = run();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let cells = |p: &Path| -> Vec<serde_json::Value> {
+        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(p.join("sweep.json")).unwrap()).unwrap();
+        v["cells"].as_array().unwrap().clone()
+    };
+    let c = cells(&out);
+    assert_eq!(c.len(), 2);
+    assert!(c[0]["error"].as_str().unwrap().contains("FFN group size 100 does not divide"), "{}", c[0]);
+    assert!(c[1]["error"].is_null() && c[1]["delta_loss"].as_f64().is_some());
+    assert!(out.join("heatmap-s0.5-stage1.png").exists());
+    // Run again with stage 2 added: the finished stage 1 cell is skipped, its stage 2 runs.
+    let o = run_wide(&["sweep", "--config", cfg_path.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    assert!(stderr.contains("done before, skipped"), "{stderr}");
+    let c = cells(&out);
+    assert_eq!(c.len(), 4);
+    let s2 = c.iter().find(|x| x["stage"] == 2 && x["ffn_group_size"] == 128).unwrap();
+    assert!(s2["error"].is_null() && s2["eval_loss"].as_f64().is_some(), "{s2}");
+}
