@@ -48,10 +48,6 @@ pub struct Row {
     pub calibration_tokens: u64,
 }
 
-fn load_recipe(path: &Path, overrides: &[String]) -> Result<(CalibrationRecipe, toml::Table)> {
-    CalibrationRecipe::load(path, overrides)
-}
-
 fn routing_done(dir: &Path, variant: Variant, sparsity: f64, tokens: u64, stage: u32) -> Option<RoutingManifest> {
     let text = std::fs::read_to_string(dir.join("routing.json")).ok()?;
     let m: RoutingManifest = serde_json::from_str(&text).ok()?;
@@ -67,14 +63,7 @@ fn calibrate_variant(cfg: &CompareConfig, variant: Variant, stage: u32, stage1: 
     ov.push(format!("routing.target_sparsity={}", cfg.sparsity));
     ov.push(format!("output.dir=\"{}\"", dir.display()));
     let path = if stage == 2 { cfg.stage2.as_ref().unwrap() } else { &cfg.recipe };
-    let (mut recipe, mut table) = load_recipe(path, &ov)?;
-    // Per-type targets of the shared recipe would override the comparison's one sparsity.
-    recipe.routing.attn_target = None;
-    recipe.routing.ffn_target = None;
-    if let Some(r) = table.get_mut("routing").and_then(|r| r.as_table_mut()) {
-        r.remove("attn_target");
-        r.remove("ffn_target");
-    }
+    let (mut recipe, table) = CalibrationRecipe::load_shared_target(path, &ov)?;
     if stage == 2 {
         recipe.stage1_dir = Some(stage1.unwrap().to_path_buf());
         if recipe.lora.is_none() {
@@ -99,7 +88,7 @@ fn calibrate_variant(cfg: &CompareConfig, variant: Variant, stage: u32, stage1: 
 pub fn run(cfg: &CompareConfig) -> Result<Vec<Row>> {
     wide_core::routing::check_sparsity(cfg.sparsity)?;
     std::fs::create_dir_all(&cfg.out).with_context(|| format!("creating {}", cfg.out.display()))?;
-    let (base, _) = load_recipe(&cfg.recipe, &cfg.overrides)?;
+    let (base, _) = CalibrationRecipe::load(&cfg.recipe, &cfg.overrides)?;
     // Every variant must be valid before any is trained.
     let model_cfg = wide_core::HfCheckpoint::open(&base.model_dir)?.config;
     for v in &cfg.variants {

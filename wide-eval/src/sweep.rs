@@ -68,13 +68,7 @@ fn run_cell(cfg: &SweepConfig, a: i64, f: i64, s: f64, stage: u32, dense_loss: f
         format!("output.dir=\"{}\"", dir.display()),
     ]);
     let path = if stage == 2 { cfg.stage2_recipe.as_ref().context("stages include 2 but no stage2_recipe is given")? } else { &cfg.recipe };
-    let (mut recipe, mut table) = CalibrationRecipe::load(path, &ov)?;
-    recipe.routing.attn_target = None;
-    recipe.routing.ffn_target = None;
-    if let Some(r) = table.get_mut("routing").and_then(|r| r.as_table_mut()) {
-        r.remove("attn_target");
-        r.remove("ffn_target");
-    }
+    let (mut recipe, table) = CalibrationRecipe::load_shared_target(path, &ov)?;
     if stage == 2 {
         let s1 = cell_dir(cfg, a, f, s, 1);
         if !s1.join("routing.json").exists() {

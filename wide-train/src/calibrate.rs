@@ -51,6 +51,20 @@ impl CalibrationRecipe {
         r.train.validate()?;
         Ok((r, t))
     }
+
+    /// Loads a recipe for one cell of a comparison or sweep, whose overrides set one shared
+    /// `routing.target_sparsity`: per-type targets of the shared recipe would override it, so
+    /// they are dropped (from the recipe and from the effective table it records).
+    pub fn load_shared_target(path: &Path, overrides: &[String]) -> Result<(Self, toml::Table)> {
+        let (mut r, mut t) = Self::load(path, overrides)?;
+        r.routing.attn_target = None;
+        r.routing.ffn_target = None;
+        if let Some(rt) = t.get_mut("routing").and_then(|v| v.as_table_mut()) {
+            rt.remove("attn_target");
+            rt.remove("ffn_target");
+        }
+        Ok((r, t))
+    }
 }
 
 /// The routing manifest written next to router (and LoRA) weights.
