@@ -3,28 +3,20 @@
 //! from stage 1 files, and bad input is refused clearly.
 mod common;
 
-use common::{assert_clear_error, run_wide};
-use std::path::{Path, PathBuf};
+use common::{assert_clear_error, root, run_wide};
+use std::path::Path;
 use tch::{Device, Kind};
 use wide_train::calibrate::{calibrate_offsets, evaluate_routed, RoutedModel, RoutingManifest};
 use wide_train::corpus::Split;
 
 const RECIPE: &str = "configs/calibrate-testbed-tiny.toml";
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
 
-/// Shared data folders for every test here (corpus, tokenizer copy, token files): built once.
+/// The committed model, the shared data folders, and this run's output folder.
 fn data_overrides(tmp: &Path) -> Vec<String> {
-    let data = root().join("target/test-data");
-    vec![
-        format!("model_dir=\"{}\"", root().join("testbed/testbed-tiny").display()),
-        format!("data.corpus_dir=\"{}\"", data.join("corpus").display()),
-        format!("data.tokenizer=\"{}\"", data.join("tokenizer-tiny.json").display()),
-        format!("data.token_cache=\"{}\"", data.join("tokens").display()),
-        format!("output.dir=\"{}\"", tmp.display()),
-    ]
+    let mut v = common::tiny_model_and_data_overrides();
+    v.push(format!("output.dir=\"{}\"", tmp.display()));
+    v
 }
 
 fn calibrate(out: &Path, extra: &[&str]) -> std::process::Output {

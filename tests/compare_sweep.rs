@@ -3,22 +3,15 @@
 //! the rest.
 mod common;
 
-use common::run_wide;
-use std::path::{Path, PathBuf};
+use common::{root, run_wide};
+use std::path::Path;
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
 
+/// The committed model, the shared data folders, and a tiny calibration budget.
 fn data_overrides() -> Vec<String> {
-    let data = root().join("target/test-data");
-    vec![
-        format!("model_dir=\"{}\"", root().join("testbed/testbed-tiny").display()),
-        format!("data.corpus_dir=\"{}\"", data.join("corpus").display()),
-        format!("data.tokenizer=\"{}\"", data.join("tokenizer-tiny.json").display()),
-        format!("data.token_cache=\"{}\"", data.join("tokens").display()),
-        "train.tokens=4096".to_string(),
-    ]
+    let mut v = common::tiny_model_and_data_overrides();
+    v.push("train.tokens=4096".to_string());
+    v
 }
 
 /// The data folders under target/test-data are shared: the tests here run one at a time.

@@ -137,7 +137,7 @@ fn sigterm_checkpoints_and_resume_continues_the_same_loss_curve() {
     let int_dir = dir.path().join("int");
     std::fs::create_dir(&int_dir).unwrap();
     let r = recipe(&int_dir, 120, "");
-    let mut child = common::wide().args(["pretrain", "--config", r.to_str().unwrap()]).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let child = common::wide().args(["pretrain", "--config", r.to_str().unwrap()]).stderr(std::process::Stdio::piped()).spawn().unwrap();
     let metrics = int_dir.join("run/metrics.jsonl");
     let t0 = Instant::now();
     while std::fs::read_to_string(&metrics).map(|s| s.lines().count()).unwrap_or(0) < 20 {

@@ -53,3 +53,20 @@ pub fn assert_clear_error(out: &Output, needle: &str) {
     assert!(lines.last().is_some_and(|l| l.starts_with("error: ")), "the error must be the last line:\n{stderr}");
     assert!(errors[0].contains(needle), "error line does not mention {needle:?}: {stderr}");
 }
+
+/// The checkout's root.
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// `--set` overrides that point a testbed-tiny calibration recipe at the committed model and
+/// at data folders shared by the tests under `target/test-data` (built on first use).
+pub fn tiny_model_and_data_overrides() -> Vec<String> {
+    let data = root().join("target/test-data");
+    vec![
+        format!("model_dir=\"{}\"", root().join("testbed/testbed-tiny").display()),
+        format!("data.corpus_dir=\"{}\"", data.join("corpus").display()),
+        format!("data.tokenizer=\"{}\"", data.join("tokenizer-tiny.json").display()),
+        format!("data.token_cache=\"{}\"", data.join("tokens").display()),
+    ]
+}
