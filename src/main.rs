@@ -402,18 +402,8 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::PlotLoss { metrics, out, title } => wide_eval::plots::loss_curve(&metrics, &out, &title),
         Command::Corpus { out, sources, validation_fraction, test_fraction } => {
-            let recipe = wide_train::pretrain::DataConfig {
-                sources,
-                corpus_dir: out.clone(),
-                tokenizer: PathBuf::new(),
-                vocab_size: 0,
-                token_cache: PathBuf::new(),
-                seq_len: 0,
-                validation_fraction,
-                test_fraction,
-            };
             let m = wide_train::corpus::build_corpus(
-                &recipe.sources()?,
+                &wide_train::corpus::sources_from_names(&sources)?,
                 wide_train::corpus::SplitFractions { validation: validation_fraction, test: test_fraction },
                 &out,
             )?;

@@ -90,6 +90,23 @@ pub fn debian_sources() -> Vec<Source> {
     vec![Source::LinuxDoc(LINUX_DOC.into()), Source::PythonDoc(PYTHON_DOC.into())]
 }
 
+/// Sources named on a command line or in a recipe: `debian-docs` (both Debian documentation
+/// packages) or paths of the user's files and folders.
+pub fn sources_from_names(names: &[String]) -> Result<Vec<Source>> {
+    let mut v = vec![];
+    for s in names {
+        if s == "debian-docs" {
+            v.extend(debian_sources());
+        } else {
+            v.push(Source::User(PathBuf::from(s)));
+        }
+    }
+    if v.is_empty() {
+        bail!("no corpus sources given: name debian-docs or your own text files/folders");
+    }
+    Ok(v)
+}
+
 impl Source {
     fn label(&self) -> String {
         match self {

@@ -3,7 +3,7 @@
 //! files, then training (resumable).
 use crate::bpe;
 use crate::corpus::{self, CorpusManifest, Source, Split, SplitFractions};
-use crate::dataset::{build_dataset, DatasetFiles, TokenFile};
+use crate::dataset::{build_dataset, DatasetFiles};
 use crate::recipe;
 use crate::trainer::{evaluate, StepContext, TrainConfig, TrainSummary, TrainTask, Trainer};
 use anyhow::{bail, Context, Result};
@@ -94,18 +94,7 @@ pub struct PretrainRecipe {
 
 impl DataConfig {
     pub fn sources(&self) -> Result<Vec<Source>> {
-        let mut v = vec![];
-        for s in &self.sources {
-            if s == "debian-docs" {
-                v.extend(corpus::debian_sources());
-            } else {
-                v.push(Source::User(PathBuf::from(s)));
-            }
-        }
-        if v.is_empty() {
-            bail!("data.sources is empty: name debian-docs or your own text files/folders");
-        }
-        Ok(v)
+        corpus::sources_from_names(&self.sources)
     }
 
     /// Corpus, tokenizer and token files, each built only if missing.
@@ -299,9 +288,4 @@ pub fn run(recipe: &PretrainRecipe, table: &toml::Table, resume: bool) -> Result
     };
     std::fs::write(out.join("summary.json"), serde_json::to_string_pretty(&report)?)?;
     Ok(Some(report))
-}
-
-/// Token files of an already prepared recipe (for evaluation tools).
-pub fn open_split(files: &DatasetFiles, split: Split) -> Result<TokenFile> {
-    files.open(split)
 }
