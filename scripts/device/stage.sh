@@ -3,7 +3,8 @@
 # stages them in .device/ (git-ignored) with env.sh, for the device tool to carry:
 #   scripts/device/stage.sh [--tests] [extra files...]
 #   device run, carry [".device"], command ". .device/env.sh && .device/wide ..."
-# WIDE_STAGE_DIR=.device-x stages into another ignored folder (two stagings side by side).
+# WIDE_STAGE_DIR=.device-x stages into another ignored folder (two stagings side by side);
+# CARGO_TARGET_DIR is honoured.
 set -euo pipefail
 top=$(git rev-parse --show-toplevel)
 cd "$top"
@@ -14,7 +15,7 @@ S=${WIDE_STAGE_DIR:-.device}
 grep -qx "/$S/" .git/info/exclude 2>/dev/null || echo "/$S/" >> .git/info/exclude
 rm -rf "$S" && mkdir -p "$S"
 cargo build --release --bin wide >&2
-strip -o "$S/wide" target/release/wide
+strip -o "$S/wide" "${CARGO_TARGET_DIR:-target}/release/wide"
 if [ $tests -eq 1 ]; then
   cargo test --release --features cuda-tests --no-run --message-format=json 2>/dev/null \
     | python3 -c 'import json,sys
