@@ -193,6 +193,55 @@ enum BenchCommand {
     Kernels(KernelsArgs),
     /// Stage 1 (router calibration) training throughput, peak memory and MFU.
     Train(TrainBenchArgs),
+    /// End-to-end prefill and decode of the inference engine: dense against wide at several
+    /// sparsities, peak memory, optional per-op device times.
+    E2e(E2eArgs),
+}
+
+#[derive(Args)]
+struct E2eArgs {
+    /// Built-in shape with random weights (ignored with --model-dir).
+    #[arg(long, default_value = "llama-3.1-8b")]
+    preset: String,
+    /// A Hugging Face model folder instead of a random preset.
+    #[arg(long)]
+    model_dir: Option<PathBuf>,
+    /// Trained routers for --model-dir (stage 1/2 folder); random routers without it.
+    #[arg(long)]
+    routing: Option<PathBuf>,
+    #[arg(long, default_value = "cuda")]
+    device: String,
+    #[arg(long, default_value = "bf16")]
+    dtype: String,
+    #[arg(long, value_delimiter = ',', default_value = "0.3,0.5,0.7")]
+    sparsity: Vec<f64>,
+    /// Query heads per attention group (random routers).
+    #[arg(long, default_value_t = 4)]
+    attn_group_size: i64,
+    /// Channels per FFN group (random routers).
+    #[arg(long, default_value_t = 128)]
+    ffn_group_size: i64,
+    #[arg(long, value_delimiter = ',', default_value = "2048,8192")]
+    prefill_tokens: Vec<i64>,
+    #[arg(long, value_delimiter = ',', default_value = "1,8,16,32")]
+    decode_batches: Vec<i64>,
+    #[arg(long, default_value_t = 128)]
+    prompt_tokens: i64,
+    #[arg(long, default_value_t = 128)]
+    new_tokens: i64,
+    #[arg(long, default_value_t = 1)]
+    warmup: usize,
+    #[arg(long, default_value_t = 3)]
+    iters: usize,
+    #[arg(long)]
+    no_cuda_graph: bool,
+    /// Also time every op alone (largest prefill, batch-1 decode step).
+    #[arg(long)]
+    profile: bool,
+    #[arg(long)]
+    out: Option<PathBuf>,
+    #[arg(long, default_value_t = 0)]
+    seed: i64,
 }
 
 #[derive(Args)]
@@ -286,6 +335,19 @@ struct GenerateArgs {
     /// auto (bf16 on GPU, f32 on CPU), f32, bf16 or f16.
     #[arg(long, default_value = "auto")]
     dtype: String,
+    /// Routing folder (stage 1 or 2: routers, LoRA, routing.json): generate with its routers.
+    #[arg(long)]
+    routing: Option<PathBuf>,
+    /// Search the routers' inference offsets (one per router kind) on the prompts so that this
+    /// share of the groups is skipped, without retraining.
+    #[arg(long)]
+    sparsity: Option<f64>,
+    /// Ignore --routing and run the dense model (for comparison).
+    #[arg(long)]
+    dense: bool,
+    /// Decode without CUDA graph capture.
+    #[arg(long)]
+    no_cuda_graph: bool,
 }
 
 #[derive(Args)]
@@ -487,6 +549,35 @@ fn run(cli: Cli) -> Result<()> {
             })?;
             Ok(())
         }
+        Command::Bench(BenchCommand::E2e(a)) => {
+            let device = parse_device(&a.device)?;
+            let kind = parse_dtype(&a.dtype, device)?;
+            for s in &a.sparsity {
+                wide_core::routing::check_sparsity(*s)?;
+            }
+            wide_eval::bench::e2e::run(&wide_eval::bench::e2e::E2eBenchConfig {
+                preset: a.preset,
+                model_dir: a.model_dir,
+                routing_dir: a.routing,
+                device,
+                kind,
+                sparsities: a.sparsity,
+                attn_group_size: a.attn_group_size,
+                ffn_group_size: a.ffn_group_size,
+                prefill_tokens: a.prefill_tokens,
+                decode_batches: a.decode_batches,
+                prompt_tokens: a.prompt_tokens,
+                new_tokens: a.new_tokens,
+                warmup: a.warmup,
+                iters: a.iters,
+                cuda_graph: !a.no_cuda_graph,
+                profile: a.profile,
+                out: a.out,
+                commit: env!("WIDE_GIT_COMMIT").to_string(),
+                seed: a.seed,
+            })?;
+            Ok(())
+        }
         Command::Bench(BenchCommand::Dense(a)) => {
             let device = parse_device(&a.device)?;
             let kind = parse_dtype(&a.dtype, device)?;
@@ -612,12 +703,38 @@ fn generate(a: &GenerateArgs) -> Result<()> {
     if a.temperature < 0.0 || !(a.top_p > 0.0 && a.top_p <= 1.0) {
         bail!("--temperature must be >= 0 and --top-p in (0, 1]");
     }
+    if let Some(s) = a.sparsity {
+        wide_core::routing::check_sparsity(s)?;
+        if a.routing.is_none() || a.dense {
+            bail!("--sparsity needs --routing DIR (trained routers whose offsets are searched) and no --dense");
+        }
+    }
     let t0 = std::time::Instant::now();
-    let p = Pretrained::load(&a.model_dir, device, kind)?;
-    let tok = p.tokenizer.as_ref().with_context(|| format!("{} has no tokenizer.json, which generate needs", a.model_dir.display()))?;
+    let routing_dir = a.routing.as_deref().filter(|_| !a.dense);
+    let mut rm = match routing_dir {
+        Some(r) => wide_train::calibrate::RoutedModel::load(&a.model_dir, r, device, kind)?,
+        None => wide_train::calibrate::RoutedModel::new(&a.model_dir, &wide_core::routing::RoutingConfig::new(Variant::Dense), device, kind)?,
+    };
+    if rm.lora.is_some() {
+        wide_core::lora::Lora::merge(&mut rm.pretrained.model);
+    }
+    let tok = rm.pretrained.tokenizer.as_ref().with_context(|| format!("{} has no tokenizer.json, which generate needs", a.model_dir.display()))?;
     let prompts: Vec<Vec<i64>> = a.prompt.iter().map(|s| tok.encode(s, true)).collect::<Result<_>>()?;
-    p.model.check_context(&prompts, a.max_new_tokens)?;
-    eprintln!("loaded {} on {:?} ({:?}) in {:.1}s", a.model_dir.display(), device, kind, t0.elapsed().as_secs_f64());
+    rm.pretrained.model.check_context(&prompts, a.max_new_tokens)?;
+    let variant = rm.routing.config.variant;
+    let mut engine = wide_core::infer::Engine::new(&rm.pretrained.model, Some(&rm.routing))?;
+    eprintln!("loaded {} ({}) on {:?} ({:?}) in {:.1}s", a.model_dir.display(), variant.name(), device, kind, t0.elapsed().as_secs_f64());
+    if let Some(s) = a.sparsity {
+        let b = prompts.len() as i64;
+        let t = prompts.iter().map(|p| p.len()).max().unwrap_or(1) as i64;
+        let pad = rm.pretrained.model.config.eos_token_ids.first().copied().unwrap_or(0);
+        let ids: Vec<i64> = prompts.iter().flat_map(|p| p.iter().copied().chain(std::iter::repeat_n(pad, t as usize - p.len()))).collect();
+        let lengths: Vec<i64> = prompts.iter().map(|p| p.len() as i64).collect();
+        let got = engine.search_offsets(&tch::Tensor::from_slice(&ids).view([b, t]), &lengths, s)?;
+        let o = engine.offsets()[0];
+        let rates: Vec<String> = got.per_kind.keys().map(|k| format!("{k} {:.3}", got.rate(k).unwrap_or(0.0))).collect();
+        eprintln!("offsets for sparsity {s}: attention {:.4}, ffn {:.4}, layer {:.4}; skip rates on the prompts: {}", o[0], o[1], o[2], rates.join(", "));
+    }
     let cfg = SamplingConfig {
         max_new_tokens: a.max_new_tokens,
         temperature: a.temperature,
@@ -632,7 +749,7 @@ fn generate(a: &GenerateArgs) -> Result<()> {
         print!("{}", a.prompt[0]);
         out.flush()?;
     }
-    let gen = p.model.generate(&prompts, &cfg, |_row, id| {
+    let gen = engine.generate(&prompts, &cfg, !a.no_cuda_graph, |_row, id| {
         if single {
             print!("{}", stream.push(tok, id)?);
             std::io::stdout().flush()?;
@@ -655,6 +772,10 @@ fn generate(a: &GenerateArgs) -> Result<()> {
         gen.decode_seconds,
         if gen.decode_seconds > 0.0 { gen.decode_steps as f64 * prompts.len() as f64 / gen.decode_seconds } else { 0.0 }
     );
+    if engine.is_routed() {
+        let fmt = |c: &wide_core::infer::SkipCounts| c.per_kind.keys().map(|k| format!("{k} {:.3}", c.rate(k).unwrap_or(0.0))).collect::<Vec<_>>().join(", ");
+        eprintln!("skip rates: prefill {}; decode {}", fmt(&gen.prefill_skip), fmt(&gen.decode_skip));
+    }
     Ok(())
 }
 

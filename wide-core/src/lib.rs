@@ -5,6 +5,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod decode;
 pub mod generate;
+pub mod infer;
 pub mod lora;
 pub mod model;
 pub mod presets;

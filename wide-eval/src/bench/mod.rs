@@ -1,6 +1,7 @@
 //! Benchmark programs. Timing follows the device method: warm-up first, then the median of
 //! repeated runs, each bracketed by device synchronisation.
 pub mod dense;
+pub mod e2e;
 pub mod train;
 pub mod kernels;
 

@@ -5,6 +5,7 @@
 //! specialised by dtype and tile shape.
 pub mod attention;
 pub mod dispatch;
+pub mod fused;
 pub mod gemm;
 pub mod layout;
 pub mod scale_shift;
@@ -65,6 +66,7 @@ pub fn gpu_spin(device: usize, micros: u32) -> Result<()> {
 pub fn all_kernel_variants() -> Vec<KernelSource> {
     let mut v = Vec::new();
     v.extend(scale_shift::kernel_variants());
+    v.extend(fused::kernel_variants());
     for f16 in [false, true] {
         v.push(routed_source(f16, None));
         for t in TILES {

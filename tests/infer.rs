@@ -1,0 +1,195 @@
+//! The inference engine (`wide_core::infer`) against the training path on CPU (f32, the tch
+//! reference ops): same logits for the same masks in every variant, right-padded batched
+//! prefill, batched decode against full forwards, the offset search, and `wide generate` with
+//! routers and `--sparsity`.
+mod common;
+
+use std::path::{Path, PathBuf};
+use tch::{nn, Device, Kind, Tensor};
+use wide_core::infer::{Decoder, Engine, EngineCache, MaskSource, SkipCounts};
+use wide_core::routing::{GateMode, Routing, RoutingConfig, RoutingRun, Variant};
+use wide_core::{ForwardOptions, Logits, Pretrained};
+
+fn tiny() -> Pretrained {
+    Pretrained::load(&Path::new(env!("CARGO_MANIFEST_DIR")).join("testbed/testbed-tiny"), Device::Cpu, Kind::Float).unwrap()
+}
+
+fn routing(p: &Pretrained, variant: Variant, vs: &nn::VarStore) -> Routing {
+    let mut c = RoutingConfig::new(variant);
+    c.attn_group_size = 1;
+    c.ffn_group_size = 64;
+    c.target_sparsity = Some(0.5);
+    let r = Routing::new(&vs.root(), &p.model.config, &c, Kind::Float).unwrap();
+    let _g = tch::no_grad_guard();
+    for l in &r.layers {
+        for m in [&l.static_attention, &l.static_ffn].into_iter().flatten() {
+            m.shallow_clone().copy_(&Tensor::rand(m.size(), (Kind::Float, Device::Cpu)).lt(0.5).to_kind(Kind::Float));
+        }
+        // Random biases so that routers neither run nor skip everything.
+        for rt in [&l.attention, &l.ffn, &l.layer].into_iter().flatten() {
+            rt.router_b.shallow_clone().copy_(&(Tensor::randn(rt.router_b.size(), (Kind::Float, Device::Cpu)) * 0.5));
+        }
+    }
+    r
+}
+
+/// Random masks `[B, T, groups]`, one per router call in the training path's order.
+fn forced(r: &Routing, b: i64, t: i64) -> Vec<Tensor> {
+    let mut v = vec![];
+    for l in &r.layers {
+        for rt in [&l.layer, &l.attention, &l.ffn].into_iter().flatten() {
+            v.push(Tensor::rand([b, t, rt.groups], (Kind::Float, Device::Cpu)).lt(0.5).to_kind(Kind::Float));
+        }
+    }
+    v
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+    (a - b).abs().max().double_value(&[])
+}
+
+#[test]
+fn engine_matches_training_path_for_the_same_masks_in_every_variant() {
+    let _g = tch::no_grad_guard();
+    tch::manual_seed(11);
+    let p = tiny();
+    let (b, t) = (2, 13);
+    let ids = Tensor::randint(p.model.config.vocab_size, [b, t], (Kind::Int64, Device::Cpu));
+    for variant in [Variant::Dense, Variant::Wide, Variant::SublayerSkip, Variant::LayerSkip, Variant::StaticWidth] {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let r = routing(&p, variant, &vs);
+        let masks = forced(&r, b, t);
+        let mut run = RoutingRun::new(&r, GateMode::Forced(masks.iter().map(|m| m.shallow_clone()).collect()), Tensor::ones([b, t], (Kind::Float, Device::Cpu)));
+        let want = p.model.forward_routed(&ids, ForwardOptions { logits: Some(Logits::All), ..Default::default() }, &mut run).unwrap();
+        let engine = Engine::new(&p.model, Some(&r)).unwrap();
+        let cache = EngineCache::new(&p.model, b, t);
+        let got = engine.prefill(&ids, &[t, t], &cache, &mut MaskSource::Forced(masks), None, true).unwrap();
+        let d = max_diff(&got, &want);
+        assert!(d < 1e-4, "{}: max |engine - training path| = {d}", variant.name());
+    }
+}
+
+#[test]
+fn right_padded_prefill_equals_each_row_alone() {
+    let _g = tch::no_grad_guard();
+    tch::manual_seed(12);
+    let p = tiny();
+    let vs = nn::VarStore::new(Device::Cpu);
+    let r = routing(&p, Variant::Wide, &vs);
+    let lengths = [9i64, 4, 7];
+    let t = 9;
+    let ids = Tensor::randint(p.model.config.vocab_size, [3, t], (Kind::Int64, Device::Cpu));
+    let masks = forced(&r, 3, t);
+    let engine = Engine::new(&p.model, Some(&r)).unwrap();
+    let cache = EngineCache::new(&p.model, 3, t);
+    let mut counts = SkipCounts::default();
+    let batch = engine.prefill(&ids, &lengths, &cache, &mut MaskSource::Forced(masks.iter().map(|m| m.shallow_clone()).collect()), Some(&mut counts), true).unwrap();
+    for (row, &len) in lengths.iter().enumerate() {
+        let row_ids = ids.narrow(0, row as i64, 1).narrow(1, 0, len);
+        let row_masks: Vec<Tensor> = masks.iter().map(|m| m.narrow(0, row as i64, 1).narrow(1, 0, len)).collect();
+        let mut run = RoutingRun::new(&r, GateMode::Forced(row_masks), Tensor::ones([1, len], (Kind::Float, Device::Cpu)));
+        let want = p.model.forward_routed(&row_ids, ForwardOptions { logits: Some(Logits::All), ..Default::default() }, &mut run).unwrap();
+        let d = max_diff(&batch.narrow(0, row as i64, 1).narrow(1, 0, len), &want);
+        assert!(d < 1e-4, "row {row}: {d}");
+    }
+    // Skip rates count real tokens only.
+    let valid = lengths.iter().sum::<i64>() as f64;
+    let (_, total) = counts.per_kind["attention"];
+    assert_eq!(total, valid * 4.0 * p.model.config.num_hidden_layers as f64);
+}
+
+#[test]
+fn batched_decode_matches_full_forwards_of_each_row() {
+    let _g = tch::no_grad_guard();
+    tch::manual_seed(13);
+    let p = tiny();
+    let vs = nn::VarStore::new(Device::Cpu);
+    let r = routing(&p, Variant::Wide, &vs);
+    let engine = Engine::new(&p.model, Some(&r)).unwrap();
+    let v = p.model.config.vocab_size;
+    let prompts: Vec<Vec<i64>> = [6i64, 3].iter().map(|&n| Vec::<i64>::try_from(Tensor::randint(v, [n], (Kind::Int64, Device::Cpu))).unwrap()).collect();
+    let steps = 5;
+    let (mut dec, first) = Decoder::new(&engine, &prompts, 6 + steps + 1, true, true, None).unwrap();
+    let mut seqs: Vec<Vec<i64>> = prompts.clone();
+    let mut logits = vec![first];
+    for _ in 0..steps {
+        let next = Vec::<i64>::try_from(logits.last().unwrap().argmax(-1, false)).unwrap();
+        for (s, n) in seqs.iter_mut().zip(&next) {
+            s.push(*n);
+        }
+        dec.set_tokens(&next).unwrap();
+        logits.push(dec.step().unwrap().copy());
+    }
+    for (row, s) in seqs.iter().enumerate() {
+        let ids = Tensor::from_slice(s).view([1, -1]);
+        let n = s.len() as i64;
+        let mut run = RoutingRun::new(&r, GateMode::Inference, Tensor::ones([1, n], (Kind::Float, Device::Cpu)));
+        let full = p.model.forward_routed(&ids, ForwardOptions { logits: Some(Logits::All), ..Default::default() }, &mut run).unwrap();
+        for (k, l) in logits.iter().enumerate() {
+            let pos = prompts[row].len() as i64 - 1 + k as i64;
+            let d = max_diff(&l.get(row as i64), &full.get(0).get(pos));
+            assert!(d < 1e-4, "row {row} step {k}: {d}");
+        }
+    }
+    let c = dec.skip_counts();
+    assert_eq!(c.per_kind["ffn"].1, (steps * 2 * 8 * p.model.config.num_hidden_layers) as f64, "decode counts: steps x rows x groups x layers");
+}
+
+#[test]
+fn offset_search_hits_the_requested_sparsity() {
+    let _g = tch::no_grad_guard();
+    tch::manual_seed(14);
+    let p = tiny();
+    let vs = nn::VarStore::new(Device::Cpu);
+    let r = routing(&p, Variant::Wide, &vs);
+    let mut engine = Engine::new(&p.model, Some(&r)).unwrap();
+    let ids = Tensor::randint(p.model.config.vocab_size, [2, 32], (Kind::Int64, Device::Cpu));
+    for target in [0.3, 0.7] {
+        let got = engine.search_offsets(&ids, &[32, 32], target).unwrap();
+        for k in ["attention", "ffn"] {
+            let rate = got.rate(k).unwrap();
+            assert!((rate - target).abs() < 0.03, "{k}: {rate} for {target}");
+        }
+        // Per layer fit: every layer's routers at the target on the same tokens.
+        let got = engine.fit_offsets_per_layer(&ids, &[32, 32], target).unwrap();
+        assert!((got.rate("ffn").unwrap() - target).abs() < 0.01, "{:?}", got.per_kind);
+    }
+}
+
+fn write_routing_dir(dir: &Path) -> PathBuf {
+    let p = tiny();
+    let vs = nn::VarStore::new(Device::Cpu);
+    let r = routing(&p, Variant::Wide, &vs);
+    let out = dir.join("routing");
+    std::fs::create_dir_all(&out).unwrap();
+    let tensors: Vec<(String, Tensor)> = r.tensors();
+    wide_core::safetensors::write(&out.join("routers.safetensors"), &tensors, &Default::default()).unwrap();
+    let manifest = serde_json::json!({"format": 1, "stage": 1, "routing": r.config, "model": p.model.config, "lora": null,
+        "calibration_tokens": 0, "heldout": null, "provenance": null, "recipe": {}});
+    std::fs::write(out.join("routing.json"), serde_json::to_string_pretty(&manifest).unwrap()).unwrap();
+    out
+}
+
+#[test]
+fn generate_cli_runs_routed_with_a_searched_sparsity_and_dense() {
+    let tmp = tempfile::tempdir().unwrap();
+    let routing = write_routing_dir(tmp.path());
+    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("testbed/testbed-tiny");
+    let (m, rd) = (model.to_str().unwrap(), routing.to_str().unwrap());
+    let base = ["generate", m, "--prompt", "The kernel", "--prompt", "A longer prompt for the batch", "--max-new-tokens", "6", "--device", "cpu", "--ignore-eos"];
+    let out = common::run_wide(&[&base[..], &["--routing", rd, "--sparsity", "0.5"]].concat());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("offsets for sparsity 0.5") && err.contains("skip rates: prefill attention"), "{err}");
+    let dense = common::run_wide(&[&base[..], &["--routing", rd, "--dense"]].concat());
+    assert!(dense.status.success(), "{}", String::from_utf8_lossy(&dense.stderr));
+    assert!(!String::from_utf8_lossy(&dense.stderr).contains("skip rates"));
+    // Sampled generation through the engine, reproducible by seed.
+    let s1 = common::run_wide(&[&base[..], &["--routing", rd, "--temperature", "0.8", "--seed", "3"]].concat());
+    let s2 = common::run_wide(&[&base[..], &["--routing", rd, "--temperature", "0.8", "--seed", "3"]].concat());
+    assert!(s1.status.success());
+    assert_eq!(s1.stdout, s2.stdout);
+    let bad = common::run_wide(&[&base[..], &["--sparsity", "0.5"]].concat());
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--sparsity needs --routing"));
+}

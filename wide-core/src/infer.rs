@@ -1,0 +1,873 @@
+//! Routed inference: the path that turns routing into wall-clock gains, for prefill and decode.
+//!
+//! [`Engine`] runs a [`LlamaModel`] (dense, or with the routers of any [`Variant`]) with
+//! - fused projections: at construction q/k/v and gate/up weights are concatenated into one
+//!   matrix each, and the model's own weights become views of them (no second copy);
+//! - routers evaluated once per layer and sublayer; each decision becomes one routing layout
+//!   shared by the ops that use it (Q + attention + O; gate/up + down);
+//! - fused element-wise kernels (residual add + RMSNorm, RoPE + KV-cache write, SwiGLU + mask);
+//! - the routed kernels of `wide-kernels` where the dispatch policy says they pay (decode-size
+//!   GEMVs), dense cuBLAS elsewhere, with skipped outputs exactly zero either way;
+//! - K/V written for every token (the cache is always complete);
+//! - batched prefill of right-padded prompts (causal attention alone keeps padding out of every
+//!   real token's view) and batched decode whose step needs no host value, so it can be
+//!   captured in a CUDA graph ([`Decoder`]); greedy and sampled generation.
+//!
+//! The training path ([`LlamaModel::forward_routed`]) and this path compute the same function
+//! for the same masks (tests compare them on CPU and GPU).
+use crate::generate::{pick_tokens, SamplingConfig};
+use crate::model::{grouped_attention, LlamaModel};
+use crate::rope::inverse_frequencies;
+use crate::routing::{RouterKind, Routing, Variant};
+use anyhow::{bail, ensure, Context, Result};
+use rand::{rngs::StdRng, SeedableRng};
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use tch::{Device, Kind, Tensor};
+use wide_kernels::ops::dispatch::{choose, GemmPath, GemmShape, RoutedOp, GEMV_MAX_M};
+use wide_kernels::ops::fused::{self, QkvShape, RouterWeights};
+use wide_kernels::{route_layout, routed_gemm, RouteLayout};
+
+/// One layer's fused projection weights (the model's q/k/v and gate/up weights are views).
+pub struct FusedLayer {
+    /// `[q_heads * head_dim + 2 * kv_heads * head_dim, hidden]`.
+    pub qkv: Tensor,
+    pub qkv_bias: Option<Tensor>,
+    /// `[2 * intermediate, hidden]`: gate rows, then up rows.
+    pub gate_up: Tensor,
+    pub gate_up_bias: Option<Tensor>,
+}
+
+/// Concatenates q/k/v and gate/up of every layer, then points the model's weights at views of
+/// the fused matrices, so the old storage is freed (one layer's extra memory at a time) and the
+/// training path keeps working on the same numbers. Refuses models with LoRA attached (merge
+/// it first: [`crate::lora::Lora::merge`]).
+pub fn fuse_projections(model: &LlamaModel) -> Result<Vec<FusedLayer>> {
+    let _g = tch::no_grad_guard();
+    let mut out = Vec::with_capacity(model.layers.len());
+    for (i, l) in model.layers.iter().enumerate() {
+        let a = &l.self_attn;
+        let f = &l.mlp;
+        for lin in [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj, &f.gate_proj, &f.up_proj, &f.down_proj] {
+            ensure!(lin.lora.is_none(), "layer {i} has a LoRA adapter attached: merge LoRA into the weights before building the inference engine");
+        }
+        let qkv = fuse(&[&a.q_proj.weight, &a.k_proj.weight, &a.v_proj.weight])?;
+        let qkv_bias = match (&a.q_proj.bias, &a.k_proj.bias, &a.v_proj.bias) {
+            (Some(q), Some(k), Some(v)) => Some(fuse(&[q, k, v])?),
+            _ => None,
+        };
+        let gate_up = fuse(&[&f.gate_proj.weight, &f.up_proj.weight])?;
+        let gate_up_bias = match (&f.gate_proj.bias, &f.up_proj.bias) {
+            (Some(g), Some(u)) => Some(fuse(&[g, u])?),
+            _ => None,
+        };
+        out.push(FusedLayer { qkv, qkv_bias, gate_up, gate_up_bias });
+    }
+    Ok(out)
+}
+
+/// One tensor holding `parts` back to back along dim 0; each part becomes a view of it. Parts
+/// that are already consecutive views of one storage are reused as they are.
+fn fuse(parts: &[&Tensor]) -> Result<Tensor> {
+    let rows: Vec<i64> = parts.iter().map(|p| p.size()[0]).collect();
+    let elt = parts[0].kind().elt_size_in_bytes();
+    let row_bytes = parts[0].size().iter().skip(1).product::<i64>() as usize * elt;
+    let adjacent = parts.windows(2).zip(&rows).all(|(w, &r)| w[0].data_ptr() as usize + r as usize * row_bytes == w[1].data_ptr() as usize)
+        && parts.iter().all(|p| p.is_contiguous());
+    let total: i64 = rows.iter().sum();
+    if adjacent {
+        let mut shape = parts[0].size();
+        shape[0] = total;
+        // A view over the parts' common storage starting at the first part.
+        let base = parts[0].shallow_clone();
+        let strides: Vec<i64> = base.stride();
+        return Ok(base.as_strided(&shape, &strides, None));
+    }
+    let fused = Tensor::cat(parts, 0);
+    let mut off = 0;
+    for (p, r) in parts.iter().zip(&rows) {
+        let mut h = p.shallow_clone();
+        h.set_data(&fused.narrow(0, off, *r));
+        off += r;
+    }
+    Ok(fused)
+}
+
+/// Per-op device times (ms) of a profiled run, summed by op name.
+#[derive(Debug, Default, Clone)]
+pub struct Profile {
+    pub ms: BTreeMap<String, f64>,
+    pub calls: BTreeMap<String, u64>,
+}
+
+/// Where the execute masks come from.
+pub enum MaskSource {
+    /// The model's routers (deterministic gates with the engine's offsets).
+    Routers,
+    /// Given masks `[B, T, groups]`, one per router call in the training path's call order
+    /// (per layer: layer router, attention router, FFN router).
+    Forced(Vec<Tensor>),
+}
+
+/// Skip counts per router kind: (skipped (token, group) pairs, valid tokens x groups).
+#[derive(Debug, Default, Clone)]
+pub struct SkipCounts {
+    pub per_kind: BTreeMap<String, (f64, f64)>,
+}
+
+impl SkipCounts {
+    pub fn rate(&self, kind: &str) -> Option<f64> {
+        self.per_kind.get(kind).map(|(s, t)| if *t > 0.0 { s / t } else { 0.0 })
+    }
+}
+
+/// How one forward handles routing.
+struct RouteCtx<'a> {
+    source: &'a mut MaskSource,
+    cursor: usize,
+    /// `[M]` bool, real tokens (padding runs no group).
+    valid: Option<Tensor>,
+    /// Device accumulators of skipped pairs and totals per kind (no host read inside a step).
+    counts: Option<&'a mut BTreeMap<RouterKind, (Tensor, Tensor)>>,
+    /// Fit per-layer offsets so each router skips this share of the valid tokens' groups.
+    fit: Option<f64>,
+}
+
+/// An attention or FFN decision for the tokens of one forward.
+struct Decision {
+    /// `[M, groups]` bool.
+    mask: Tensor,
+    /// Query heads (attention) or channels (FFN) per group.
+    group: i64,
+    /// Built on first use and shared by the ops of this decision.
+    layout: std::cell::OnceCell<RouteLayout>,
+}
+
+/// A preallocated KV cache for the engine: per layer `[B, kv_heads, capacity, head_dim]`; row b
+/// holds its tokens at slots 0..len_b (rows are right-padded, so each row's slots are its
+/// positions).
+pub struct EngineCache {
+    pub keys: Vec<Tensor>,
+    pub values: Vec<Tensor>,
+    pub capacity: i64,
+    pub batch: i64,
+}
+
+impl EngineCache {
+    pub fn new(model: &LlamaModel, batch: i64, capacity: i64) -> Self {
+        let c = &model.config;
+        let shape = [batch, c.num_key_value_heads, capacity, c.head_dim];
+        let n = c.num_hidden_layers as usize;
+        let opts = (model.kind, model.device);
+        Self {
+            keys: (0..n).map(|_| Tensor::zeros(shape, opts)).collect(),
+            values: (0..n).map(|_| Tensor::zeros(shape, opts)).collect(),
+            capacity,
+            batch,
+        }
+    }
+}
+
+/// The routed (or dense) inference engine over a model.
+pub struct Engine<'m> {
+    pub model: &'m LlamaModel,
+    pub routing: Option<&'m Routing>,
+    pub fused: Vec<FusedLayer>,
+    /// Inference logit offsets per layer: (attention, FFN, layer); from the manifest's
+    /// per-kind offsets, a search ([`Engine::search_offsets`]) or a per-layer fit.
+    offsets: RefCell<Vec<[f64; 3]>>,
+    /// Expected skip rate per kind (attention, FFN) for the dispatch policy, so that it need
+    /// not read the masks back (no host synchronisation inside a step).
+    pub sparsity_hint: [f64; 2],
+    /// Per-op device times while profiling (synchronises around every op: measurement only).
+    profile: RefCell<Option<Profile>>,
+    inv_freq: Tensor,
+    scale: f64,
+    ones: RefCell<BTreeMap<i64, Tensor>>,
+}
+
+fn kind_index(k: RouterKind) -> usize {
+    match k {
+        RouterKind::Attention => 0,
+        RouterKind::Ffn => 1,
+        RouterKind::Layer => 2,
+    }
+}
+
+fn add_counts(c: &mut SkipCounts, dev: &BTreeMap<RouterKind, (Tensor, Tensor)>) {
+    for (k, (s, t)) in dev {
+        let e = c.per_kind.entry(k.name().to_string()).or_insert((0.0, 0.0));
+        e.0 += s.double_value(&[]);
+        e.1 += t.double_value(&[]);
+    }
+}
+
+fn is_fast_dtype(t: &Tensor) -> bool {
+    matches!(t.device(), Device::Cuda(_)) && matches!(t.kind(), Kind::BFloat16 | Kind::Half)
+}
+
+impl<'m> Engine<'m> {
+    /// Fuses the model's projections and prepares the engine; `routing` = None (or the
+    /// `dense` variant) runs dense.
+    pub fn new(model: &'m LlamaModel, routing: Option<&'m Routing>) -> Result<Self> {
+        let fused = fuse_projections(model)?;
+        let c = &model.config;
+        let routing = routing.filter(|r| r.config.variant != Variant::Dense);
+        if let Some(r) = routing {
+            ensure!(r.layers.len() == model.layers.len(), "routing has {} layers, the model {}", r.layers.len(), model.layers.len());
+        }
+        let per_kind = routing.map(|r| [r.config.attn_logit_offset, r.config.ffn_logit_offset, r.config.layer_logit_offset]).unwrap_or([0.0; 3]);
+        let target = routing.map(|r| r.config.shared_target()).unwrap_or(0.0);
+        let (ta, tf) = routing.and_then(|r| r.config.per_type_targets()).unwrap_or((target, target));
+        let inv_freq = Tensor::from_slice(&inverse_frequencies(c)).to_device(model.device);
+        Ok(Self {
+            model,
+            routing,
+            fused,
+            offsets: RefCell::new(vec![per_kind; c.num_hidden_layers as usize]),
+            sparsity_hint: [ta, tf],
+            profile: RefCell::new(None),
+            inv_freq,
+            scale: 1.0 / (c.head_dim as f64).sqrt(),
+            ones: RefCell::new(BTreeMap::new()),
+        })
+    }
+
+    pub fn is_routed(&self) -> bool {
+        self.routing.is_some()
+    }
+
+    /// One logit offset per router kind in every layer (the manifest's form).
+    pub fn set_offsets(&self, attention: f64, ffn: f64, layer: f64) {
+        for o in self.offsets.borrow_mut().iter_mut() {
+            *o = [attention, ffn, layer];
+        }
+    }
+
+    /// The offsets per layer: (attention, FFN, layer).
+    pub fn offsets(&self) -> Vec<[f64; 3]> {
+        self.offsets.borrow().clone()
+    }
+
+    /// Starts recording per-op device times (every op is then timed alone: slow).
+    pub fn start_profile(&self) {
+        *self.profile.borrow_mut() = Some(Profile::default());
+    }
+
+    /// Stops recording and returns the per-op times.
+    pub fn take_profile(&self) -> Profile {
+        self.profile.borrow_mut().take().unwrap_or_default()
+    }
+
+    fn timed<T>(&self, name: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        if self.profile.borrow().is_none() {
+            return f();
+        }
+        let ms;
+        let out;
+        if let Device::Cuda(d) = self.model.device {
+            // A device spin first, so the host queues the op before the GPU reaches it and the
+            // events time device work alone.
+            wide_kernels::ops::gpu_spin(d, 40)?;
+            let timer = wide_kernels::GpuTimer::new(d)?;
+            timer.start()?;
+            out = f()?;
+            ms = timer.stop_ms()?;
+        } else {
+            let t = std::time::Instant::now();
+            out = f()?;
+            ms = t.elapsed().as_secs_f64() * 1e3;
+        }
+        if let Some(p) = self.profile.borrow_mut().as_mut() {
+            *p.ms.entry(name.to_string()).or_default() += ms;
+            *p.calls.entry(name.to_string()).or_default() += 1;
+        }
+        Ok(out)
+    }
+
+    fn prefill_inputs(&self, b: i64, t: i64, lengths: &[i64]) -> (Tensor, Tensor) {
+        let dev = self.model.device;
+        let len_t = Tensor::from_slice(lengths).to_device(dev);
+        let tpos = Tensor::arange(t, (Kind::Int64, dev));
+        let valid = tpos.unsqueeze(0).lt_tensor(&len_t.unsqueeze(1)).view([b * t]);
+        let pos = tpos.unsqueeze(0).expand([b, t], false).reshape([b * t]).to_kind(Kind::Int);
+        (valid, pos)
+    }
+
+    /// Prefill of right-padded prompts `ids: [B, T]` with `lengths[b]` real tokens each, into
+    /// `cache` (slots 0..T). Returns logits `[B, vocab]` at each row's last real token, or
+    /// `[B, T, vocab]` with `all_logits`. Padding tokens run no routed group; their K/V slots
+    /// are overwritten by the first decode steps and never attended to before.
+    pub fn prefill(&self, ids: &Tensor, lengths: &[i64], cache: &EngineCache, masks: &mut MaskSource, counts: Option<&mut SkipCounts>, all_logits: bool) -> Result<Tensor> {
+        let _g = tch::no_grad_guard();
+        let (b, t) = ids.size2()?;
+        ensure!(lengths.len() as i64 == b, "prefill: {} lengths for a batch of {b}", lengths.len());
+        ensure!(lengths.iter().all(|&l| l >= 1 && l <= t), "prefill: every length must be in 1..={t}, got {lengths:?}");
+        ensure!(cache.batch == b && t <= cache.capacity, "prefill: cache for batch {} and {} slots cannot take [{b}, {t}]", cache.batch, cache.capacity);
+        let dev = self.model.device;
+        let (valid, pos) = self.prefill_inputs(b, t, lengths);
+        let mut dev_counts = BTreeMap::new();
+        let want_counts = counts.is_some();
+        let mut rc = RouteCtx { source: masks, cursor: 0, valid: Some(valid), counts: want_counts.then_some(&mut dev_counts), fit: None };
+        let hn = self.forward_tokens(&ids.to_device(dev), b, t, &pos, None, cache, &mut rc)?;
+        if let Some(c) = counts {
+            add_counts(c, &dev_counts);
+        }
+        if all_logits {
+            return Ok(self.timed("lm_head", || Ok(hn.linear::<Tensor>(&self.model.lm_head, None)))?.view([b, t, -1]));
+        }
+        let last: Vec<i64> = lengths.iter().enumerate().map(|(r, &l)| r as i64 * t + l - 1).collect();
+        let rows = hn.index_select(0, &Tensor::from_slice(&last).to_device(dev));
+        self.timed("lm_head", || Ok(rows.linear::<Tensor>(&self.model.lm_head, None)))
+    }
+
+    /// Sets every router's offset, layer by layer during one prefill of `ids`, so that on these
+    /// tokens each router skips `target` of its (valid token, group) pairs: the inference-time
+    /// bias that gives a requested sparsity without retraining (random-weight routers differ in
+    /// scale from layer to layer, so this fit is per layer).
+    pub fn fit_offsets_per_layer(&mut self, ids: &Tensor, lengths: &[i64], target: f64) -> Result<SkipCounts> {
+        ensure!((0.0..1.0).contains(&target), "sparsity must be in [0, 1), got {target}");
+        let _g = tch::no_grad_guard();
+        let (b, t) = ids.size2()?;
+        let cache = EngineCache::new(self.model, b, t);
+        let (valid, pos) = self.prefill_inputs(b, t, lengths);
+        let mut src = MaskSource::Routers;
+        let mut dev_counts = BTreeMap::new();
+        let mut rc = RouteCtx { source: &mut src, cursor: 0, valid: Some(valid), counts: Some(&mut dev_counts), fit: Some(target) };
+        let _ = self.forward_tokens(&ids.to_device(self.model.device), b, t, &pos, None, &cache, &mut rc)?;
+        let mut c = SkipCounts::default();
+        add_counts(&mut c, &dev_counts);
+        self.sparsity_hint = [target, target];
+        Ok(c)
+    }
+
+    /// Searches one logit offset per router kind (the same in every layer, as the routing
+    /// manifest stores them) so that a prefill of `ids` skips `target` of the groups of each
+    /// router kind: bisection on the prompt itself, no training. Returns the achieved rates.
+    pub fn search_offsets(&mut self, ids: &Tensor, lengths: &[i64], target: f64) -> Result<SkipCounts> {
+        ensure!((0.0..1.0).contains(&target), "sparsity must be in [0, 1), got {target}");
+        let Some(r) = self.routing else { bail!("--sparsity needs a routed model (a routing folder with trained routers)") };
+        let kinds: Vec<RouterKind> = r.config.routers(&self.model.config).into_iter().map(|(k, _)| k).collect();
+        ensure!(r.config.variant != Variant::StaticWidth && !kinds.is_empty(), "the {} variant has no routers whose offset could be searched", r.config.variant.name());
+        let (b, t) = ids.size2()?;
+        let cache = EngineCache::new(self.model, b, t);
+        let mut lo = [-64.0f64; 3];
+        let mut hi = [64.0f64; 3];
+        let mut last = SkipCounts::default();
+        for _ in 0..26 {
+            let mid: Vec<f64> = (0..3).map(|k| 0.5 * (lo[k] + hi[k])).collect();
+            self.set_offsets(mid[0], mid[1], mid[2]);
+            let mut c = SkipCounts::default();
+            let _ = self.prefill(ids, lengths, &cache, &mut MaskSource::Routers, Some(&mut c), false)?;
+            for k in &kinds {
+                let i = kind_index(*k);
+                // A larger offset skips more.
+                if c.rate(k.name()).unwrap_or(0.0) > target {
+                    hi[i] = mid[i];
+                } else {
+                    lo[i] = mid[i];
+                }
+            }
+            last = c;
+        }
+        self.sparsity_hint = [target, target];
+        Ok(last)
+    }
+
+    /// The layers over `M = B * T` tokens (row-major `[B, T]`), positions `pos: [M]` i32. With
+    /// `lengths` (decode, T = 1) attention reads the cache up to each row's length; otherwise
+    /// it is causal over these T tokens (prefill from an empty cache). Returns the final-norm
+    /// hidden states `[M, hidden]`.
+    fn forward_tokens(&self, ids: &Tensor, b: i64, t: i64, pos: &Tensor, lengths: Option<&Tensor>, cache: &EngineCache, rc: &mut RouteCtx) -> Result<Tensor> {
+        let m = self.model;
+        let c = &m.config;
+        let eps = c.rms_norm_eps;
+        let mut x = self.timed("embed", || Ok(Tensor::embedding(&m.embed_tokens, &ids.reshape([b * t]), -1, false, false)))?;
+        let mut delta: Option<Tensor> = None;
+        let shape = QkvShape { batch: b, tokens: t, q_heads: c.num_attention_heads, kv_heads: c.num_key_value_heads, head_dim: c.head_dim };
+        for (i, layer) in m.layers.iter().enumerate() {
+            let (xr, hn) = self.timed("norm", || fused::add_rmsnorm(&x, delta.as_ref(), &layer.input_layernorm.weight, eps))?;
+            x = xr;
+            let (attn_d, q_ext, layer_mask) = self.timed("router", || self.attention_decision(i, &x, rc))?;
+            let mut qkv = self.timed("qkv", || self.project_qkv(i, &hn, attn_d.as_ref(), q_ext.as_ref()))?;
+            if let (Some(qn), Some(kn)) = (&layer.self_attn.q_norm, &layer.self_attn.k_norm) {
+                let (nh, nkv, hd) = (shape.q_heads, shape.kv_heads, shape.head_dim);
+                let v = qkv.view([b * t, nh + 2 * nkv, hd]);
+                let q = qn.forward(&v.narrow(1, 0, nh));
+                let k = kn.forward(&v.narrow(1, nh, nkv));
+                qkv = Tensor::cat(&[&q, &k, &v.narrow(1, nh + nkv, nkv)], 1).view([b * t, -1]);
+            }
+            let q = self.timed("rope_kv", || fused::rope_qkv_cache(&qkv, pos, &self.inv_freq, &shape, &cache.keys[i], &cache.values[i]))?;
+            let attn = self.timed("attention", || self.attention(i, &q, b, t, lengths, cache, attn_d.as_ref()))?;
+            let o = self.timed("o_proj", || self.project_k(&attn, &layer.self_attn.o_proj.weight, layer.self_attn.o_proj.bias.as_ref(), attn_d.as_ref(), c.head_dim, 0))?;
+            let (xr, h2) = self.timed("norm", || fused::add_rmsnorm(&x, Some(&o), &layer.post_attention_layernorm.weight, eps))?;
+            x = xr;
+            let ffn_d = self.timed("router", || self.ffn_decision(i, &x, rc, layer_mask))?;
+            let hid = self.timed("gate_up", || self.project_gate_up(i, &h2, ffn_d.as_ref()))?;
+            let down = self.timed("down", || self.project_k(&hid, &layer.mlp.down_proj.weight, layer.mlp.down_proj.bias.as_ref(), ffn_d.as_ref(), 1, 1))?;
+            delta = Some(down);
+        }
+        let (_, hn) = self.timed("norm", || fused::add_rmsnorm(&x, delta.as_ref(), &m.norm.weight, eps))?;
+        Ok(hn)
+    }
+
+    /// One router's execute mask `[M, groups]` (bool) for tokens `x: [M, hidden]`, and the
+    /// extended mask with `extra` always-on groups (when the caller wants one).
+    fn gate(&self, i: usize, kind: RouterKind, r: &crate::routing::Router, x: &Tensor, rc: &mut RouteCtx, extra: i64) -> Result<(Tensor, Option<Tensor>)> {
+        let mt = x.size()[0];
+        let (mut mask, mut ext) = match rc.source {
+            MaskSource::Forced(v) => {
+                ensure!(rc.cursor < v.len(), "forced masks: only {} given, the forward needs more", v.len());
+                let mk = v[rc.cursor].to_device(x.device()).reshape([mt, -1]).gt(0.5);
+                rc.cursor += 1;
+                ensure!(mk.size()[1] == r.groups, "forced mask {} has {} groups, router {} of layer {i} has {}", rc.cursor - 1, mk.size()[1], kind.name(), r.groups);
+                (mk, None)
+            }
+            MaskSource::Routers => {
+                let k = kind_index(kind);
+                let w = RouterWeights { w1: &r.compressor_w, b1: &r.compressor_b, w2: &r.router_w, b2: &r.router_b };
+                if let Some(target) = rc.fit {
+                    let logits = x.linear(&r.compressor_w, Some(&r.compressor_b)).linear(&r.router_w, Some(&r.router_b)).to_kind(Kind::Float).view([mt, -1, 2]);
+                    let diff = logits.select(-1, 1) - logits.select(-1, 0);
+                    let sel = match &rc.valid {
+                        Some(v) => diff.index_select(0, &v.nonzero().view([-1])),
+                        None => diff,
+                    };
+                    let sorted = Vec::<f32>::try_from(sel.reshape([-1]).sort(0, false).0.to_device(Device::Cpu))?;
+                    let n = sorted.len();
+                    let skip = ((target * n as f64).round() as usize).min(n);
+                    // Skip iff diff + offset > 0: put the threshold between the kept and the
+                    // skipped values.
+                    let off = if skip == 0 {
+                        -(sorted[n - 1] as f64) - 1.0
+                    } else if skip == n {
+                        -(sorted[0] as f64) + 1.0
+                    } else {
+                        -0.5 * (sorted[n - skip - 1] as f64 + sorted[n - skip] as f64)
+                    };
+                    self.offsets.borrow_mut()[i][k] = off;
+                }
+                let off = self.offsets.borrow()[i][k];
+                fused::router_gate(x, &w, off, if rc.valid.is_none() { extra } else { 0 })?
+            }
+        };
+        if let Some(v) = &rc.valid {
+            mask = mask.logical_and(&v.unsqueeze(1));
+        }
+        if extra > 0 && ext.is_none() {
+            ext = Some(Tensor::cat(&[&mask, &Tensor::ones([mt, extra], (Kind::Bool, x.device()))], 1));
+        }
+        self.count(kind, &mask, rc);
+        Ok((mask, ext))
+    }
+
+    fn count(&self, kind: RouterKind, mask: &Tensor, rc: &mut RouteCtx) {
+        let Some(c) = rc.counts.as_mut() else { return };
+        let g = mask.size()[1] as f64;
+        let on = mask.sum(Kind::Float);
+        let (skipped, total) = match &rc.valid {
+            Some(v) => {
+                let n = v.sum(Kind::Float);
+                (&n * g - on, n * g)
+            }
+            None => {
+                let n = Tensor::full([], mask.size()[0] as f64 * g, (Kind::Float, mask.device()));
+                (&n - on, n)
+            }
+        };
+        let dev = mask.device();
+        let e = c.entry(kind).or_insert_with(|| (Tensor::zeros([], (Kind::Float, dev)), Tensor::zeros([], (Kind::Float, dev))));
+        let _ = e.0.g_add_(&skipped);
+        let _ = e.1.g_add_(&total);
+    }
+
+    fn static_mask(&self, kind: RouterKind, s: &Tensor, mt: i64, rc: &mut RouteCtx) -> Tensor {
+        let g = s.size()[0];
+        let mut m = s.gt(0.5).view([1, g]).expand([mt, g], false).contiguous();
+        if let Some(v) = &rc.valid {
+            m = m.logical_and(&v.unsqueeze(1));
+        }
+        self.count(kind, &m, rc);
+        m
+    }
+
+    /// The attention decision of layer `i` (and the layer router's mask, for layer_skip).
+    fn attention_decision(&self, i: usize, x: &Tensor, rc: &mut RouteCtx) -> Result<(Option<Decision>, Option<Tensor>, Option<Tensor>)> {
+        let Some(r) = self.routing else { return Ok((None, None, None)) };
+        let l = &r.layers[i];
+        let c = &self.model.config;
+        let nh = c.num_attention_heads;
+        let mt = x.size()[0];
+        let mut layer_mask = None;
+        if let Some(lr) = &l.layer {
+            layer_mask = Some(self.gate(i, RouterKind::Layer, lr, x, rc, 0)?.0);
+        }
+        let (mask, ext) = if let Some(ar) = &l.attention {
+            let gh = nh / ar.groups;
+            let extra = self.q_extra(gh);
+            let want_ext = extra > 0 && mt <= GEMV_MAX_M && is_fast_dtype(x);
+            self.gate(i, RouterKind::Attention, ar, x, rc, if want_ext { extra } else { 0 })?
+        } else if let Some(s) = &l.static_attention {
+            (self.static_mask(RouterKind::Attention, s, mt, rc), None)
+        } else if let Some(lm) = &layer_mask {
+            (lm.shallow_clone(), None)
+        } else {
+            return Ok((None, None, layer_mask));
+        };
+        let group = nh / mask.size()[1];
+        let ext = match ext {
+            Some(e) => Some(e),
+            None if self.q_extra(group) > 0 && mt <= GEMV_MAX_M && is_fast_dtype(x) => {
+                Some(Tensor::cat(&[&mask, &Tensor::ones([mt, self.q_extra(group)], (Kind::Bool, x.device()))], 1))
+            }
+            None => None,
+        };
+        Ok((Some(Decision { mask, group, layout: Default::default() }), ext, layer_mask))
+    }
+
+    /// Always-on groups appended to the attention mask so that one routed launch covers the
+    /// fused Q|K|V projection (K and V rows form whole groups of Q's group width), or 0.
+    fn q_extra(&self, group_heads: i64) -> i64 {
+        let kv2 = 2 * self.model.config.num_key_value_heads;
+        if group_heads > 0 && kv2 % group_heads == 0 {
+            kv2 / group_heads
+        } else {
+            0
+        }
+    }
+
+    fn ffn_decision(&self, i: usize, x: &Tensor, rc: &mut RouteCtx, layer_mask: Option<Tensor>) -> Result<Option<Decision>> {
+        let Some(r) = self.routing else { return Ok(None) };
+        let l = &r.layers[i];
+        let inter = self.model.config.intermediate_size;
+        let mt = x.size()[0];
+        let mask = if let Some(fr) = &l.ffn {
+            self.gate(i, RouterKind::Ffn, fr, x, rc, 0)?.0
+        } else if let Some(s) = &l.static_ffn {
+            self.static_mask(RouterKind::Ffn, s, mt, rc)
+        } else if let Some(lm) = layer_mask {
+            lm
+        } else {
+            return Ok(None);
+        };
+        let group = inter / mask.size()[1];
+        Ok(Some(Decision { mask, group, layout: Default::default() }))
+    }
+
+    /// Whether the routed GEMV pays for this shape at the expected skip rate (dispatch policy).
+    fn gemv_pays(&self, x: &Tensor, op: RoutedOp, n: i64, k: i64, group: i64, sparsity: f64) -> bool {
+        if !is_fast_dtype(x) || wide_kernels::ops::dispatch::env_override() == Some("dense") {
+            return false;
+        }
+        let m = x.size()[0];
+        m <= GEMV_MAX_M && choose(&GemmShape { op, m, n, k, group }, sparsity, None) == GemmPath::Gemv
+    }
+
+    fn layout<'d>(&self, d: &'d Decision, kind: usize) -> Result<&'d RouteLayout> {
+        if d.layout.get().is_none() {
+            let _ = d.layout.set(route_layout(&d.mask)?.with_sparsity_hint(self.sparsity_hint[kind]));
+        }
+        Ok(d.layout.get().unwrap())
+    }
+
+    /// `[M, hidden] -> [M, (HQ + 2 HKV) D]`; with a routed GEMV, Q rows of skipped head groups
+    /// are not read (their values are never used: attention zeroes those heads).
+    fn project_qkv(&self, i: usize, h: &Tensor, d: Option<&Decision>, ext: Option<&Tensor>) -> Result<Tensor> {
+        let f = &self.fused[i];
+        if let (Some(d), Some(ext), None) = (d, ext, &f.qkv_bias) {
+            let hd = self.model.config.head_dim;
+            let (n, k) = (f.qkv.size()[0], f.qkv.size()[1]);
+            let ng = ext.size()[1];
+            let sp = self.sparsity_hint[0] * d.mask.size()[1] as f64 / ng as f64;
+            if self.gemv_pays(h, RoutedOp::Mn, n, k, d.group * hd, sp) {
+                let lay = route_layout(ext)?.with_sparsity_hint(sp);
+                return Ok(routed_gemm(RoutedOp::Mn, h, &f.qkv, None, &lay, d.group * hd, Some(GemmPath::Gemv))?.0);
+            }
+        }
+        Ok(h.linear(&f.qkv, f.qkv_bias.as_ref()))
+    }
+
+    /// A reduction-width projection (O: `unit` = head_dim, kind 0; down: unit 1, kind 1) on an
+    /// input that is already zero at skipped groups: the routed GEMV where it pays, else cuBLAS.
+    fn project_k(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>, d: Option<&Decision>, unit: i64, kind: usize) -> Result<Tensor> {
+        if let (Some(d), None) = (d, bias) {
+            let (n, k) = (w.size()[0], w.size()[1]);
+            if self.gemv_pays(x, RoutedOp::KPremasked, n, k, d.group * unit, self.sparsity_hint[kind]) {
+                let lay = self.layout(d, kind)?;
+                return Ok(routed_gemm(RoutedOp::KPremasked, x, w, None, lay, d.group * unit, Some(GemmPath::Gemv))?.0);
+            }
+        }
+        Ok(x.linear(w, bias))
+    }
+
+    /// `[M, hidden] -> [M, intermediate]`: `silu(gate) * up`, zero at skipped channel groups.
+    fn project_gate_up(&self, i: usize, h: &Tensor, d: Option<&Decision>) -> Result<Tensor> {
+        let f = &self.fused[i];
+        let inter = self.model.config.intermediate_size;
+        if let (Some(d), None) = (d, &f.gate_up_bias) {
+            if self.gemv_pays(h, RoutedOp::MnSwiglu, inter, f.gate_up.size()[1], d.group, self.sparsity_hint[1]) {
+                let lay = self.layout(d, 1)?;
+                let (g, u) = (f.gate_up.narrow(0, 0, inter), f.gate_up.narrow(0, inter, inter));
+                return Ok(routed_gemm(RoutedOp::MnSwiglu, h, &g, Some(&u), lay, d.group, Some(GemmPath::Gemv))?.0);
+            }
+        }
+        let gu = h.linear(&f.gate_up, f.gate_up_bias.as_ref());
+        fused::swiglu(&gu, d.map(|d| &d.mask), d.map(|d| d.group).unwrap_or(1))
+    }
+
+    /// Attention outputs `[M, HQ * D]` with skipped head groups exactly zero.
+    fn attention(&self, i: usize, q: &Tensor, b: i64, t: i64, lengths: Option<&Tensor>, cache: &EngineCache, d: Option<&Decision>) -> Result<Tensor> {
+        let c = &self.model.config;
+        let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        let window = self.model.layers[i].self_attn.window;
+        let (kc, vc) = (&cache.keys[i], &cache.values[i]);
+        let out = match lengths {
+            None => {
+                let (k, v) = (kc.narrow(2, 0, t), vc.narrow(2, 0, t));
+                let o = match window.filter(|w| *w < t) {
+                    None => Tensor::scaled_dot_product_attention(q, &k, &v, None::<Tensor>, 0.0, true, self.scale, nkv != nh),
+                    Some(w) => {
+                        let qs = Tensor::arange(t, (Kind::Int64, q.device())).view([t, 1]);
+                        let ks = Tensor::arange(t, (Kind::Int64, q.device())).view([1, t]);
+                        let mask = ks.le_tensor(&qs).logical_and(&(&qs - &ks).lt(w)).view([1, 1, t, t]).expand([b, 1, t, t], false);
+                        grouped_attention(q, &k, &v, &mask, nkv)
+                    }
+                };
+                o.transpose(1, 2).reshape([b * t, nh * hd])
+            }
+            Some(len) => {
+                let qpk = nh / nkv;
+                let kernel_ok = is_fast_dtype(q)
+                    && window.map_or(true, |w| w >= cache.capacity)
+                    && matches!((hd, qpk), (64, 1 | 2 | 4 | 8) | (128, 1 | 2 | 4));
+                if kernel_ok {
+                    let (mask, gh) = match d {
+                        Some(d) => (d.mask.shallow_clone(), d.group),
+                        None => (self.ones_mask(b, q.device()), nh),
+                    };
+                    let o = wide_kernels::attention_decode(&q.view([b, nh, hd]), kc, vc, len, &mask, gh, self.scale)?;
+                    return Ok(o.view([b, nh * hd]));
+                }
+                let cap = cache.capacity;
+                let slot = Tensor::arange(cap, (Kind::Int64, q.device())).view([1, cap]);
+                let l = len.to_kind(Kind::Int64).view([b, 1]);
+                let mut mask = slot.lt_tensor(&l);
+                if let Some(w) = window {
+                    mask = mask.logical_and(&slot.ge_tensor(&(&l - w)));
+                }
+                grouped_attention(q, kc, vc, &mask.view([b, 1, 1, cap]), nkv).reshape([b, nh * hd])
+            }
+        };
+        Ok(match d {
+            Some(d) => {
+                let m = out.size()[0];
+                let off = d.mask.logical_not().unsqueeze(-1);
+                out.view([m, nh / d.group, d.group * hd]).masked_fill(&off, 0.0).view([m, nh * hd])
+            }
+            None => out,
+        })
+    }
+
+    fn ones_mask(&self, b: i64, dev: Device) -> Tensor {
+        self.ones.borrow_mut().entry(b).or_insert_with(|| Tensor::ones([b, 1], (Kind::Bool, dev))).shallow_clone()
+    }
+}
+
+/// Batched decoding over an [`Engine`]: a prefill, then steps of one token per row whose body
+/// reads no host value (positions, lengths and, for greedy decoding, the next tokens advance
+/// on the device), optionally captured once in a CUDA graph and replayed.
+pub struct Decoder<'e, 'm> {
+    engine: &'e Engine<'m>,
+    pub cache: EngineCache,
+    /// `[B]` i64: the token each row feeds next (greedy steps overwrite it with the argmax).
+    pub tokens: Tensor,
+    /// `[B]` i32: the slot (position) of that token; `lengths = pos + 1`.
+    pos: Tensor,
+    lengths: Tensor,
+    host_lengths: Vec<i64>,
+    greedy: bool,
+    graph: Option<wide_kernels::CudaGraph>,
+    /// The graph's logits `[B, vocab]` (overwritten by each replay).
+    logits: Option<Tensor>,
+    counts: Option<BTreeMap<RouterKind, (Tensor, Tensor)>>,
+}
+
+impl<'e, 'm> Decoder<'e, 'm> {
+    /// Prefills `prompts` (right-padded into one batch) into a cache of `capacity` slots.
+    /// Returns the decoder and the last-token logits `[B, vocab]`; set the first tokens with
+    /// [`Decoder::set_tokens`] (or `greedy_first`), then call [`Decoder::step`].
+    /// `stats` accumulates skip counts of the decode steps on the device.
+    pub fn new(engine: &'e Engine<'m>, prompts: &[Vec<i64>], capacity: i64, greedy: bool, stats: bool, prefill_counts: Option<&mut SkipCounts>) -> Result<(Self, Tensor)> {
+        let _g = tch::no_grad_guard();
+        ensure!(!prompts.is_empty() && prompts.iter().all(|p| !p.is_empty()), "every prompt needs at least one token");
+        let model = engine.model;
+        let dev = model.device;
+        let b = prompts.len() as i64;
+        let lengths: Vec<i64> = prompts.iter().map(|p| p.len() as i64).collect();
+        let t = *lengths.iter().max().unwrap();
+        ensure!(t < capacity, "cache capacity {capacity} leaves no room after a {t}-token prompt");
+        let pad = model.config.pad_token_id.or(model.config.eos_token_ids.first().copied()).unwrap_or(0);
+        let mut ids = Vec::with_capacity((b * t) as usize);
+        for p in prompts {
+            ids.extend(p.iter().copied().chain(std::iter::repeat_n(pad, t as usize - p.len())));
+        }
+        let ids = Tensor::from_slice(&ids).view([b, t]).to_device(dev);
+        let cache = EngineCache::new(model, b, capacity);
+        let logits = engine.prefill(&ids, &lengths, &cache, &mut MaskSource::Routers, prefill_counts, false)?;
+        let pos = Tensor::from_slice(&lengths.iter().map(|&l| l as i32).collect::<Vec<_>>()).to_device(dev);
+        let len1 = &pos + 1;
+        let tokens = logits.argmax(-1, false);
+        let counts = stats.then(|| {
+            let z = || Tensor::zeros([], (Kind::Float, dev));
+            let mut m = BTreeMap::new();
+            if let Some(r) = engine.routing {
+                for (k, _) in r.config.routers(&model.config) {
+                    m.insert(k, (z(), z()));
+                }
+            }
+            m
+        });
+        Ok((Self { engine, cache, tokens, pos, lengths: len1, host_lengths: lengths, greedy, graph: None, logits: None, counts }, logits))
+    }
+
+    /// Feeds these tokens next (`[B]`), e.g. sampled ones.
+    pub fn set_tokens(&mut self, tokens: &[i64]) -> Result<()> {
+        ensure!(tokens.len() as i64 == self.cache.batch, "set_tokens: {} tokens for a batch of {}", tokens.len(), self.cache.batch);
+        self.tokens.copy_(&Tensor::from_slice(tokens).to_device(self.tokens.device()));
+        Ok(())
+    }
+
+    fn step_body(&mut self) -> Result<Tensor> {
+        let e = self.engine;
+        let b = self.cache.batch;
+        let mut src = MaskSource::Routers;
+        let mut rc = RouteCtx { source: &mut src, cursor: 0, valid: None, counts: self.counts.as_mut(), fit: None };
+        let hn = e.forward_tokens(&self.tokens.view([b, 1]), b, 1, &self.pos, Some(&self.lengths), &self.cache, &mut rc)?;
+        let logits = e.timed("lm_head", || Ok(hn.linear::<Tensor>(&e.model.lm_head, None)))?;
+        if self.greedy {
+            self.tokens.copy_(&logits.argmax(-1, false));
+        }
+        let _ = self.pos.g_add_scalar_(1);
+        let _ = self.lengths.g_add_scalar_(1);
+        Ok(logits)
+    }
+
+    /// Captures the step in a CUDA graph (after one warm-up step whose effects are undone).
+    pub fn capture(&mut self) -> Result<()> {
+        let Device::Cuda(d) = self.engine.model.device else { return Ok(()) };
+        let _g = tch::no_grad_guard();
+        let saved = (self.tokens.copy(), self.pos.copy(), self.lengths.copy());
+        let _ = self.step_body()?;
+        self.tokens.copy_(&saved.0);
+        self.pos.copy_(&saved.1);
+        self.lengths.copy_(&saved.2);
+        if let Some(c) = &mut self.counts {
+            for (s, t) in c.values_mut() {
+                let _ = s.zero_();
+                let _ = t.zero_();
+            }
+        }
+        let mut g = wide_kernels::CudaGraph::new(d)?;
+        let logits = {
+            let this = &mut *self;
+            g.capture(|| this.step_body())?
+        };
+        self.logits = Some(logits);
+        self.graph = Some(g);
+        Ok(())
+    }
+
+    /// One step: every row consumes its token; returns the logits `[B, vocab]` (the graph's
+    /// output buffer when captured: valid until the next step).
+    pub fn step(&mut self) -> Result<Tensor> {
+        let _g = tch::no_grad_guard();
+        let longest = self.host_lengths.iter().max().copied().unwrap_or(0);
+        ensure!(longest < self.cache.capacity, "decoder cache is full ({} slots)", self.cache.capacity);
+        let out = match &self.graph {
+            Some(g) => {
+                g.replay()?;
+                self.logits.as_ref().context("captured graph has no logits")?.shallow_clone()
+            }
+            None => self.step_body()?,
+        };
+        for l in &mut self.host_lengths {
+            *l += 1;
+        }
+        Ok(out)
+    }
+
+    /// Skip counts of the decode steps so far (a device read).
+    pub fn skip_counts(&self) -> SkipCounts {
+        let mut c = SkipCounts::default();
+        if let Some(d) = &self.counts {
+            add_counts(&mut c, d);
+        }
+        c
+    }
+}
+
+/// What [`Engine::generate`] returns.
+#[derive(Debug, Clone)]
+pub struct EngineGeneration {
+    pub tokens: Vec<Vec<i64>>,
+    pub prefill_seconds: f64,
+    pub decode_seconds: f64,
+    pub decode_steps: usize,
+    pub prefill_skip: SkipCounts,
+    pub decode_skip: SkipCounts,
+}
+
+impl<'m> Engine<'m> {
+    /// Generates for each prompt (greedy or sampled, see [`SamplingConfig`]); `on_token(row,
+    /// id)` streams tokens. Greedy decoding on a GPU with `use_graph` replays one CUDA graph a
+    /// step; the host reads the new tokens after each step (for EOS and streaming).
+    pub fn generate(&self, prompts: &[Vec<i64>], cfg: &SamplingConfig, use_graph: bool, mut on_token: impl FnMut(usize, i64) -> Result<()>) -> Result<EngineGeneration> {
+        self.model.check_context(prompts, cfg.max_new_tokens)?;
+        let b = prompts.len();
+        let longest = prompts.iter().map(|p| p.len()).max().unwrap_or(0) as i64;
+        let capacity = longest + cfg.max_new_tokens as i64;
+        let greedy = cfg.temperature <= 0.0;
+        let mut rng = StdRng::seed_from_u64(cfg.seed);
+        let start = std::time::Instant::now();
+        let mut prefill_skip = SkipCounts::default();
+        let (mut dec, logits) = Decoder::new(self, prompts, capacity, greedy, self.is_routed(), Some(&mut prefill_skip))?;
+        let mut next = pick_tokens(&logits, cfg, &mut rng)?;
+        let prefill_seconds = start.elapsed().as_secs_f64();
+        let start = std::time::Instant::now();
+        let mut out: Vec<Vec<i64>> = vec![vec![]; b];
+        let mut done = vec![false; b];
+        let mut steps = 0;
+        let mut captured = false;
+        loop {
+            for (r, &tok) in next.iter().enumerate() {
+                if done[r] {
+                    continue;
+                }
+                out[r].push(tok);
+                on_token(r, tok)?;
+                if (cfg.stop_at_eos && self.model.config.eos_token_ids.contains(&tok)) || out[r].len() >= cfg.max_new_tokens {
+                    done[r] = true;
+                }
+            }
+            if done.iter().all(|d| *d) {
+                break;
+            }
+            dec.set_tokens(&next)?;
+            if use_graph && !captured {
+                dec.capture()?;
+                captured = true;
+            }
+            let logits = dec.step()?;
+            next = if greedy { Vec::<i64>::try_from(dec.tokens.to_device(Device::Cpu))? } else { pick_tokens(&logits, cfg, &mut rng)? };
+            steps += 1;
+        }
+        Ok(EngineGeneration {
+            tokens: out,
+            prefill_seconds,
+            decode_seconds: start.elapsed().as_secs_f64(),
+            decode_steps: steps,
+            prefill_skip,
+            decode_skip: dec.skip_counts(),
+        })
+    }
+}

@@ -1,0 +1,286 @@
+//! `wide bench e2e`: end-to-end prefill and decode throughput of the inference engine, dense
+//! against `wide` at several sparsities, on one model in one process, with peak GPU memory and
+//! (with `--profile`) per-op device times next to their byte and FLOP floors.
+//!
+//! Routers: with `--routing DIR` the trained routers of that folder, their offsets searched per
+//! router kind to hit each sparsity; otherwise random routers (Kaiming-uniform, as freshly
+//! initialised) whose per-layer offsets (equivalently, skip biases) are fitted on a random
+//! 2048-token prompt to skip the target share of groups.
+use super::{device_label, median, peak_bytes, reset_peak, sync, time_median};
+use crate::report::{write_json, Provenance};
+use anyhow::{Context, Result};
+use serde_json::{json, Value};
+use std::path::PathBuf;
+use tch::{nn, Device, Kind, Tensor};
+use wide_core::infer::{Decoder, Engine, EngineCache, MaskSource, Profile, SkipCounts};
+use wide_core::routing::{Routing, RoutingConfig, Variant};
+use wide_core::{presets, LlamaModel, ModelConfig, Pretrained, RandomWeights};
+
+#[derive(Debug, Clone)]
+pub struct E2eBenchConfig {
+    /// Built-in shape with random weights, unless `model_dir` is given.
+    pub preset: String,
+    pub model_dir: Option<PathBuf>,
+    /// Trained routers (stage 1/2 folder) for `model_dir`.
+    pub routing_dir: Option<PathBuf>,
+    pub device: Device,
+    pub kind: Kind,
+    pub sparsities: Vec<f64>,
+    pub attn_group_size: i64,
+    pub ffn_group_size: i64,
+    pub prefill_tokens: Vec<i64>,
+    pub decode_batches: Vec<i64>,
+    pub prompt_tokens: i64,
+    pub new_tokens: i64,
+    pub warmup: usize,
+    pub iters: usize,
+    pub cuda_graph: bool,
+    pub profile: bool,
+    pub out: Option<PathBuf>,
+    pub commit: String,
+    pub seed: i64,
+}
+
+fn gib(b: i64) -> f64 {
+    b as f64 / (1u64 << 30) as f64
+}
+
+/// Loads the model (and, for a routing folder, its routing config and router tensors).
+fn build_model(cfg: &E2eBenchConfig) -> Result<(LlamaModel, nn::VarStore, ModelConfig, String)> {
+    match &cfg.model_dir {
+        Some(dir) => {
+            let p = Pretrained::load(dir, cfg.device, cfg.kind)?;
+            let mc = p.model.config.clone();
+            Ok((p.model, p.vs, mc, dir.display().to_string()))
+        }
+        None => {
+            let mc = presets::preset(&cfg.preset)?;
+            let vs = nn::VarStore::new(cfg.device);
+            let model = LlamaModel::new(&vs.root(), &mc, &mut RandomWeights { std: 0.02 }, cfg.kind, false)?;
+            Ok((model, vs, mc, cfg.preset.clone()))
+        }
+    }
+}
+
+fn routing_for(cfg: &E2eBenchConfig, mc: &ModelConfig, s: f64) -> Result<(Routing, nn::VarStore)> {
+    let vs = nn::VarStore::new(cfg.device);
+    let (rc, dir) = match &cfg.routing_dir {
+        Some(dir) => {
+            let text = std::fs::read_to_string(dir.join("routing.json")).with_context(|| format!("{} has no routing.json", dir.display()))?;
+            let v: Value = serde_json::from_str(&text)?;
+            let rc: RoutingConfig = serde_json::from_value(v["routing"].clone()).context("routing.json: the routing table")?;
+            (rc, Some(dir))
+        }
+        None => {
+            let mut rc = RoutingConfig::new(Variant::Wide);
+            rc.attn_group_size = cfg.attn_group_size;
+            rc.ffn_group_size = cfg.ffn_group_size;
+            rc.target_sparsity = Some(s);
+            (rc, None)
+        }
+    };
+    let routing = Routing::new(&vs.root(), mc, &rc, cfg.kind)?;
+    if let Some(dir) = dir {
+        let f = wide_core::safetensors::SafetensorsFile::open(&dir.join("routers.safetensors"))?;
+        routing.load_tensors(&mut |n| f.read(n))?;
+    }
+    Ok((routing, vs))
+}
+
+/// One engine's measurements.
+fn measure(engine: &Engine, cfg: &E2eBenchConfig, vocab: i64, label: &str) -> Result<Value> {
+    let device = cfg.device;
+    let mut prefill = vec![];
+    for &t in &cfg.prefill_tokens {
+        let ids = Tensor::randint(vocab, [1, t], (Kind::Int64, device));
+        let cache = EngineCache::new(engine.model, 1, t);
+        sync(device)?;
+        reset_peak(device)?;
+        let secs = time_median(device, cfg.warmup, cfg.iters, || {
+            let _ = engine.prefill(&ids, &[t], &cache, &mut MaskSource::Routers, None, false)?;
+            Ok(())
+        })?;
+        let peak = peak_bytes(device)?;
+        eprintln!("{label:>10} prefill {t:>6}: {:>8.2} ms {:>9.0} tokens/s  peak {:.2} GiB", secs * 1e3, t as f64 / secs, gib(peak));
+        prefill.push(json!({"tokens": t, "ms": secs * 1e3, "tokens_per_s": t as f64 / secs, "peak_gib": gib(peak)}));
+    }
+    let mut decode = vec![];
+    for &b in &cfg.decode_batches {
+        let prompts: Vec<Vec<i64>> = (0..b).map(|_| Vec::<i64>::try_from(Tensor::randint(vocab, [cfg.prompt_tokens], (Kind::Int64, Device::Cpu))).unwrap()).collect();
+        let capacity = cfg.prompt_tokens + cfg.new_tokens;
+        sync(device)?;
+        reset_peak(device)?;
+        let (mut steps, mut totals) = (vec![], vec![]);
+        for rep in 0..cfg.warmup + cfg.iters {
+            sync(device)?;
+            let start = std::time::Instant::now();
+            let (mut dec, _) = Decoder::new(engine, &prompts, capacity, true, false, None)?;
+            if cfg.cuda_graph {
+                dec.capture()?;
+            }
+            sync(device)?;
+            let after = std::time::Instant::now();
+            for _ in 0..cfg.new_tokens - 1 {
+                let _ = dec.step()?;
+            }
+            sync(device)?;
+            if rep >= cfg.warmup {
+                steps.push(after.elapsed().as_secs_f64());
+                totals.push(start.elapsed().as_secs_f64());
+            }
+        }
+        let peak = peak_bytes(device)?;
+        let (step, total) = (median(&mut steps), median(&mut totals));
+        let n = (cfg.new_tokens - 1) as f64;
+        let tps = b as f64 * n / step;
+        eprintln!("{label:>10} decode batch {b:>3}: {:>7.3} ms/step {:>9.1} tokens/s ({:.1} with prefill)  peak {:.2} GiB", step * 1e3 / n, tps, (b * cfg.new_tokens) as f64 / total, gib(peak));
+        decode.push(json!({"batch": b, "ms_per_step": step * 1e3 / n, "decode_tokens_per_s": tps,
+            "generate_tokens_per_s": (b * cfg.new_tokens) as f64 / total, "peak_gib": gib(peak)}));
+    }
+    // Achieved skip rates while decoding (batch 1, the graph accumulating on the device).
+    let mut decode_skip = Value::Null;
+    if engine.is_routed() {
+        let prompt = vec![Vec::<i64>::try_from(Tensor::randint(vocab, [cfg.prompt_tokens], (Kind::Int64, Device::Cpu)))?];
+        let (mut dec, _) = Decoder::new(engine, &prompt, cfg.prompt_tokens + cfg.new_tokens, true, true, None)?;
+        if cfg.cuda_graph {
+            dec.capture()?;
+        }
+        for _ in 0..cfg.new_tokens - 1 {
+            let _ = dec.step()?;
+        }
+        decode_skip = skip_json(&dec.skip_counts());
+    }
+    let mut profile = Value::Null;
+    if cfg.profile {
+        profile = profile_ops(engine, cfg, vocab)?;
+    }
+    Ok(json!({"prefill": prefill, "decode": decode, "decode_skip": decode_skip, "profile": profile}))
+}
+
+fn skip_json(c: &SkipCounts) -> Value {
+    Value::Object(c.per_kind.keys().map(|k| (k.clone(), json!(c.rate(k).unwrap_or(0.0)))).collect())
+}
+
+/// Per-op device times: the largest prefill and one batch-1 decode step (eager, each op
+/// timed alone between CUDA events after a device spin).
+fn profile_ops(engine: &Engine, cfg: &E2eBenchConfig, vocab: i64) -> Result<Value> {
+    let device = cfg.device;
+    let t = *cfg.prefill_tokens.iter().max().unwrap_or(&2048);
+    let ids = Tensor::randint(vocab, [1, t], (Kind::Int64, device));
+    let cache = EngineCache::new(engine.model, 1, t);
+    let _ = engine.prefill(&ids, &[t], &cache, &mut MaskSource::Routers, None, false)?;
+    sync(device)?;
+    let pre = with_profile(engine, || {
+        let _ = engine.prefill(&ids, &[t], &cache, &mut MaskSource::Routers, None, false)?;
+        Ok(())
+    })?;
+    let prompt = vec![Vec::<i64>::try_from(Tensor::randint(vocab, [cfg.prompt_tokens], (Kind::Int64, Device::Cpu)))?];
+    let (mut dec, _) = Decoder::new(engine, &prompt, cfg.prompt_tokens + cfg.new_tokens, true, false, None)?;
+    for _ in 0..4 {
+        let _ = dec.step()?;
+    }
+    let steps = 16;
+    let dec_prof = with_profile(engine, || {
+        for _ in 0..steps {
+            let _ = dec.step()?;
+        }
+        Ok(())
+    })?;
+    let per_step: serde_json::Map<String, Value> = dec_prof.ms.iter().map(|(k, v)| (k.clone(), json!(v / steps as f64))).collect();
+    Ok(json!({"prefill_tokens": t, "prefill_ms": pre.ms, "decode_batch1_ms_per_step": per_step}))
+}
+
+fn with_profile(engine: &Engine, f: impl FnOnce() -> Result<()>) -> Result<Profile> {
+    engine.start_profile();
+    let r = f();
+    let prof = engine.take_profile();
+    r?;
+    Ok(prof)
+}
+
+/// Byte and FLOP floors of one layer's ops (for the RESULTS table), per token count `m`, at
+/// skip rate `s` (0 = dense), from the model's shapes.
+fn floors(mc: &ModelConfig, m: i64, s: f64, ctx: f64) -> Value {
+    let (h, i) = (mc.hidden_size as f64, mc.intermediate_size as f64);
+    let q = (mc.num_attention_heads * mc.head_dim) as f64;
+    let kv = (mc.num_key_value_heads * mc.head_dim) as f64;
+    let a = 1.0 - s;
+    let m = m as f64;
+    // Weight bytes read at decode (M = 1: only used rows), FLOPs at prefill.
+    json!({
+        "qkv": {"weight_bytes": 2.0 * h * (a * q + 2.0 * kv), "flops": 2.0 * m * h * (a * q + 2.0 * kv)},
+        "o_proj": {"weight_bytes": 2.0 * h * a * q, "flops": 2.0 * m * h * a * q},
+        "gate_up": {"weight_bytes": 2.0 * 2.0 * h * a * i, "flops": 4.0 * m * h * a * i},
+        "down": {"weight_bytes": 2.0 * h * a * i, "flops": 2.0 * m * h * a * i},
+        "attention": {"flops": 4.0 * m * a * q * ctx},
+    })
+}
+
+pub fn run(cfg: &E2eBenchConfig) -> Result<Value> {
+    let _g = tch::no_grad_guard();
+    tch::manual_seed(cfg.seed);
+    let t0 = std::time::Instant::now();
+    let (model, _vs, mc, label) = build_model(cfg)?;
+    sync(cfg.device)?;
+    eprintln!("built {label} ({:.3}B parameters, {:?}) on {} in {:.1}s", mc.parameter_count() as f64 / 1e9, cfg.kind, device_label(cfg.device), t0.elapsed().as_secs_f64());
+    let vocab = mc.vocab_size;
+    let mut rows = vec![];
+    let dense = Engine::new(&model, None)?;
+    let d = measure(&dense, cfg, vocab, "dense")?;
+    rows.push(json!({"variant": "dense", "sparsity": 0.0, "results": d}));
+    drop(dense);
+    for &s in &cfg.sparsities {
+        let (routing, _rvs) = routing_for(cfg, &mc, s)?;
+        let mut engine = Engine::new(&model, Some(&routing))?;
+        let fit_t = 2048.min(mc.max_position_embeddings);
+        let ids = Tensor::randint(vocab, [1, fit_t], (Kind::Int64, cfg.device));
+        let achieved = if cfg.routing_dir.is_some() { engine.search_offsets(&ids, &[fit_t], s)? } else { engine.fit_offsets_per_layer(&ids, &[fit_t], s)? };
+        let label = format!("wide {s}");
+        eprintln!("{label}: prefill skip rates on the fitting prompt {:?}", achieved.per_kind.keys().map(|k| format!("{k} {:.3}", achieved.rate(k).unwrap_or(0.0))).collect::<Vec<_>>());
+        let r = measure(&engine, cfg, vocab, &label)?;
+        rows.push(json!({"variant": "wide", "sparsity": s, "fit_skip": skip_json(&achieved), "results": r,
+            "offsets_per_layer": engine.offsets()}));
+    }
+    let prov = Provenance::new(&cfg.commit, &device_label(cfg.device));
+    let result = json!({
+        "benchmark": "e2e",
+        "provenance": prov,
+        "model": {"name": label, "parameters": mc.parameter_count(), "dtype": format!("{:?}", cfg.kind)},
+        "routing": {"routers": if cfg.routing_dir.is_some() { "trained (offsets searched per router kind)" } else { "random weights, per-layer offsets fitted on a random 2048-token prompt" },
+                    "attn_group_size": cfg.attn_group_size, "ffn_group_size": cfg.ffn_group_size, "routing_dir": cfg.routing_dir.as_ref().map(|p| p.display().to_string())},
+        "settings": {"warmup": cfg.warmup, "iters": cfg.iters, "cuda_graph": cfg.cuda_graph, "prompt_tokens": cfg.prompt_tokens, "new_tokens": cfg.new_tokens, "eos_ignored": true,
+                     "decode_tokens_per_s": "batch x (new_tokens - 1) / time of the decode steps after prefill and graph capture"},
+        "floors_per_layer": {"decode_dense": floors(&mc, 1, 0.0, 192.0), "decode_s0.5": floors(&mc, 1, 0.5, 192.0),
+                             "prefill8192_dense": floors(&mc, 8192, 0.0, 4096.0), "prefill8192_s0.5": floors(&mc, 8192, 0.5, 4096.0)},
+        "rows": rows,
+    });
+    print_table(&result);
+    if let Some(out) = &cfg.out {
+        write_json(out, &result)?;
+        eprintln!("wrote {}", out.display());
+    }
+    Ok(result)
+}
+
+fn print_table(r: &Value) {
+    let rows = r["rows"].as_array().cloned().unwrap_or_default();
+    let base = &rows[0]["results"];
+    println!("\n| variant | sparsity | phase | shape | ms | tokens/s | x dense | peak GiB |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for row in &rows {
+        let res = &row["results"];
+        for (k, p) in res["prefill"].as_array().into_iter().flatten().enumerate() {
+            let x = p["tokens_per_s"].as_f64().unwrap_or(0.0) / base["prefill"][k]["tokens_per_s"].as_f64().unwrap_or(1.0);
+            println!("| {} | {} | prefill | 1 x {} | {:.2} | {:.0} | {:.2}x | {:.2} |", row["variant"].as_str().unwrap_or(""), row["sparsity"], p["tokens"], p["ms"].as_f64().unwrap_or(0.0), p["tokens_per_s"].as_f64().unwrap_or(0.0), x, p["peak_gib"].as_f64().unwrap_or(0.0));
+        }
+        for (k, d) in res["decode"].as_array().into_iter().flatten().enumerate() {
+            let x = d["decode_tokens_per_s"].as_f64().unwrap_or(0.0) / base["decode"][k]["decode_tokens_per_s"].as_f64().unwrap_or(1.0);
+            println!("| {} | {} | decode | batch {} | {:.3}/step | {:.1} | {:.2}x | {:.2} |", row["variant"].as_str().unwrap_or(""), row["sparsity"], d["batch"], d["ms_per_step"].as_f64().unwrap_or(0.0), d["decode_tokens_per_s"].as_f64().unwrap_or(0.0), x, d["peak_gib"].as_f64().unwrap_or(0.0));
+        }
+    }
+    for row in &rows {
+        if !row["results"]["profile"].is_null() {
+            println!("profile {} {}: {}", row["variant"], row["sparsity"], row["results"]["profile"]);
+        }
+    }
+}

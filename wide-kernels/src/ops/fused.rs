@@ -1,0 +1,333 @@
+//! Fused element-wise ops of the inference path, each with its tch reference (any device and
+//! dtype) and a CUDA kernel (bf16/f16) from `infer.cu`:
+//!
+//! - [`add_rmsnorm`]: residual add and RMSNorm in one pass;
+//! - [`rope_qkv_cache`]: RoPE on the fused q/k/v projection, q out in attention layout, k and v
+//!   written into the KV cache at each token's position;
+//! - [`swiglu`]: `silu(gate) * up` from the fused gate|up projection, zero at skipped groups;
+//! - [`router_gate`]: a token router (two linears) and its deterministic gate, for few tokens.
+use crate::cuda::{CudaKernel, KernelArg, LaunchConfig};
+use crate::nvrtc::KernelSource;
+use anyhow::{ensure, Result};
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+use tch::{Device, Kind, Tensor};
+
+const SOURCE: &str = include_str!("infer.cu");
+
+pub fn source(f16: bool) -> KernelSource {
+    KernelSource::new("infer", SOURCE).define("WIDE_F16", f16 as u32)
+}
+
+pub fn kernel_variants() -> Vec<KernelSource> {
+    vec![source(false), source(true)]
+}
+
+fn kernel(f16: bool, entry: &'static str, device: usize) -> Result<CudaKernel> {
+    static K: OnceLock<Mutex<HashMap<(bool, &'static str, usize), CudaKernel>>> = OnceLock::new();
+    let key = (f16, entry, device);
+    if let Some(k) = K.get_or_init(Default::default).lock().unwrap().get(&key) {
+        return Ok(*k);
+    }
+    let k = CudaKernel::get(&source(f16), entry, device)?;
+    K.get_or_init(Default::default).lock().unwrap().insert(key, k);
+    Ok(k)
+}
+
+/// The CUDA device and f16 flag when `t` can take the kernels (CUDA, bf16 or f16), unless
+/// `WIDE_FUSED=ref` forces the references (to compare the two on a GPU).
+fn cuda_of(t: &Tensor) -> Option<(usize, bool)> {
+    static FORCE_REF: OnceLock<bool> = OnceLock::new();
+    if *FORCE_REF.get_or_init(|| std::env::var("WIDE_FUSED").map(|v| v == "ref").unwrap_or(false)) {
+        return None;
+    }
+    match (t.device(), t.kind()) {
+        (Device::Cuda(d), Kind::BFloat16) => Some((d, false)),
+        (Device::Cuda(d), Kind::Half) => Some((d, true)),
+        _ => None,
+    }
+}
+
+/// RMSNorm as the backbone computes it (f32 statistics, normalised value rounded to the input
+/// dtype, then scaled by the weight in that dtype).
+pub fn rmsnorm_reference(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
+    let kind = x.kind();
+    let h = x.to_kind(Kind::Float);
+    let var = h.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
+    w * (h * (var + eps).rsqrt()).to_kind(kind)
+}
+
+/// `x, delta: [M, H]` (delta optional), `w: [H]` -> `(x + delta, rmsnorm(x + delta) * w)`.
+pub fn add_rmsnorm(x: &Tensor, delta: Option<&Tensor>, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+    let (m, h) = x.size2()?;
+    if let Some(d) = delta {
+        ensure!(d.size() == [m, h], "add_rmsnorm: delta {:?} must match x [{m}, {h}]", d.size());
+    }
+    ensure!(w.size() == [h], "add_rmsnorm: weight {:?} must be [{h}]", w.size());
+    match cuda_of(x) {
+        Some((dev, f16)) if h <= 16 * 512 && x.is_contiguous() && delta.map_or(true, |d| d.is_contiguous()) => {
+            let res = match delta {
+                Some(_) => x.empty_like(),
+                None => x.shallow_clone(),
+            };
+            let out = x.empty_like();
+            let threads = (((h + 15) / 16).clamp(32, 512) as u32).div_ceil(32) * 32;
+            let k = kernel(f16, "add_rmsnorm", dev)?;
+            unsafe {
+                k.launch(
+                    LaunchConfig { grid: (m as u32, 1, 1), block: (threads, 1, 1), shared_mem_bytes: 0 },
+                    &[
+                        KernelArg::tensor(x)?,
+                        KernelArg::tensor(delta.unwrap_or(x))?,
+                        KernelArg::tensor(&w.contiguous())?,
+                        KernelArg::tensor(&res)?,
+                        KernelArg::tensor(&out)?,
+                        KernelArg::I32(h as i32),
+                        KernelArg::F32(eps as f32),
+                        KernelArg::I32(delta.is_some() as i32),
+                    ],
+                )?;
+            }
+            Ok((res, out))
+        }
+        _ => {
+            let res = match delta {
+                Some(d) => x + d,
+                None => x.shallow_clone(),
+            };
+            let out = rmsnorm_reference(&res, w, eps);
+            Ok((res, out))
+        }
+    }
+}
+
+/// Where [`rope_qkv_cache`] puts its outputs.
+pub struct QkvShape {
+    pub batch: i64,
+    pub tokens: i64,
+    pub q_heads: i64,
+    pub kv_heads: i64,
+    pub head_dim: i64,
+}
+
+/// Reference of [`rope_qkv_cache`].
+pub fn rope_qkv_cache_reference(qkv: &Tensor, pos: &Tensor, inv_freq: &Tensor, s: &QkvShape, k_cache: &Tensor, v_cache: &Tensor) -> Tensor {
+    let (b, t, hq, hkv, d) = (s.batch, s.tokens, s.q_heads, s.kv_heads, s.head_dim);
+    let kind = qkv.kind();
+    let x = qkv.view([b, t, hq + 2 * hkv, d]);
+    let q = x.narrow(2, 0, hq).transpose(1, 2);
+    let k = x.narrow(2, hq, hkv).transpose(1, 2);
+    let v = x.narrow(2, hq + hkv, hkv).transpose(1, 2);
+    let p = pos.to_kind(Kind::Float).view([b, 1, t, 1]);
+    let freqs = p * inv_freq.view([1, 1, 1, -1]);
+    let emb = Tensor::cat(&[&freqs, &freqs], -1);
+    let (cos, sin) = (emb.cos().to_kind(kind), emb.sin().to_kind(kind));
+    let rot = |x: &Tensor| {
+        let half = d / 2;
+        let rotated = Tensor::cat(&[&(-x.narrow(3, half, half)), &x.narrow(3, 0, half)], 3);
+        x * &cos + rotated * &sin
+    };
+    let (q, k) = (rot(&q), rot(&k));
+    // Scatter each row's k/v to its positions: index [B, HKV, T, D] along the slot dimension.
+    let idx = pos.to_kind(Kind::Int64).view([b, 1, t, 1]).expand([b, hkv, t, d], false);
+    let _ = k_cache.shallow_clone().scatter_(2, &idx, &k);
+    let _ = v_cache.shallow_clone().scatter_(2, &idx, &v.contiguous());
+    q.contiguous()
+}
+
+/// `qkv: [B*T, (HQ + 2 HKV) * D]` (token m = b T + t), `pos: [B*T]` i32 positions. Rotates q and
+/// k by position, returns q `[B, HQ, T, D]` and writes k, v into the caches `[B, HKV, CAP, D]`
+/// at slot = position. Positions must lie in `[0, CAP)`.
+pub fn rope_qkv_cache(qkv: &Tensor, pos: &Tensor, inv_freq: &Tensor, s: &QkvShape, k_cache: &Tensor, v_cache: &Tensor) -> Result<Tensor> {
+    let (b, t, hq, hkv, d) = (s.batch, s.tokens, s.q_heads, s.kv_heads, s.head_dim);
+    ensure!(qkv.size() == [b * t, (hq + 2 * hkv) * d], "rope_qkv_cache: qkv {:?} must be [{}, {}]", qkv.size(), b * t, (hq + 2 * hkv) * d);
+    ensure!(pos.size() == [b * t], "rope_qkv_cache: positions {:?} must be [{}]", pos.size(), b * t);
+    let cs = k_cache.size();
+    ensure!(cs.len() == 4 && cs[0] == b && cs[1] == hkv && cs[3] == d, "rope_qkv_cache: cache {cs:?} does not fit [{b}, {hkv}, _, {d}]");
+    match cuda_of(qkv) {
+        Some((dev, f16)) if qkv.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && d % 2 == 0 && d <= 1024 => {
+            let q = Tensor::empty([b, hq, t, d], (qkv.kind(), qkv.device()));
+            let pos = pos.to_kind(Kind::Int).contiguous();
+            let k = kernel(f16, "rope_qkv_cache", dev)?;
+            unsafe {
+                k.launch(
+                    LaunchConfig { grid: ((b * t) as u32, (hq + hkv) as u32, 1), block: ((d / 2) as u32, 1, 1), shared_mem_bytes: 0 },
+                    &[
+                        KernelArg::tensor(qkv)?,
+                        KernelArg::tensor(&pos)?,
+                        KernelArg::I32(0),
+                        KernelArg::tensor(inv_freq)?,
+                        KernelArg::tensor(&q)?,
+                        KernelArg::tensor(k_cache)?,
+                        KernelArg::tensor(v_cache)?,
+                        KernelArg::I32(t as i32),
+                        KernelArg::I32(hq as i32),
+                        KernelArg::I32(hkv as i32),
+                        KernelArg::I32(d as i32),
+                        KernelArg::I32(cs[2] as i32),
+                    ],
+                )?;
+            }
+            Ok(q)
+        }
+        _ => Ok(rope_qkv_cache_reference(qkv, pos, inv_freq, s, k_cache, v_cache)),
+    }
+}
+
+/// Reference of [`swiglu`].
+pub fn swiglu_reference(gu: &Tensor, mask: Option<&Tensor>, group: i64) -> Tensor {
+    let (m, n2) = gu.size2().unwrap();
+    let i = n2 / 2;
+    let h = gu.narrow(1, 0, i).silu() * gu.narrow(1, i, i);
+    match mask {
+        Some(mk) => {
+            let off = mk.to_kind(Kind::Bool).logical_not().unsqueeze(-1);
+            h.view([m, i / group, group]).masked_fill(&off, 0.0).view([m, i])
+        }
+        None => h,
+    }
+}
+
+/// `gu: [M, 2I]` (gate outputs, then up outputs) -> `[M, I]` = `silu(gate) * up`, exactly 0 where
+/// the token's group is off (`mask: [M, I / group]` bool/u8; `None` = all on).
+pub fn swiglu(gu: &Tensor, mask: Option<&Tensor>, group: i64) -> Result<Tensor> {
+    let (m, n2) = gu.size2()?;
+    ensure!(n2 % 2 == 0, "swiglu: {n2} columns are not gate|up halves");
+    let i = n2 / 2;
+    if let Some(mk) = mask {
+        ensure!(group > 0 && i % group == 0 && mk.size() == [m, i / group], "swiglu: mask {:?} does not fit [{m}, {i} / {group}]", mk.size());
+    }
+    match cuda_of(gu) {
+        Some((dev, f16)) if gu.is_contiguous() && i % 8 == 0 && group % 8 == 0 => {
+            let out = Tensor::empty([m, i], (gu.kind(), gu.device()));
+            let mk = mask.map(|t| if t.kind() == Kind::Bool { t.contiguous().view_dtype(Kind::Uint8) } else { t.to_kind(Kind::Uint8).contiguous() });
+            let k = kernel(f16, "swiglu_masked", dev)?;
+            let grid = (((i / 8) as u32).div_ceil(128), m.min(65535) as u32, 1);
+            unsafe {
+                k.launch(
+                    LaunchConfig { grid, block: (128, 1, 1), shared_mem_bytes: 0 },
+                    &[
+                        KernelArg::tensor(gu)?,
+                        match &mk {
+                            Some(t) => KernelArg::tensor(t)?,
+                            None => KernelArg::Ptr(0),
+                        },
+                        KernelArg::tensor(&out)?,
+                        KernelArg::I64(m),
+                        KernelArg::I32(i as i32),
+                        KernelArg::I32(group.max(1) as i32),
+                        KernelArg::I32((i / group.max(1)) as i32),
+                    ],
+                )?;
+            }
+            Ok(out)
+        }
+        _ => Ok(swiglu_reference(gu, mask, group)),
+    }
+}
+
+/// A router's weights: `Linear(hidden -> rank)` then `Linear(rank -> 2 * groups)`.
+pub struct RouterWeights<'a> {
+    pub w1: &'a Tensor,
+    pub b1: &'a Tensor,
+    pub w2: &'a Tensor,
+    pub b2: &'a Tensor,
+}
+
+/// Reference of [`router_gate`]: execute mask bool `[M, groups]`.
+pub fn router_gate_reference(x: &Tensor, r: &RouterWeights, offset: f64) -> Tensor {
+    let m = x.size()[0];
+    let logits = x.linear(r.w1, Some(r.b1)).linear(r.w2, Some(r.b2)).to_kind(Kind::Float).view([m, -1, 2]);
+    (logits.select(-1, 1) - logits.select(-1, 0) + offset).le(0.0)
+}
+
+/// The router on `x: [M, hidden]` and the deterministic gate (a group runs iff
+/// `skip - execute + offset <= 0`): returns the mask bool `[M, groups]` and, with `extra > 0`,
+/// the same mask with `extra` always-on groups appended, `[M, groups + extra]`. The kernel
+/// serves few tokens (decode); many tokens run the two cuBLAS products of the reference.
+pub fn router_gate(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64) -> Result<(Tensor, Option<Tensor>)> {
+    let (m, h) = x.size2()?;
+    let (rank, h1) = r.w1.size2()?;
+    ensure!(h1 == h, "router_gate: compressor {:?} does not take hidden size {h}", r.w1.size());
+    let ng = r.w2.size()[0] / 2;
+    match cuda_of(x) {
+        Some((dev, f16)) if m <= 64 && rank <= 256 && x.is_contiguous() && r.w1.kind() == x.kind() => {
+            let mask = Tensor::empty([m, ng], (Kind::Bool, x.device()));
+            let ext = (extra > 0).then(|| Tensor::empty([m, ng + extra], (Kind::Bool, x.device())));
+            let k = kernel(f16, "router_gate", dev)?;
+            unsafe {
+                k.launch(
+                    LaunchConfig { grid: (m as u32, 1, 1), block: (256, 1, 1), shared_mem_bytes: 0 },
+                    &[
+                        KernelArg::tensor(x)?,
+                        KernelArg::tensor(&r.w1.contiguous())?,
+                        KernelArg::tensor(&r.b1.contiguous())?,
+                        KernelArg::tensor(&r.w2.contiguous())?,
+                        KernelArg::tensor(&r.b2.contiguous())?,
+                        KernelArg::F32(offset as f32),
+                        KernelArg::tensor(&mask)?,
+                        match &ext {
+                            Some(t) => KernelArg::tensor(t)?,
+                            None => KernelArg::Ptr(0),
+                        },
+                        KernelArg::I32(h as i32),
+                        KernelArg::I32(rank as i32),
+                        KernelArg::I32(ng as i32),
+                        KernelArg::I32(extra as i32),
+                    ],
+                )?;
+            }
+            Ok((mask, ext))
+        }
+        _ => {
+            let mask = router_gate_reference(x, r, offset);
+            let ext = (extra > 0).then(|| Tensor::cat(&[&mask, &Tensor::ones([m, extra], (Kind::Bool, x.device()))], 1));
+            Ok((mask, ext))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn swiglu_reference_masks_groups() {
+        let gu = Tensor::randn([3, 16], (Kind::Float, Device::Cpu));
+        let mask = Tensor::from_slice(&[true, false, false, true, true, true]).view([3, 2]);
+        let h = swiglu(&gu, Some(&mask), 4).unwrap();
+        let dense = gu.narrow(1, 0, 8).silu() * gu.narrow(1, 8, 8);
+        assert!(h.get(0).narrow(0, 4, 4).abs().sum(Kind::Float).double_value(&[]) == 0.0);
+        assert!((h.get(2) - dense.get(2)).abs().max().double_value(&[]) == 0.0);
+    }
+
+    #[test]
+    fn rope_reference_writes_cache_at_positions() {
+        let s = QkvShape { batch: 2, tokens: 3, q_heads: 2, kv_heads: 1, head_dim: 4 };
+        let qkv = Tensor::randn([6, 16], (Kind::Float, Device::Cpu));
+        let pos = Tensor::from_slice(&[0i32, 1, 2, 4, 5, 6]);
+        let inv = Tensor::from_slice(&[1.0f32, 0.1]);
+        let kc = Tensor::zeros([2, 1, 8, 4], (Kind::Float, Device::Cpu));
+        let vc = kc.zeros_like();
+        let q = rope_qkv_cache(&qkv, &pos, &inv, &s, &kc, &vc).unwrap();
+        assert_eq!(q.size(), [2, 2, 3, 4]);
+        // v of row 1, token 0 sits at slot 4 unrotated; slot 3 of row 1 is untouched.
+        assert!((vc.get(1).get(0).get(4) - qkv.get(3).narrow(0, 12, 4)).abs().max().double_value(&[]) == 0.0);
+        assert_eq!(kc.get(1).get(0).get(3).abs().sum(Kind::Float).double_value(&[]), 0.0);
+        // Position 0 leaves k unrotated.
+        assert!((kc.get(0).get(0).get(0) - qkv.get(0).narrow(0, 8, 4)).abs().max().double_value(&[]) < 1e-7);
+    }
+
+    #[test]
+    fn router_gate_offset_shifts_decisions() {
+        let x = Tensor::randn([5, 8], (Kind::Float, Device::Cpu));
+        let (w1, b1) = (Tensor::randn([4, 8], (Kind::Float, Device::Cpu)), Tensor::zeros([4], (Kind::Float, Device::Cpu)));
+        let (w2, b2) = (Tensor::randn([6, 4], (Kind::Float, Device::Cpu)), Tensor::zeros([6], (Kind::Float, Device::Cpu)));
+        let r = RouterWeights { w1: &w1, b1: &b1, w2: &w2, b2: &b2 };
+        let (all, ext) = router_gate(&x, &r, -1e9, 2).unwrap();
+        assert_eq!(all.sum(Kind::Int64).int64_value(&[]), 15);
+        assert_eq!(ext.unwrap().size(), [5, 5]);
+        let (none, _) = router_gate(&x, &r, 1e9, 0).unwrap();
+        assert_eq!(none.sum(Kind::Int64).int64_value(&[]), 0);
+    }
+}

@@ -1,0 +1,167 @@
+// Fused element-wise kernels of the inference path (prefill and decode): residual add +
+// RMSNorm, RoPE + KV-cache write, SwiGLU with the FFN routing mask, and the two-layer token
+// router with its deterministic gate. bf16 (WIDE_F16=0) or f16 (1) storage, f32 arithmetic,
+// rounding to the storage type where the tch reference rounds.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#ifndef WIDE_F16
+#define WIDE_F16 0
+#endif
+#if WIDE_F16
+typedef __half T;
+__device__ __forceinline__ float tf(T v) { return __half2float(v); }
+__device__ __forceinline__ T ft(float v) { return __float2half_rn(v); }
+#else
+typedef __nv_bfloat16 T;
+__device__ __forceinline__ float tf(T v) { return __bfloat162float(v); }
+__device__ __forceinline__ T ft(float v) { return __float2bfloat16_rn(v); }
+#endif
+// Round to storage precision and back (what a tch op in the storage dtype does).
+__device__ __forceinline__ float rt(float v) { return tf(ft(v)); }
+
+__device__ __forceinline__ float block_sum(float v, float* sh) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    __syncthreads();
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    float s = 0.f;
+    for (int i = 0; i < nw; ++i) s += sh[i];
+    return s;
+}
+
+// res[m] = x[m] (+ delta[m]); out[m] = w * rms_normalise(res[m]). One block per row.
+// x may alias res (in-place residual update). H <= 8 * blockDim.x * 8.
+extern "C" __global__ void __launch_bounds__(512) add_rmsnorm(const T* x, const T* __restrict__ delta, const T* __restrict__ w,
+                                                              T* res, T* __restrict__ out, int H, float eps, int has_delta) {
+    __shared__ float sh[32];
+    const long long row = (long long)blockIdx.x * H;
+    constexpr int PER = 16;  // elements a thread holds (H <= 16 * blockDim.x)
+    float v[PER];
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        const int i = threadIdx.x + j * blockDim.x;
+        v[j] = 0.f;
+        if (i < H) {
+            float a = tf(x[row + i]);
+            if (has_delta) a = rt(a + tf(delta[row + i]));
+            v[j] = a;
+            ss += a * a;
+        }
+    }
+    const float var = block_sum(ss, sh) / (float)H;
+    const float inv = rsqrtf(var + eps);
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        const int i = threadIdx.x + j * blockDim.x;
+        if (i < H) {
+            if (has_delta) res[row + i] = ft(v[j]);
+            out[row + i] = ft(tf(w[i]) * rt(v[j] * inv));
+        }
+    }
+}
+
+// qkv [M, (HQ + 2 HKV) D] (one row per token; token m = b * T + t). Rotates q and k by the
+// token's position pos[m] + pos_add, writes q to q_out [B, HQ, T, D], k and v to the caches
+// [B, HKV, CAP, D] at slot = that position. Grid (M, HQ + HKV), D / 2 threads.
+extern "C" __global__ void rope_qkv_cache(const T* __restrict__ qkv, const int* __restrict__ pos, int pos_add,
+                                          const float* __restrict__ inv_freq, T* __restrict__ q_out, T* __restrict__ kc,
+                                          T* __restrict__ vc, int T_, int HQ, int HKV, int D, int CAP) {
+    const int m = blockIdx.x, h = blockIdx.y, i = threadIdx.x, half = D >> 1;
+    const int b = m / T_, t = m - b * T_;
+    const int p = pos[m] + pos_add;
+    const long long src = (long long)m * (HQ + 2 * HKV) * D;
+    // cos/sin computed in f32 then rounded to storage (as the reference's tables are).
+    const float f = (float)p * inv_freq[i];
+    float s, c;
+    sincosf(f, &s, &c);
+    c = rt(c);
+    s = rt(s);
+    if (h < HQ) {
+        const T* q = qkv + src + (long long)h * D;
+        const float x1 = tf(q[i]), x2 = tf(q[i + half]);
+        T* o = q_out + (((long long)b * HQ + h) * T_ + t) * D;
+        o[i] = ft(rt(x1 * c) + rt(-x2 * s));
+        o[i + half] = ft(rt(x2 * c) + rt(x1 * s));
+    } else {
+        const int kh = h - HQ;
+        const T* k = qkv + src + (long long)(HQ + kh) * D;
+        const T* v = qkv + src + (long long)(HQ + HKV + kh) * D;
+        if (p < 0 || p >= CAP) return;
+        const long long dst = (((long long)b * HKV + kh) * CAP + p) * D;
+        const float x1 = tf(k[i]), x2 = tf(k[i + half]);
+        kc[dst + i] = ft(rt(x1 * c) + rt(-x2 * s));
+        kc[dst + i + half] = ft(rt(x2 * c) + rt(x1 * s));
+        vc[dst + i] = v[i];
+        vc[dst + i + half] = v[i + half];
+    }
+}
+
+// gu [M, 2I] (gate | up); out [M, I] = silu(gate) * up, zero where the token's group is off
+// (mask u8 [M, NG], group G channels; mask null = dense). 8 elements a thread.
+extern "C" __global__ void swiglu_masked(const T* __restrict__ gu, const unsigned char* __restrict__ mask, T* __restrict__ out,
+                                         long long M, int I, int G, int NG) {
+    const int n = (blockIdx.x * blockDim.x + threadIdx.x) * 8;
+    if (n >= I) return;
+    for (long long m = blockIdx.y; m < M; m += gridDim.y) {
+        T* o = out + m * I + n;
+        if (mask != nullptr && !mask[m * NG + n / G]) {
+            *reinterpret_cast<uint4*>(o) = make_uint4(0, 0, 0, 0);
+            continue;
+        }
+        const uint4 gv = *reinterpret_cast<const uint4*>(gu + m * 2 * I + n);
+        const uint4 uv = *reinterpret_cast<const uint4*>(gu + m * 2 * I + I + n);
+        const T* g = reinterpret_cast<const T*>(&gv);
+        const T* u = reinterpret_cast<const T*>(&uv);
+        uint4 r;
+        T* rp = reinterpret_cast<T*>(&r);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const float a = tf(g[j]);
+            rp[j] = ft(rt(a / (1.0f + __expf(-a))) * tf(u[j]));
+        }
+        *reinterpret_cast<uint4*>(o) = r;
+    }
+}
+
+// Token router and deterministic gate for a few tokens (decode): h = x W1^T + b1 (rank R),
+// logits = h W2^T + b2 viewed [NG, 2] = (execute, skip); group g runs iff
+// skip - execute + offset <= 0. Writes mask u8 [M, NG] and, when ext != null, ext
+// [M, NG + EXTRA] with the EXTRA trailing groups on. One block (256 threads) per token.
+extern "C" __global__ void __launch_bounds__(256) router_gate(const T* __restrict__ x, const T* __restrict__ w1, const T* __restrict__ b1,
+                                                              const T* __restrict__ w2, const T* __restrict__ b2, float offset,
+                                                              unsigned char* __restrict__ mask, unsigned char* __restrict__ ext,
+                                                              int H, int R, int NG, int EXTRA) {
+    __shared__ float hs[256];
+    const int m = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const T* xr = x + (long long)m * H;
+    for (int r = warp; r < R; r += nw) {
+        const T* wr = w1 + (long long)r * H;
+        float acc = 0.f;
+        for (int i = lane; i < H; i += 32) acc = fmaf(tf(wr[i]), tf(xr[i]), acc);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        if (lane == 0) hs[r] = rt(rt(acc) + tf(b1[r]));
+    }
+    __syncthreads();
+    for (int g = threadIdx.x; g < NG + EXTRA; g += blockDim.x) {
+        unsigned char on = 1;
+        if (g < NG) {
+            float e = 0.f, s = 0.f;
+            const T* we = w2 + (long long)(2 * g) * R;
+            const T* wsk = we + R;
+            for (int r = 0; r < R; ++r) {
+                e = fmaf(tf(we[r]), hs[r], e);
+                s = fmaf(tf(wsk[r]), hs[r], s);
+            }
+            e = rt(rt(e) + tf(b2[2 * g]));
+            s = rt(rt(s) + tf(b2[2 * g + 1]));
+            on = (s - e + offset) <= 0.f;
+            mask[(long long)m * NG + g] = on;
+        }
+        if (ext != nullptr) ext[(long long)m * (NG + EXTRA) + g] = on;
+    }
+}
