@@ -265,6 +265,9 @@ struct TrainBenchArgs {
     seq_len: i64,
     #[arg(long, default_value_t = 1)]
     micro_batch: i64,
+    /// Recompute each layer in the backward pass instead of keeping its activations.
+    #[arg(long)]
+    activation_checkpointing: bool,
     #[arg(long, default_value_t = 2)]
     warmup: usize,
     #[arg(long, default_value_t = 6)]
@@ -541,6 +544,7 @@ fn run(cli: Cli) -> Result<()> {
                 ffn_group_size: a.ffn_group_size,
                 seq_len: a.seq_len,
                 micro_batch: a.micro_batch,
+                activation_checkpointing: a.activation_checkpointing,
                 warmup: a.warmup,
                 iters: a.iters,
                 peak_tflops: a.peak_tflops,

@@ -127,3 +127,40 @@ fn bad_routing_input_is_refused() {
     let e = RoutedModel::load(&small, &s1, Device::Cpu, Kind::Float).err().expect("must refuse");
     assert!(format!("{e:#}").contains("were trained for another model"), "{e:#}");
 }
+
+/// Loss per logged step from a run's metrics.jsonl.
+fn losses(dir: &Path) -> Vec<f64> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64())
+        .collect()
+}
+
+#[test]
+fn activation_checkpointing_trains_the_same_routers() {
+    let dir = tempfile::tempdir().unwrap();
+    let (plain, ckpt) = (dir.path().join("plain"), dir.path().join("ckpt"));
+    let common = ["train.tokens=16384", "train.log_every=1", "train.eval_every=1000", "routing.calibrate_offsets=false"];
+    let o = calibrate(&plain, &common);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let mut with = common.to_vec();
+    with.push("train.activation_checkpointing=true");
+    let o = calibrate(&ckpt, &with);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let (a, b) = (losses(&plain), losses(&ckpt));
+    assert_eq!(a.len(), 8, "{a:?}");
+    assert_eq!(a.len(), b.len());
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert!((x - y).abs() <= 1e-3, "step {}: loss {x} without checkpointing, {y} with", i + 1);
+    }
+    // The routers they wrote agree.
+    let ra = wide_core::safetensors::SafetensorsFile::open(&plain.join("routers.safetensors")).unwrap();
+    let rb = wide_core::safetensors::SafetensorsFile::open(&ckpt.join("routers.safetensors")).unwrap();
+    assert!(!ra.tensors.is_empty());
+    for name in ra.tensors.keys() {
+        let (x, y) = (ra.read(name).unwrap(), rb.read(name).unwrap());
+        let d = (&x - &y).abs().max().double_value(&[]);
+        assert!(d <= 1e-3 * (1.0 + x.abs().max().double_value(&[])), "{name} differs by {d}");
+    }
+}

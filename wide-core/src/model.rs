@@ -175,6 +175,11 @@ pub(crate) struct AttnContext {
     causal_fast: bool,
 }
 
+/// The attention context shared by the layers of a layer-by-layer forward.
+pub struct LayerStack {
+    ctx: AttnContext,
+}
+
 /// A Llama-family causal language model.
 pub struct LlamaModel {
     pub config: ModelConfig,
@@ -301,6 +306,26 @@ impl LlamaModel {
             c.len += t;
         }
         Ok(self.norm.forward(&x))
+    }
+
+    /// Starts a layer-by-layer forward of `input_ids: [B, T]` (no cache, no padding, default
+    /// positions), the form activation checkpointing needs: returns the embeddings (the first
+    /// layer's input) and the attention context every layer shares. Apply the layers with
+    /// [`LlamaModel::run_layer`] and the final norm with `self.norm`; the result is the same as
+    /// [`LlamaModel::forward_hidden`]'s.
+    pub fn begin_layers(&self, input_ids: &Tensor) -> Result<(Tensor, LayerStack)> {
+        let (b, t) = input_ids.size2().map_err(|_| anyhow::anyhow!("input_ids must be [batch, seq], got {:?}", input_ids.size()))?;
+        let positions = Tensor::arange(t, (Kind::Int64, self.device)).unsqueeze(0).expand([b, t], false);
+        let ctx = self.attn_context(b, t, 0, &positions, None, false)?;
+        let x = Tensor::embedding(&self.embed_tokens, &input_ids.to_device(self.device), -1, false, false);
+        Ok((x, LayerStack { ctx }))
+    }
+
+    /// Decoder layer `i` on its input `x: [B, T, hidden]` (see [`LlamaModel::begin_layers`]).
+    /// With routing, the run's router calls must be positioned at layer `i`
+    /// ([`RoutingRun::seek_layer`]).
+    pub fn run_layer(&self, i: usize, x: &Tensor, stack: &LayerStack, routing: Option<&mut RoutingRun>) -> Tensor {
+        self.layer_forward(&self.layers[i], x, &stack.ctx, None, routing.map(|r| (r, i)))
     }
 
     /// One decode step with fixed shapes and no host values, so it can be captured in a CUDA

@@ -555,12 +555,33 @@ pub struct RoutingRun<'a> {
     pub stats: RoutingStats,
     /// Activation statistics for `static_width` calibration.
     pub observer: Option<ActivationObserver>,
+    /// Every gate decision of the forward, in call order, when `Some` (exports and tests compare
+    /// decisions with other implementations).
+    pub gates: Option<Vec<GateRecord>>,
     noise_cursor: usize,
+}
+
+/// One router call's decision, kept in [`RoutingRun::gates`].
+#[derive(Debug)]
+pub struct GateRecord {
+    pub layer: usize,
+    pub kind: RouterKind,
+    /// `[B, T, groups]`: 1 where the group executes.
+    pub execute: Tensor,
+    /// `[B, T, groups]`: `logit_execute - logit_skip - offset` (the group executes iff >= 0), for
+    /// deterministic gates; `None` for fixed `static_width` masks and training or forced gates.
+    pub margin: Option<Tensor>,
 }
 
 impl<'a> RoutingRun<'a> {
     pub fn new(routing: &'a Routing, mode: GateMode, valid: Tensor) -> Self {
-        Self { routing, mode, valid, noise: None, stats: RoutingStats::default(), observer: None, noise_cursor: 0 }
+        Self { routing, mode, valid, noise: None, stats: RoutingStats::default(), observer: None, gates: None, noise_cursor: 0 }
+    }
+
+    /// Positions the run at the first router call of layer `i` (its noise draws or forced
+    /// masks), so that one layer can be run again exactly as in the full forward.
+    pub fn seek_layer(&mut self, i: usize) {
+        self.noise_cursor = self.routing.layers[..i].iter().map(|l| [&l.layer, &l.attention, &l.ffn].iter().filter(|r| r.is_some()).count()).sum();
     }
 
     /// Gate of router `r` on input `x: [B, T, hidden]` -> execute mask `[B, T, groups]`.

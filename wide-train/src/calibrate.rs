@@ -213,6 +213,9 @@ pub struct RoutingTask {
     pub m: RoutedModel,
     pub seed: u64,
     pub train_routers: bool,
+    /// Recompute each layer in the backward pass instead of keeping its activations
+    /// (`train.activation_checkpointing`).
+    pub activation_checkpointing: bool,
     metrics: BTreeMap<String, (f64, usize)>,
 }
 
@@ -261,6 +264,18 @@ impl TrainTask for RoutingTask {
         Ok(ce)
     }
 
+    fn loss_backward(&mut self, batch: &Tensor, ctx: &StepContext, scale: f64) -> Result<f64> {
+        if self.activation_checkpointing && ctx.training {
+            return self.loss_backward_checkpointed(batch, ctx, scale);
+        }
+        let loss = self.loss(batch, ctx)?;
+        let l = loss.double_value(&[]);
+        if l.is_finite() {
+            (loss * scale).f_backward()?;
+        }
+        Ok(l)
+    }
+
     fn take_metrics(&mut self) -> Vec<(String, f64)> {
         std::mem::take(&mut self.metrics).into_iter().map(|(k, (s, n))| (k, s / n as f64)).collect()
     }
@@ -276,7 +291,129 @@ impl TrainTask for RoutingTask {
 
 impl RoutingTask {
     pub fn new(m: RoutedModel, seed: u64, train_routers: bool) -> Self {
-        Self { m, seed, train_routers, metrics: BTreeMap::new() }
+        Self { m, seed, train_routers, activation_checkpointing: false, metrics: BTreeMap::new() }
+    }
+
+    /// Seeds the global generator for layer `layer` of this step (LoRA dropout), so that the
+    /// checkpointed forward and its recomputation draw the same dropout masks.
+    fn seed_layer(&self, ctx: &StepContext, layer: usize) {
+        let first = ctx.sample_ids.first().copied().unwrap_or(0);
+        let key = self.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ first.wrapping_mul(0xBF58_476D_1CE4_E5B9) ^ (layer as u64 + 1).wrapping_mul(0x94D0_49BB_1331_11EB);
+        tch::manual_seed((key & i64::MAX as u64) as i64);
+    }
+
+    /// Activation-checkpointed training step: a forward without autograd that keeps only each
+    /// layer's input, the loss, then from the last layer to the first one layer recomputed
+    /// with autograd and back-propagated with the gradient of its output plus the sparsity
+    /// loss's coefficient on that layer's skip counts. Gradients equal the plain step's (the
+    /// same gate noise is replayed per layer).
+    fn loss_backward_checkpointed(&mut self, batch: &Tensor, ctx: &StepContext, scale: f64) -> Result<f64> {
+        let l = batch.size()[1] - 1;
+        let inputs = batch.narrow(1, 0, l);
+        let targets = batch.narrow(1, 1, l);
+        let cfg = self.m.routing.config.clone();
+        if let Some((lora, _)) = &self.m.lora {
+            lora.set_training(true);
+        }
+        let tau = cfg.tau(ctx.step, ctx.total_steps);
+        self.add_metric("tau", tau);
+        let noise = routing_noise(&self.m.routing, &self.m.model().config, &ctx.sample_ids, l, self.seed, batch.device());
+        let model = self.m.model();
+        let (b, t) = inputs.size2()?;
+        let valid = Tensor::ones([b, t], (Kind::Float, inputs.device()));
+        let (x0, stack) = model.begin_layers(&inputs)?;
+        let mut metrics: Vec<(String, f64)> = vec![];
+        let n = model.layers.len();
+        let run_layer = |i: usize, x: &Tensor| {
+            let mut run = RoutingRun::new(&self.m.routing, GateMode::Train { tau }, valid.shallow_clone());
+            run.noise = Some(noise.iter().map(|u| u.shallow_clone()).collect());
+            run.seek_layer(i);
+            self.seed_layer(ctx, i);
+            let y = model.run_layer(i, x, &stack, Some(&mut run));
+            (y, run.stats.routers)
+        };
+        // Forward without autograd: keep each layer's input.
+        let mut layer_inputs = Vec::with_capacity(n);
+        let mut stats = wide_core::routing::RoutingStats::default();
+        let mut x = x0.detach();
+        tch::no_grad(|| {
+            for i in 0..n {
+                let (y, st) = run_layer(i, &x);
+                stats.routers.extend(st);
+                layer_inputs.push(std::mem::replace(&mut x, y));
+            }
+        });
+        let last = x.detach().set_requires_grad(true);
+        let ce = lm_loss_logits(&model.logits(&model.norm.forward(&last), wide_core::Logits::All), &targets);
+        let ce_value = ce.double_value(&[]);
+        metrics.push(("lm_loss".to_string(), ce_value));
+        for k in stats.kinds() {
+            let r = stats.skip_rate(k).unwrap().double_value(&[]);
+            metrics.push((format!("skip_rate_{}", k.name()), r));
+        }
+        // The sparsity loss on stand-ins for the skip counts: its gradient with respect to each
+        // router's count is the coefficient that count gets in the layer-wise backward.
+        let mut coefficients = vec![0.0; stats.routers.len()];
+        let mut total = ce_value;
+        if self.train_routers {
+            let leaves: Vec<Tensor> = stats.routers.iter().map(|r| r.skipped.detach().set_requires_grad(true)).collect();
+            let proxy = wide_core::routing::RoutingStats {
+                routers: stats
+                    .routers
+                    .iter()
+                    .zip(&leaves)
+                    .map(|(r, leaf)| wide_core::routing::RouterStat { layer: r.layer, kind: r.kind, groups: r.groups, skipped: leaf.shallow_clone(), total: r.total, active_fraction: r.active_fraction.shallow_clone() })
+                    .collect(),
+            };
+            if let Some(sl) = proxy.sparsity_loss(&cfg) {
+                let v = sl.double_value(&[]);
+                metrics.push(("sparsity_loss".to_string(), v));
+                total += v;
+                if v.is_finite() {
+                    sl.backward();
+                    for (c, leaf) in coefficients.iter_mut().zip(&leaves) {
+                        let g = leaf.grad();
+                        if g.defined() {
+                            *c = g.double_value(&[]) * scale;
+                        }
+                    }
+                }
+            }
+        }
+        if !total.is_finite() {
+            for (k, v) in metrics {
+                self.add_metric(&k, v);
+            }
+            return Ok(total);
+        }
+        (ce * scale).f_backward()?;
+        let mut grad = last.grad();
+        for i in (0..n).rev() {
+            let xi = layer_inputs[i].detach().set_requires_grad(i > 0);
+            let (y, st) = run_layer(i, &xi);
+            let mut objective = (y * &grad).sum(Kind::Float);
+            let first = stats.routers.iter().position(|r| r.layer == i).unwrap_or(0);
+            for (k, r) in st.iter().enumerate() {
+                let c = coefficients.get(first + k).copied().unwrap_or(0.0);
+                if c != 0.0 && r.skipped.requires_grad() {
+                    objective = objective + &r.skipped * c;
+                }
+            }
+            if objective.requires_grad() {
+                objective.f_backward()?;
+            }
+            if i > 0 {
+                grad = xi.grad();
+                if !grad.defined() {
+                    grad = xi.zeros_like();
+                }
+            }
+            layer_inputs[i] = Tensor::new();
+        }
+        for (k, v) in metrics {
+            self.add_metric(&k, v);
+        }
+        Ok(total)
     }
 
     fn add_metric(&mut self, k: &str, v: f64) {
@@ -444,6 +581,7 @@ pub fn run(recipe: &CalibrationRecipe, table: &toml::Table, resume: bool, proven
     }
     if trains_routers || stage == 2 {
         let mut task = RoutingTask::new(m, recipe.train.seed, trains_routers);
+        task.activation_checkpointing = recipe.train.activation_checkpointing;
         let trainer = Trainer { cfg: recipe.train.clone(), seq_len, out_dir: out.clone(), train: &train, val: Some(&val) };
         let s = trainer.run(&mut task, resume)?;
         if s.interrupted {
@@ -536,5 +674,84 @@ pub fn set_offset(c: &mut RoutingConfig, kind: RouterKind, v: f64) {
         RouterKind::Attention => c.attn_logit_offset = v,
         RouterKind::Ffn => c.ffn_logit_offset = v,
         RouterKind::Layer => c.layer_logit_offset = v,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use wide_core::{presets, RandomWeights};
+
+    fn task(variant: Variant, per_type: bool, lora: bool) -> RoutingTask {
+        tch::manual_seed(7);
+        let mc = presets::preset("tiny").unwrap();
+        let vs = nn::VarStore::new(Device::Cpu);
+        let model = LlamaModel::new(&vs.root(), &mc, &mut RandomWeights { std: 0.1 }, Kind::Float, false).unwrap();
+        let mut rc = RoutingConfig::new(variant);
+        rc.attn_group_size = 2;
+        rc.ffn_group_size = 64;
+        if per_type {
+            rc.attn_target = Some(0.3);
+            rc.ffn_target = Some(0.6);
+        } else {
+            rc.target_sparsity = Some(0.5);
+        }
+        let mut m = RoutedModel::from_pretrained(Pretrained { vs, model, tokenizer: None }, &rc).unwrap();
+        if lora {
+            m.attach_lora(&LoraConfig { dropout: 0.0, ..LoraConfig::default() }).unwrap();
+            // Non-zero B so that LoRA changes the output and A gets gradients too.
+            for (_, mut t) in m.lora.as_ref().unwrap().1.variables() {
+                tch::no_grad(|| {
+                    let _ = t.f_add_(&(t.randn_like() * 0.05)).unwrap();
+                });
+            }
+        }
+        RoutingTask::new(m, 3, true)
+    }
+
+    fn grads(task: &mut RoutingTask, checkpointed: bool) -> (f64, Vec<(String, Tensor)>) {
+        task.activation_checkpointing = checkpointed;
+        let params = task.parameters();
+        for (_, p) in &params {
+            let mut g = p.grad();
+            if g.defined() {
+                let _ = g.zero_();
+            }
+        }
+        tch::manual_seed(11);
+        let batch = Tensor::randint(200, [2, 17], (Kind::Int64, Device::Cpu));
+        let ctx = StepContext { training: true, step: 3, total_steps: 10, sample_ids: vec![5, 9] };
+        let loss = task.loss_backward(&batch, &ctx, 0.5).unwrap();
+        (loss, params.into_iter().map(|(n, p)| (n, p.grad().copy())).collect())
+    }
+
+    /// The checkpointed step back-propagates the same router (and LoRA) gradients as the plain
+    /// one, sparsity loss included, for every routed variant.
+    #[test]
+    fn checkpointed_gradients_equal_plain() {
+        for (variant, per_type, lora) in [
+            (Variant::Wide, false, false),
+            (Variant::Wide, true, false),
+            (Variant::SublayerSkip, false, false),
+            (Variant::LayerSkip, false, false),
+            (Variant::Wide, false, true),
+        ] {
+            let mut t = task(variant, per_type, lora);
+            let (l0, g0) = grads(&mut t, false);
+            let (l1, g1) = grads(&mut t, true);
+            assert!((l0 - l1).abs() < 1e-5 * l0.abs().max(1.0), "{variant:?}: loss {l0} vs {l1}");
+            assert!(!g0.is_empty());
+            let mut nonzero = 0;
+            for ((n, a), (_, b)) in g0.iter().zip(&g1) {
+                assert!(a.defined() && b.defined(), "{variant:?}: {n} has no gradient");
+                let scale = a.abs().max().double_value(&[]).max(1e-12);
+                let diff = (a - b).abs().max().double_value(&[]);
+                assert!(diff <= 1e-4 * scale, "{variant:?} per_type={per_type} lora={lora}: {n} differs by {diff} (max |grad| {scale})");
+                if scale > 1e-9 {
+                    nonzero += 1;
+                }
+            }
+            assert!(nonzero * 2 >= g0.len(), "{variant:?}: most gradients are zero ({nonzero} of {})", g0.len());
+        }
     }
 }

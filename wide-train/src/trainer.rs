@@ -29,6 +29,18 @@ pub trait TrainTask {
     fn parameters(&self) -> Vec<(String, Tensor)>;
     /// Mean loss of `batch: [b, L + 1]` token ids (inputs `[.., :L]`, targets `[.., 1:]`).
     fn loss(&mut self, batch: &Tensor, ctx: &StepContext) -> Result<Tensor>;
+    /// Computes the loss of `batch` and back-propagates `scale * loss` into the parameters'
+    /// gradients; returns the (unscaled) loss. When the loss is not finite nothing is
+    /// back-propagated. The default runs [`TrainTask::loss`] and one backward pass; a task
+    /// may instead recompute activations in pieces (activation checkpointing).
+    fn loss_backward(&mut self, batch: &Tensor, ctx: &StepContext, scale: f64) -> Result<f64> {
+        let loss = self.loss(batch, ctx)?;
+        let l = loss.double_value(&[]);
+        if l.is_finite() {
+            (loss * scale).f_backward()?;
+        }
+        Ok(l)
+    }
     /// Extra scalars gathered since the last call (logged with the loss), e.g. skip rates.
     fn take_metrics(&mut self) -> Vec<(String, f64)> {
         vec![]
@@ -78,6 +90,11 @@ pub struct TrainConfig {
     pub device: String,
     #[serde(default = "d_auto")]
     pub dtype: String,
+    /// Keep only each layer's input during the forward and recompute one layer at a time in
+    /// the backward pass (less activation memory for one extra forward), where the stage
+    /// supports it (router calibration and LoRA recovery).
+    #[serde(default)]
+    pub activation_checkpointing: bool,
 }
 fn one() -> usize {
     1
@@ -360,8 +377,7 @@ impl Trainer<'_> {
                     let idx: Vec<u64> = positions.iter().map(|p| order.at(*p)).collect();
                     let batch = self.train.batch(&idx, seq_len).to_device(device);
                     let ctx = StepContext { training: true, step: state.step, total_steps, sample_ids: positions };
-                    let loss = task.loss(&batch, &ctx)?;
-                    let l = loss.double_value(&[]);
+                    let l = task.loss_backward(&batch, &ctx, 1.0 / cfg.grad_accum as f64)?;
                     if !l.is_finite() {
                         bail!(
                             "the loss became {l} at step {}; stopping. The last good checkpoint is {} (lower train.lr or check the data)",
@@ -369,7 +385,6 @@ impl Trainer<'_> {
                             if checkpoint.as_os_str().is_empty() { "none yet".to_string() } else { checkpoint.display().to_string() }
                         );
                     }
-                    (loss / cfg.grad_accum as f64).f_backward()?;
                     total += l / cfg.grad_accum as f64;
                     state.samples += cfg.micro_batch as u64;
                 }

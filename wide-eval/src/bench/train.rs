@@ -25,6 +25,8 @@ pub struct TrainBenchConfig {
     pub ffn_group_size: i64,
     pub seq_len: i64,
     pub micro_batch: i64,
+    /// Recompute each layer in the backward pass (`train.activation_checkpointing`).
+    pub activation_checkpointing: bool,
     pub warmup: usize,
     pub iters: usize,
     /// Measured bf16 matrix ceiling, TFLOP/s, for MFU.
@@ -45,6 +47,7 @@ pub fn run(cfg: &TrainBenchConfig) -> Result<serde_json::Value> {
     rc.target_sparsity = Some(cfg.sparsity);
     let routed = RoutedModel::from_pretrained(Pretrained { vs, model, tokenizer: None }, &rc)?;
     let mut task = RoutingTask::new(routed, 0, true);
+    task.activation_checkpointing = cfg.activation_checkpointing;
     let params = task.parameters();
     let n_router: i64 = params.iter().map(|(_, t)| t.numel() as i64).sum();
     let mut opt = AdamW::new(params, AdamWConfig { lr: 2e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 });
@@ -69,13 +72,11 @@ pub fn run(cfg: &TrainBenchConfig) -> Result<serde_json::Value> {
         sync(device)?;
         let t0 = std::time::Instant::now();
         opt.zero_grad();
-        let loss = task.loss(&batch, &StepContext { training: true, step, total_steps: total, sample_ids: ids })?;
-        loss.backward();
+        let l = task.loss_backward(&batch, &StepContext { training: true, step, total_steps: total, sample_ids: ids }, 1.0)?;
         opt.clip_grad_norm(1.0);
         opt.step(2e-3);
         sync(device)?;
         let dt = t0.elapsed().as_secs_f64();
-        let l = loss.double_value(&[]);
         eprintln!("step {step}: {:.1} ms, {:.0} tokens/s, loss {l:.3}", dt * 1e3, tokens_per_step / dt);
         if step as usize >= cfg.warmup {
             times.push(dt);
@@ -88,6 +89,7 @@ pub fn run(cfg: &TrainBenchConfig) -> Result<serde_json::Value> {
     // Executed FLOPs per token (the masked training path runs every matrix product): forward
     // 2N and input-gradient backward 2N over the matmul parameters (everything but the input
     // embedding), plus causal attention (forward QK^T and PV; backward about twice that).
+    // Model FLOPs: the recomputed forward of activation checkpointing is not counted.
     let n_matmul = (mc.parameter_count() - mc.vocab_size * mc.hidden_size) as f64;
     let attn_fwd = 4.0 * (mc.num_hidden_layers * mc.num_attention_heads * mc.head_dim) as f64 * (cfg.seq_len as f64 / 2.0);
     let flops_per_token = 4.0 * n_matmul + 3.0 * attn_fwd;
@@ -99,7 +101,7 @@ pub fn run(cfg: &TrainBenchConfig) -> Result<serde_json::Value> {
         "provenance": Provenance::new(&cfg.commit, &device_label(device)),
         "model": {"preset": cfg.preset, "parameters": mc.parameter_count(), "dtype": format!("{:?}", cfg.kind)},
         "routing": {"variant": cfg.variant.name(), "sparsity": cfg.sparsity, "attn_group_size": cfg.attn_group_size, "ffn_group_size": cfg.ffn_group_size, "router_parameters": n_router},
-        "settings": {"seq_len": cfg.seq_len, "micro_batch": cfg.micro_batch, "warmup": cfg.warmup, "iters": cfg.iters},
+        "settings": {"seq_len": cfg.seq_len, "micro_batch": cfg.micro_batch, "activation_checkpointing": cfg.activation_checkpointing, "warmup": cfg.warmup, "iters": cfg.iters},
         "ms_per_step": secs * 1e3,
         "tokens_per_s": tps,
         "peak_gib": peak as f64 / (1u64 << 30) as f64,
@@ -110,13 +112,15 @@ pub fn run(cfg: &TrainBenchConfig) -> Result<serde_json::Value> {
         "losses": losses,
         "last_metrics": metrics.into_iter().collect::<std::collections::BTreeMap<_, _>>(),
     });
-    println!("\n| variant | sparsity | seq | ms/step | tokens/s | peak GiB | TFLOP/s | MFU |");
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("\n| variant | sparsity | seq x batch | checkpointing | ms/step | tokens/s | peak GiB | TFLOP/s | MFU |");
+    println!("|---|---|---|---|---|---|---|---|---|");
     println!(
-        "| {} | {} | {} | {:.1} | {:.0} | {:.1} | {:.0} | {:.1}% |",
+        "| {} | {} | {} x {} | {} | {:.1} | {:.0} | {:.1} | {:.0} | {:.1}% |",
         cfg.variant.name(),
         cfg.sparsity,
         cfg.seq_len,
+        cfg.micro_batch,
+        if cfg.activation_checkpointing { "on" } else { "off" },
         secs * 1e3,
         tps,
         result["peak_gib"].as_f64().unwrap_or(0.0),
