@@ -175,11 +175,11 @@ fn profile_ops(engine: &Engine, cfg: &E2eBenchConfig, vocab: i64) -> Result<Valu
         Ok(())
     })?;
     let prompt = vec![Vec::<i64>::try_from(Tensor::randint(vocab, [cfg.prompt_tokens], (Kind::Int64, Device::Cpu)))?];
-    let (mut dec, _) = Decoder::new(engine, &prompt, cfg.prompt_tokens + cfg.new_tokens, true, false, None)?;
+    let steps = 16;
+    let (mut dec, _) = Decoder::new(engine, &prompt, cfg.prompt_tokens + 4 + steps + 1, true, false, None)?;
     for _ in 0..4 {
         let _ = dec.step()?;
     }
-    let steps = 16;
     let dec_prof = with_profile(engine, || {
         for _ in 0..steps {
             let _ = dec.step()?;

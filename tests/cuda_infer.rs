@@ -1,0 +1,179 @@
+//! GPU tests of the inference engine (feature `cuda-tests`): the fused kernels against their
+//! tch references, the engine's prefill against the training path for the same masks (bf16),
+//! and graph-captured batched decode against eager decode and full forwards.
+#![cfg(feature = "cuda-tests")]
+
+use std::path::Path;
+use tch::{nn, Device, Kind, Tensor};
+use wide_core::infer::{Decoder, Engine, EngineCache, MaskSource};
+use wide_core::routing::{GateMode, Routing, RoutingConfig, RoutingRun, Variant};
+use wide_core::{ForwardOptions, Logits, Pretrained};
+use wide_kernels::ops::fused::{self, QkvShape, RouterWeights};
+
+fn gpu() -> Device {
+    assert!(tch::Cuda::is_available(), "cuda-tests need a CUDA device");
+    Device::Cuda(0)
+}
+
+fn rel(a: &Tensor, b: &Tensor) -> f64 {
+    let (a, b) = (a.to_kind(Kind::Double), b.to_kind(Kind::Double));
+    assert_eq!(a.isnan().sum(Kind::Int64).int64_value(&[]), 0, "NaN in output");
+    (&a - &b).norm().double_value(&[]) / b.norm().double_value(&[]).max(1e-30)
+}
+
+#[test]
+fn fused_kernels_match_their_references() {
+    let dev = gpu();
+    let _g = tch::no_grad_guard();
+    tch::manual_seed(1);
+    let bf = (Kind::BFloat16, dev);
+    for (m, h) in [(1i64, 4096i64), (37, 512), (5, 8192)] {
+        let x = Tensor::randn([m, h], bf);
+        let d = Tensor::randn([m, h], bf);
+        let w = Tensor::randn([h], bf);
+        let (r, o) = fused::add_rmsnorm(&x, Some(&d), &w, 1e-5).unwrap();
+        let rr = &x + &d;
+        assert!(rel(&r, &rr) < 1e-2, "residual");
+        assert!(rel(&o, &fused::rmsnorm_reference(&rr, &w, 1e-5)) < 1e-2, "rmsnorm m={m} h={h}");
+        let (_, o2) = fused::add_rmsnorm(&x, None, &w, 1e-5).unwrap();
+        assert!(rel(&o2, &fused::rmsnorm_reference(&x, &w, 1e-5)) < 1e-2);
+    }
+    for (b, t, hq, hkv, d) in [(1i64, 1i64, 32i64, 8i64, 128i64), (3, 17, 8, 2, 64)] {
+        let s = QkvShape { batch: b, tokens: t, q_heads: hq, kv_heads: hkv, head_dim: d };
+        let qkv = Tensor::randn([b * t, (hq + 2 * hkv) * d], bf);
+        let pos = (Tensor::randint(50, [b * t], (Kind::Int, dev)) + 3).to_kind(Kind::Int);
+        let inv = Tensor::rand([d / 2], (Kind::Float, dev));
+        let (kc, vc) = (Tensor::randn([b, hkv, 64, d], bf), Tensor::randn([b, hkv, 64, d], bf));
+        let (kr, vr) = (kc.copy(), vc.copy());
+        let q = fused::rope_qkv_cache(&qkv, &pos, &inv, &s, &kc, &vc).unwrap();
+        let qr = fused::rope_qkv_cache_reference(&qkv, &pos, &inv, &s, &kr, &vr);
+        assert!(rel(&q, &qr) < 1e-2, "rope q");
+        assert!(rel(&kc, &kr) < 1e-2 && rel(&vc, &vr) < 1e-3, "cache writes");
+    }
+    let gu = Tensor::randn([9, 2 * 1024], bf);
+    let mask = Tensor::rand([9, 8], (Kind::Float, dev)).lt(0.5);
+    assert!(rel(&fused::swiglu(&gu, Some(&mask), 128).unwrap(), &fused::swiglu_reference(&gu, Some(&mask), 128)) < 1e-2);
+    assert!(rel(&fused::swiglu(&gu, None, 128).unwrap(), &fused::swiglu_reference(&gu, None, 128)) < 1e-2);
+    let x = Tensor::randn([7, 4096], bf);
+    let (w1, b1) = (Tensor::randn([32, 4096], bf) * 0.03, Tensor::randn([32], bf) * 0.1);
+    let (w2, b2) = (Tensor::randn([2 * 112, 32], bf) * 0.2, Tensor::randn([2 * 112], bf) * 0.1);
+    let r = RouterWeights { w1: &w1, b1: &b1, w2: &w2, b2: &b2 };
+    let (m, ext) = fused::router_gate(&x, &r, 0.05, 4).unwrap();
+    let want = fused::router_gate_reference(&x, &r, 0.05);
+    let agree = m.eq_tensor(&want).to_kind(Kind::Float).mean(Kind::Float).double_value(&[]);
+    assert!(agree > 0.98, "router decisions agree on {agree} of the pairs (bf16 rounding may flip near-ties)");
+    let ext = ext.unwrap();
+    assert!(ext.narrow(1, 0, 112).equal(&m) && ext.narrow(1, 112, 4).all().int64_value(&[]) == 1);
+}
+
+fn small() -> Pretrained {
+    // The checkout the binary was built in, or (staged on the GPU machine) the current folder.
+    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("testbed/testbed-small");
+    let dir = if built.exists() { built } else { Path::new("testbed/testbed-small").to_path_buf() };
+    Pretrained::load(&dir, gpu(), Kind::BFloat16).unwrap()
+}
+
+fn wide_routing(p: &Pretrained, vs: &nn::VarStore, fixed: bool) -> Routing {
+    let mut c = RoutingConfig::new(Variant::Wide);
+    c.attn_group_size = 1;
+    c.ffn_group_size = 64;
+    c.target_sparsity = Some(0.5);
+    let r = Routing::new(&vs.root(), &p.model.config, &c, Kind::BFloat16).unwrap();
+    if fixed {
+        // Decisions far from the threshold (router weights 0, biases +-3): both paths decide the
+        // same whatever their rounding, and about half of the groups run.
+        let _g = tch::no_grad_guard();
+        for l in &r.layers {
+            for rt in [&l.attention, &l.ffn].into_iter().flatten() {
+                let _ = rt.router_w.shallow_clone().zero_();
+                let signs = Tensor::rand([rt.groups, 2], (Kind::Float, Device::Cpu)).lt(0.5).to_kind(Kind::Float) * 6.0 - 3.0;
+                rt.router_b.shallow_clone().copy_(&signs.view([-1]).to_kind(Kind::BFloat16).to_device(rt.router_b.device()));
+            }
+        }
+    }
+    r
+}
+
+#[test]
+fn engine_prefill_matches_training_path_on_gpu() {
+    let _g = tch::no_grad_guard();
+    tch::manual_seed(2);
+    let p = small();
+    let vs = nn::VarStore::new(gpu());
+    let r = wide_routing(&p, &vs, false);
+    let (b, t) = (2, 300);
+    let ids = Tensor::randint(p.model.config.vocab_size, [b, t], (Kind::Int64, gpu()));
+    let mut masks = vec![];
+    for l in &r.layers {
+        for rt in [&l.attention, &l.ffn].into_iter().flatten() {
+            masks.push(Tensor::rand([b, t, rt.groups], (Kind::Float, gpu())).lt(0.5).to_kind(Kind::Float));
+        }
+    }
+    let mut run = RoutingRun::new(&r, GateMode::Forced(masks.iter().map(|m| m.shallow_clone()).collect()), Tensor::ones([b, t], (Kind::Float, gpu())));
+    let want = p.model.forward_routed(&ids, ForwardOptions { logits: Some(Logits::All), ..Default::default() }, &mut run).unwrap();
+    let engine = Engine::new(&p.model, Some(&r)).unwrap();
+    let cache = EngineCache::new(&p.model, b, t);
+    let got = engine.prefill(&ids, &[t, t], &cache, &mut MaskSource::Forced(masks), None, true).unwrap();
+    let e = rel(&got, &want);
+    assert!(e < 2e-2, "engine vs training path (bf16): rel {e}");
+    let dense_engine = Engine::new(&p.model, None).unwrap();
+    let got = dense_engine.prefill(&ids, &[t, t], &cache, &mut MaskSource::Routers, None, true).unwrap();
+    let want = p.model.forward(&ids, ForwardOptions { logits: Some(Logits::All), ..Default::default() }).unwrap();
+    let e = rel(&got, &want);
+    assert!(e < 2e-2, "dense engine vs backbone (bf16): rel {e}");
+}
+
+#[test]
+fn graph_decode_matches_eager_decode_and_full_forwards() {
+    let _g = tch::no_grad_guard();
+    tch::manual_seed(3);
+    let p = small();
+    let vs = nn::VarStore::new(gpu());
+    let r = wide_routing(&p, &vs, true);
+    let v = p.model.config.vocab_size;
+    for routed in [true, false] {
+        let engine = Engine::new(&p.model, routed.then_some(&r)).unwrap();
+        for lens in [vec![17i64], vec![17, 5, 11]] {
+            let prompts: Vec<Vec<i64>> = lens.iter().map(|&n| Vec::<i64>::try_from(Tensor::randint(v, [n], (Kind::Int64, Device::Cpu))).unwrap()).collect();
+            let steps = 12;
+            let run = |graph: bool| -> (Vec<Tensor>, Vec<Vec<i64>>) {
+                let (mut dec, first) = Decoder::new(&engine, &prompts, 17 + steps + 1, true, false, None).unwrap();
+                let mut seqs = prompts.clone();
+                let mut logits = vec![first.to_kind(Kind::Float)];
+                if graph {
+                    dec.capture().unwrap();
+                }
+                for _ in 0..steps {
+                    let next = Vec::<i64>::try_from(logits.last().unwrap().argmax(-1, false).to_device(Device::Cpu)).unwrap();
+                    for (s, n) in seqs.iter_mut().zip(&next) {
+                        s.push(*n);
+                    }
+                    dec.set_tokens(&next).unwrap();
+                    logits.push(dec.step().unwrap().to_kind(Kind::Float));
+                }
+                (logits, seqs)
+            };
+            let (eager, seqs) = run(false);
+            let (graph, seqs_g) = run(true);
+            assert_eq!(seqs, seqs_g, "graph decode chose other tokens (routed {routed})");
+            for (a, b) in eager.iter().zip(&graph) {
+                assert!(rel(a, b) < 1e-3, "graph vs eager step logits differ");
+            }
+            for (row, s) in seqs.iter().enumerate() {
+                let ids = Tensor::from_slice(s).view([1, -1]).to_device(gpu());
+                let n = s.len() as i64;
+                let full = if routed {
+                    let mut run = RoutingRun::new(&r, GateMode::Inference, Tensor::ones([1, n], (Kind::Float, gpu())));
+                    p.model.forward_routed(&ids, ForwardOptions { logits: Some(Logits::All), ..Default::default() }, &mut run).unwrap()
+                } else {
+                    p.model.forward(&ids, ForwardOptions { logits: Some(Logits::All), ..Default::default() }).unwrap()
+                };
+                for (k, l) in graph.iter().enumerate() {
+                    let pos = lens[row] - 1 + k as i64;
+                    let e = rel(&l.get(row as i64), &full.get(0).get(pos));
+                    assert!(e < 3e-2, "routed {routed} lens {lens:?} row {row} step {k}: rel {e}");
+                }
+            }
+        }
+    }
+}
