@@ -608,6 +608,12 @@ impl<'a> RoutingRun<'a> {
             }
         };
         self.record(layer, r.kind, r.groups, &mask);
+        if let (Some(g), GateMode::Inference) = (self.gates.as_mut(), &self.mode) {
+            let offset = self.routing.config.logit_offset(r.kind);
+            if let Some(last) = g.last_mut() {
+                last.margin = Some((logits.select(-1, 0) - logits.select(-1, 1) - offset).detach());
+            }
+        }
         mask
     }
 
@@ -617,6 +623,9 @@ impl<'a> RoutingRun<'a> {
         let total = self.valid.sum(Kind::Float).double_value(&[]) * groups as f64;
         let active_fraction = mask.mean_dim(-1, false, Kind::Float);
         self.stats.routers.push(RouterStat { layer, kind, groups, skipped, total, active_fraction });
+        if let Some(g) = self.gates.as_mut() {
+            g.push(GateRecord { layer, kind, execute: mask.detach(), margin: None });
+        }
     }
 
     /// Masks for layer `i` whose attention router sees `x_attn` (the residual entering the
