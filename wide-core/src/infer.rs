@@ -66,28 +66,15 @@ pub fn fuse_projections(model: &LlamaModel) -> Result<Vec<FusedLayer>> {
     Ok(out)
 }
 
-/// One tensor holding `parts` back to back along dim 0; each part becomes a view of it. Parts
-/// that are already consecutive views of one storage are reused as they are.
+/// One tensor holding `parts` back to back along dim 0; each part becomes a view of it (the
+/// parts' old storage is freed once nothing else holds it).
 fn fuse(parts: &[&Tensor]) -> Result<Tensor> {
-    let rows: Vec<i64> = parts.iter().map(|p| p.size()[0]).collect();
-    let elt = parts[0].kind().elt_size_in_bytes();
-    let row_bytes = parts[0].size().iter().skip(1).product::<i64>() as usize * elt;
-    let adjacent = parts.windows(2).zip(&rows).all(|(w, &r)| w[0].data_ptr() as usize + r as usize * row_bytes == w[1].data_ptr() as usize)
-        && parts.iter().all(|p| p.is_contiguous());
-    let total: i64 = rows.iter().sum();
-    if adjacent {
-        let mut shape = parts[0].size();
-        shape[0] = total;
-        // A view over the parts' common storage starting at the first part.
-        let base = parts[0].shallow_clone();
-        let strides: Vec<i64> = base.stride();
-        return Ok(base.as_strided(&shape, &strides, None));
-    }
     let fused = Tensor::cat(parts, 0);
     let mut off = 0;
-    for (p, r) in parts.iter().zip(&rows) {
+    for p in parts {
+        let r = p.size()[0];
         let mut h = p.shallow_clone();
-        h.set_data(&fused.narrow(0, off, *r));
+        h.set_data(&fused.narrow(0, off, r));
         off += r;
     }
     Ok(fused)
@@ -803,6 +790,14 @@ impl<'e, 'm> Decoder<'e, 'm> {
             add_counts(&mut c, d);
         }
         c
+    }
+}
+
+impl Drop for Decoder<'_, '_> {
+    fn drop(&mut self) {
+        // The graph's output lives in the graph's memory pool: free it before the graph.
+        self.logits = None;
+        self.graph = None;
     }
 }
 

@@ -90,6 +90,9 @@ fn routing_for(cfg: &E2eBenchConfig, mc: &ModelConfig, s: f64) -> Result<(Routin
 /// One engine's measurements.
 fn measure(engine: &Engine, cfg: &E2eBenchConfig, vocab: i64, label: &str) -> Result<Value> {
     let device = cfg.device;
+    sync(device)?;
+    let resident = allocated(device)?;
+    eprintln!("{label:>10}: {:.3} GiB allocated before measuring", gib(resident));
     let mut prefill = vec![];
     for &t in &cfg.prefill_tokens {
         let ids = Tensor::randint(vocab, [1, t], (Kind::Int64, device));
@@ -154,7 +157,14 @@ fn measure(engine: &Engine, cfg: &E2eBenchConfig, vocab: i64, label: &str) -> Re
     if cfg.profile {
         profile = profile_ops(engine, cfg, vocab)?;
     }
-    Ok(json!({"prefill": prefill, "decode": decode, "decode_skip": decode_skip, "profile": profile}))
+    Ok(json!({"prefill": prefill, "decode": decode, "decode_skip": decode_skip, "profile": profile, "allocated_before_gib": gib(resident)}))
+}
+
+fn allocated(device: Device) -> Result<i64> {
+    Ok(match device {
+        Device::Cuda(d) => wide_kernels::MemoryStats::read(d)?.allocated_current,
+        _ => 0,
+    })
 }
 
 fn skip_json(c: &SkipCounts) -> Value {

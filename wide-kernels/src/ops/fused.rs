@@ -244,24 +244,24 @@ pub fn router_gate_reference(x: &Tensor, r: &RouterWeights, offset: f64) -> Tens
 /// The router on `x: [M, hidden]` and the deterministic gate (a group runs iff
 /// `skip - execute + offset <= 0`): returns the mask bool `[M, groups]` and, with `extra > 0`,
 /// the same mask with `extra` always-on groups appended, `[M, groups + extra]`. The kernel
-/// serves few tokens (decode); many tokens run the two cuBLAS products of the reference.
+/// takes the first layer from cuBLAS and does the second and the gate in one pass.
 pub fn router_gate(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64) -> Result<(Tensor, Option<Tensor>)> {
-    let (m, h) = x.size2()?;
+    let (m, hidden) = x.size2()?;
     let (rank, h1) = r.w1.size2()?;
-    ensure!(h1 == h, "router_gate: compressor {:?} does not take hidden size {h}", r.w1.size());
+    ensure!(h1 == hidden, "router_gate: compressor {:?} does not take hidden size {hidden}", r.w1.size());
     let ng = r.w2.size()[0] / 2;
     match cuda_of(x) {
-        Some((dev, f16)) if m <= 64 && rank <= 256 && x.is_contiguous() && r.w1.kind() == x.kind() => {
+        Some((dev, f16)) if rank <= 256 && m <= i32::MAX as i64 && r.w1.kind() == x.kind() => {
+            // First layer on cuBLAS (a GEMV over all SMs), second layer and gate in one kernel.
+            let h = x.linear(r.w1, Some(r.b1)).contiguous();
             let mask = Tensor::empty([m, ng], (Kind::Bool, x.device()));
             let ext = (extra > 0).then(|| Tensor::empty([m, ng + extra], (Kind::Bool, x.device())));
             let k = kernel(f16, "router_gate", dev)?;
             unsafe {
                 k.launch(
-                    LaunchConfig { grid: (m as u32, 1, 1), block: (256, 1, 1), shared_mem_bytes: 0 },
+                    LaunchConfig { grid: (m as u32, 1, 1), block: (128, 1, 1), shared_mem_bytes: 0 },
                     &[
-                        KernelArg::tensor(x)?,
-                        KernelArg::tensor(&r.w1.contiguous())?,
-                        KernelArg::tensor(&r.b1.contiguous())?,
+                        KernelArg::tensor(&h)?,
                         KernelArg::tensor(&r.w2.contiguous())?,
                         KernelArg::tensor(&r.b2.contiguous())?,
                         KernelArg::F32(offset as f32),
@@ -270,7 +270,6 @@ pub fn router_gate(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64) -> Re
                             Some(t) => KernelArg::tensor(t)?,
                             None => KernelArg::Ptr(0),
                         },
-                        KernelArg::I32(h as i32),
                         KernelArg::I32(rank as i32),
                         KernelArg::I32(ng as i32),
                         KernelArg::I32(extra as i32),

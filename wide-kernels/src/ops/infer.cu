@@ -127,25 +127,16 @@ extern "C" __global__ void swiglu_masked(const T* __restrict__ gu, const unsigne
     }
 }
 
-// Token router and deterministic gate for a few tokens (decode): h = x W1^T + b1 (rank R),
-// logits = h W2^T + b2 viewed [NG, 2] = (execute, skip); group g runs iff
-// skip - execute + offset <= 0. Writes mask u8 [M, NG] and, when ext != null, ext
-// [M, NG + EXTRA] with the EXTRA trailing groups on. One block (256 threads) per token.
-extern "C" __global__ void __launch_bounds__(256) router_gate(const T* __restrict__ x, const T* __restrict__ w1, const T* __restrict__ b1,
-                                                              const T* __restrict__ w2, const T* __restrict__ b2, float offset,
-                                                              unsigned char* __restrict__ mask, unsigned char* __restrict__ ext,
-                                                              int H, int R, int NG, int EXTRA) {
+// Second router layer and deterministic gate for a few tokens (decode): h [M, R] is the first
+// layer's output (x W1^T + b1, from cuBLAS), logits = h W2^T + b2 viewed [NG, 2] = (execute,
+// skip); group g runs iff skip - execute + offset <= 0. Writes mask u8 [M, NG] and, when
+// ext != null, ext [M, NG + EXTRA] with the EXTRA trailing groups on. Grid (M), 128 threads.
+extern "C" __global__ void __launch_bounds__(128) router_gate(const T* __restrict__ h, const T* __restrict__ w2, const T* __restrict__ b2,
+                                                              float offset, unsigned char* __restrict__ mask,
+                                                              unsigned char* __restrict__ ext, int R, int NG, int EXTRA) {
     __shared__ float hs[256];
-    const int m = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const T* xr = x + (long long)m * H;
-    for (int r = warp; r < R; r += nw) {
-        const T* wr = w1 + (long long)r * H;
-        float acc = 0.f;
-        for (int i = lane; i < H; i += 32) acc = fmaf(tf(wr[i]), tf(xr[i]), acc);
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-        if (lane == 0) hs[r] = rt(rt(acc) + tf(b1[r]));
-    }
+    const int m = blockIdx.x;
+    for (int r = threadIdx.x; r < R; r += blockDim.x) hs[r] = tf(h[(long long)m * R + r]);
     __syncthreads();
     for (int g = threadIdx.x; g < NG + EXTRA; g += blockDim.x) {
         unsigned char on = 1;
