@@ -8,6 +8,8 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
+#include <map>
+#include <mutex>
 
 #include <cstdint>
 #include <exception>
@@ -104,7 +106,15 @@ int wide_graph_capture_begin(void* handle) {
     auto* g = static_cast<Graph*>(handle);
     c10::cuda::set_device(g->device);
     c10::cuda::device_synchronize();
-    auto side = c10::cuda::getStreamFromPool(false, g->device);
+    // One side stream per device for every capture: libraries cache per-stream state (cuBLAS
+    // keeps a workspace per stream), so a new pool stream per graph would leave one workspace
+    // behind for each of up to 32 pool streams.
+    static std::mutex mu;
+    static std::map<int, c10::cuda::CUDAStream> sides;
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = sides.find(g->device);
+    if (it == sides.end()) it = sides.emplace(g->device, c10::cuda::getStreamFromPool(false, g->device)).first;
+    auto side = it->second;
     g->previous_stream = c10::cuda::getCurrentCUDAStream(g->device);
     c10::cuda::setCurrentCUDAStream(side);
     try {

@@ -286,6 +286,68 @@ pub fn router_gate(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64) -> Re
     }
 }
 
+/// What [`add_rmsnorm_route`] returns: residual, normalised residual, router mask and the
+/// extended mask.
+pub type NormRoute = (Tensor, Tensor, Tensor, Option<Tensor>);
+
+/// [`add_rmsnorm`] and [`router_gate`] (on the un-normalised residual) in one kernel for few
+/// tokens (decode: one block per token, router rank <= 32); the two ops elsewhere.
+pub fn add_rmsnorm_route(x: &Tensor, delta: Option<&Tensor>, w: &Tensor, eps: f64, r: &RouterWeights, offset: f64, extra: i64) -> Result<NormRoute> {
+    let (m, h) = x.size2()?;
+    let (rank, h1) = r.w1.size2()?;
+    ensure!(h1 == h, "add_rmsnorm_route: compressor {:?} does not take hidden size {h}", r.w1.size());
+    let ng = r.w2.size()[0] / 2;
+    match cuda_of(x) {
+        Some((dev, f16))
+            if m <= 64 && rank <= 32 && h <= 16 * 512 && x.is_contiguous() && delta.map_or(true, |d| d.is_contiguous() && d.size() == [m, h]) && r.w1.kind() == x.kind() =>
+        {
+            let res = match delta {
+                Some(_) => x.empty_like(),
+                None => x.shallow_clone(),
+            };
+            let out = x.empty_like();
+            let mask = Tensor::empty([m, ng], (Kind::Bool, x.device()));
+            let ext = (extra > 0).then(|| Tensor::empty([m, ng + extra], (Kind::Bool, x.device())));
+            let threads = (((h + 15) / 16).clamp(32, 512) as u32).div_ceil(32) * 32;
+            let k = kernel(f16, "add_rmsnorm_route", dev)?;
+            unsafe {
+                k.launch(
+                    LaunchConfig { grid: (m as u32, 1, 1), block: (threads, 1, 1), shared_mem_bytes: 0 },
+                    &[
+                        KernelArg::tensor(x)?,
+                        KernelArg::tensor(delta.unwrap_or(x))?,
+                        KernelArg::tensor(&w.contiguous())?,
+                        KernelArg::tensor(&res)?,
+                        KernelArg::tensor(&out)?,
+                        KernelArg::I32(h as i32),
+                        KernelArg::F32(eps as f32),
+                        KernelArg::I32(delta.is_some() as i32),
+                        KernelArg::tensor(&r.w1.contiguous())?,
+                        KernelArg::tensor(&r.b1.contiguous())?,
+                        KernelArg::tensor(&r.w2.contiguous())?,
+                        KernelArg::tensor(&r.b2.contiguous())?,
+                        KernelArg::F32(offset as f32),
+                        KernelArg::tensor(&mask)?,
+                        match &ext {
+                            Some(t) => KernelArg::tensor(t)?,
+                            None => KernelArg::Ptr(0),
+                        },
+                        KernelArg::I32(rank as i32),
+                        KernelArg::I32(ng as i32),
+                        KernelArg::I32(extra as i32),
+                    ],
+                )?;
+            }
+            Ok((res, out, mask, ext))
+        }
+        _ => {
+            let (res, out) = add_rmsnorm(x, delta, w, eps)?;
+            let (mask, ext) = router_gate(&res, r, offset, extra)?;
+            Ok((res, out, mask, ext))
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
