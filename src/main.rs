@@ -183,6 +183,43 @@ enum Command {
     /// Evaluate models: perplexity, multiple-choice tasks, cloze task building.
     #[command(subcommand)]
     Eval(wide_eval::cli::EvalCommand),
+    /// Export a trained model for other runtimes: a Hugging Face folder with the LoRA merged,
+    /// the routers (wide_routing.safetensors, wide_routing.json), the LoRA in PEFT's format and,
+    /// for static_width, the physically pruned model.
+    Export(ExportArgs),
+}
+
+#[derive(Args)]
+struct ExportArgs {
+    /// The Hugging Face model folder the routers were trained on.
+    model_dir: PathBuf,
+    /// A stage 1 or stage 2 folder (routers.safetensors, routing.json).
+    #[arg(long)]
+    routers: PathBuf,
+    /// A stage 2 folder whose LoRA adapters to use (default: those of --routers, if any).
+    #[arg(long)]
+    lora: Option<PathBuf>,
+    /// Output folder (written under a temporary name, renamed when complete).
+    #[arg(long)]
+    out: PathBuf,
+    /// static_width: also write the physically pruned model to OUT/pruned.
+    #[arg(long)]
+    pruned: bool,
+    /// With --pruned: prune skipped attention heads, or zero their o_proj columns.
+    #[arg(long, default_value = "prune")]
+    pruned_heads: String,
+    /// Stored dtype of the weights: auto (that of MODEL_DIR), f32, bf16 or f16.
+    #[arg(long, default_value = "auto")]
+    dtype: String,
+    /// Largest safetensors shard (e.g. 5GB, 500MB).
+    #[arg(long, default_value = "5GB")]
+    shard_size: String,
+    /// base_model_name_or_path of the PEFT adapter (default: MODEL_DIR as given).
+    #[arg(long)]
+    base_model: Option<String>,
+    /// Replace an earlier export at OUT (only once the new one is complete).
+    #[arg(long)]
+    overwrite: bool,
 }
 
 #[derive(Subcommand)]
@@ -399,6 +436,7 @@ fn main() {
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Eval(c) => wide_eval::cli::run(c, env!("WIDE_GIT_COMMIT")),
+        Command::Export(a) => export(a),
         Command::Info { model_dir, json, load, device, dtype } => {
             let load = if load {
                 let device = parse_device(&device)?;
@@ -607,6 +645,49 @@ fn run(cli: Cli) -> Result<()> {
 
 fn provenance() -> serde_json::Value {
     serde_json::json!({"commit": env!("WIDE_GIT_COMMIT"), "version": env!("CARGO_PKG_VERSION"), "command": std::env::args().collect::<Vec<_>>().join(" ")})
+}
+
+fn export(a: ExportArgs) -> Result<()> {
+    use wide_train::export::{parse_size, HeadPruning};
+    let dtype = match a.dtype.as_str() {
+        "auto" => None,
+        d => Some(parse_dtype(d, tch::Device::Cpu)?),
+    };
+    let cfg = wide_train::export::ExportConfig {
+        model_dir: a.model_dir,
+        routers: a.routers,
+        lora: a.lora,
+        out: a.out,
+        pruned: a.pruned,
+        pruned_heads: HeadPruning::parse(&a.pruned_heads)?,
+        dtype,
+        max_shard_bytes: parse_size(&a.shard_size)?,
+        base_model: a.base_model,
+        overwrite: a.overwrite,
+        provenance: provenance(),
+    };
+    let r = wide_train::export::run(&cfg)?;
+    if let Some(p) = &r.pruned {
+        if p.kv_heads_duplicated {
+            eprintln!("note: layers keep different numbers of query heads per KV group, so the pruned model repeats some KV heads ({} KV heads)", p.num_key_value_heads);
+        }
+    }
+    let pruned = r.pruned.as_ref().map(|p| {
+        format!(
+            "; pruned model: {} heads, {} KV heads, intermediate {} ({} of {} parameters)",
+            p.num_attention_heads, p.num_key_value_heads, p.intermediate_size, p.parameters, p.dense_parameters
+        )
+    });
+    println!(
+        "exported {} ({} router tensors, {} LoRA modules merged{}) to {} ({:.1} MB)",
+        r.variant,
+        r.routed_tensors,
+        r.lora_modules,
+        pruned.unwrap_or_default(),
+        r.out.display(),
+        r.bytes as f64 / 1e6
+    );
+    Ok(())
 }
 
 fn report_calibration(r: Option<wide_train::calibrate::CalibrationReport>) -> Result<()> {
