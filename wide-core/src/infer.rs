@@ -373,10 +373,9 @@ impl<'m> Engine<'m> {
         let mut delta: Option<Tensor> = None;
         let shape = QkvShape { batch: b, tokens: t, q_heads: c.num_attention_heads, kv_heads: c.num_key_value_heads, head_dim: c.head_dim };
         for (i, layer) in m.layers.iter().enumerate() {
-            let pre = self.fusable_router(i, RouterKind::Attention, &x, rc);
-            let (xr, hn, pre_gate) = self.timed("norm", || self.norm_route(&x, delta.as_ref(), &layer.input_layernorm.weight, pre, i, 0))?;
+            let (xr, hn) = self.timed("norm", || fused::add_rmsnorm(&x, delta.as_ref(), &layer.input_layernorm.weight, eps))?;
             x = xr;
-            let (attn_d, q_ext, layer_mask) = self.timed("router", || self.attention_decision(i, &x, rc, pre_gate))?;
+            let (attn_d, q_ext, layer_mask) = self.timed("router", || self.attention_decision(i, &x, rc))?;
             let mut qkv = self.timed("qkv", || self.project_qkv(i, &hn, attn_d.as_ref(), q_ext.as_ref()))?;
             if let (Some(qn), Some(kn)) = (&layer.self_attn.q_norm, &layer.self_attn.k_norm) {
                 let (nh, nkv, hd) = (shape.q_heads, shape.kv_heads, shape.head_dim);
@@ -388,10 +387,9 @@ impl<'m> Engine<'m> {
             let q = self.timed("rope_kv", || fused::rope_qkv_cache(&qkv, pos, &self.inv_freq, &shape, &cache.keys[i], &cache.values[i]))?;
             let attn = self.timed("attention", || self.attention(i, &q, b, t, lengths, cache, attn_d.as_ref()))?;
             let o = self.timed("o_proj", || self.project_k(&attn, &layer.self_attn.o_proj.weight, layer.self_attn.o_proj.bias.as_ref(), attn_d.as_ref(), c.head_dim, 0))?;
-            let pre = self.fusable_router(i, RouterKind::Ffn, &x, rc);
-            let (xr, h2, pre_gate) = self.timed("norm", || self.norm_route(&x, Some(&o), &layer.post_attention_layernorm.weight, pre, i, 1))?;
+            let (xr, h2) = self.timed("norm", || fused::add_rmsnorm(&x, Some(&o), &layer.post_attention_layernorm.weight, eps))?;
             x = xr;
-            let ffn_d = self.timed("router", || self.ffn_decision(i, &x, rc, layer_mask, pre_gate))?;
+            let ffn_d = self.timed("router", || self.ffn_decision(i, &x, rc, layer_mask))?;
             let hid = self.timed("gate_up", || self.project_gate_up(i, &h2, ffn_d.as_ref()))?;
             let down = self.timed("down", || self.project_k(&hid, &layer.mlp.down_proj.weight, layer.mlp.down_proj.bias.as_ref(), ffn_d.as_ref(), 1, 1))?;
             delta = Some(down);
@@ -402,11 +400,9 @@ impl<'m> Engine<'m> {
 
     /// One router's execute mask `[M, groups]` (bool) for tokens `x: [M, hidden]`, and the
     /// extended mask with `extra` always-on groups (when the caller wants one).
-    fn gate(&self, i: usize, kind: RouterKind, r: &crate::routing::Router, x: &Tensor, rc: &mut RouteCtx, extra: i64, pre: Option<(Tensor, Option<Tensor>)>) -> Result<(Tensor, Option<Tensor>)> {
+    fn gate(&self, i: usize, kind: RouterKind, r: &crate::routing::Router, x: &Tensor, rc: &mut RouteCtx, extra: i64) -> Result<(Tensor, Option<Tensor>)> {
         let mt = x.size()[0];
-        let (mut mask, mut ext) = match (pre, &mut *rc.source) {
-            (Some(p), _) => p,
-            (None, source) => match source {
+        let (mut mask, mut ext) = match rc.source {
             MaskSource::Forced(v) => {
                 ensure!(rc.cursor < v.len(), "forced masks: only {} given, the forward needs more", v.len());
                 let mk = v[rc.cursor].to_device(x.device()).reshape([mt, -1]).gt(0.5);
@@ -441,7 +437,6 @@ impl<'m> Engine<'m> {
                 let off = self.offsets.borrow()[i][k];
                 fused::router_gate(x, &w, off, if rc.valid.is_none() { extra } else { 0 })?
             }
-            },
         };
         if let Some(v) = &rc.valid {
             mask = mask.logical_and(&v.unsqueeze(1));
@@ -484,7 +479,7 @@ impl<'m> Engine<'m> {
     }
 
     /// The attention decision of layer `i` (and the layer router's mask, for layer_skip).
-    fn attention_decision(&self, i: usize, x: &Tensor, rc: &mut RouteCtx, pre: Option<(Tensor, Option<Tensor>)>) -> Result<(Option<Decision>, Option<Tensor>, Option<Tensor>)> {
+    fn attention_decision(&self, i: usize, x: &Tensor, rc: &mut RouteCtx) -> Result<(Option<Decision>, Option<Tensor>, Option<Tensor>)> {
         let Some(r) = self.routing else { return Ok((None, None, None)) };
         let l = &r.layers[i];
         let c = &self.model.config;
@@ -492,13 +487,13 @@ impl<'m> Engine<'m> {
         let mt = x.size()[0];
         let mut layer_mask = None;
         if let Some(lr) = &l.layer {
-            layer_mask = Some(self.gate(i, RouterKind::Layer, lr, x, rc, 0, None)?.0);
+            layer_mask = Some(self.gate(i, RouterKind::Layer, lr, x, rc, 0)?.0);
         }
         let (mask, ext) = if let Some(ar) = &l.attention {
             let gh = nh / ar.groups;
             let extra = self.q_extra(gh);
             let want_ext = extra > 0 && mt <= GEMV_MAX_M && is_fast_dtype(x);
-            self.gate(i, RouterKind::Attention, ar, x, rc, if want_ext { extra } else { 0 }, pre)?
+            self.gate(i, RouterKind::Attention, ar, x, rc, if want_ext { extra } else { 0 })?
         } else if let Some(s) = &l.static_attention {
             (self.static_mask(RouterKind::Attention, s, mt, rc), None)
         } else if let Some(lm) = &layer_mask {
@@ -517,40 +512,6 @@ impl<'m> Engine<'m> {
         Ok((Some(Decision { mask, group, layout: Default::default() }), ext, layer_mask))
     }
 
-    /// The router of layer `i` at this sublayer when its gate can run inside the norm kernel:
-    /// decode (no padding, no fit), router gates, kernels available, and it is the only router
-    /// reading this residual.
-    fn fusable_router(&self, i: usize, kind: RouterKind, x: &Tensor, rc: &RouteCtx) -> Option<(&'m crate::routing::Router, i64)> {
-        let r = self.routing?;
-        let l = &r.layers[i];
-        if !matches!(rc.source, MaskSource::Routers) || rc.fit.is_some() || rc.valid.is_some() || !is_fast_dtype(x) || x.size()[0] > 64 || l.layer.is_some() {
-            return None;
-        }
-        let rt = match kind {
-            RouterKind::Attention => l.attention.as_ref()?,
-            _ => l.ffn.as_ref()?,
-        };
-        let extra = if kind == RouterKind::Attention && x.size()[0] <= GEMV_MAX_M { self.q_extra(self.model.config.num_attention_heads / rt.groups) } else { 0 };
-        (rt.compressor_w.size()[0] <= 32).then_some((rt, extra))
-    }
-
-    /// Residual add + RMSNorm, with the sublayer's router and gate fused in when `pre` names one.
-    fn norm_route(&self, x: &Tensor, delta: Option<&Tensor>, w: &Tensor, pre: Option<(&crate::routing::Router, i64)>, i: usize, k: usize) -> Result<(Tensor, Tensor, Option<(Tensor, Option<Tensor>)>)> {
-        let eps = self.model.config.rms_norm_eps;
-        match pre {
-            Some((r, extra)) => {
-                let w8 = RouterWeights { w1: &r.compressor_w, b1: &r.compressor_b, w2: &r.router_w, b2: &r.router_b };
-                let off = self.offsets.borrow()[i][k];
-                let (res, out, mask, ext) = fused::add_rmsnorm_route(x, delta, w, eps, &w8, off, extra)?;
-                Ok((res, out, Some((mask, ext))))
-            }
-            None => {
-                let (res, out) = fused::add_rmsnorm(x, delta, w, eps)?;
-                Ok((res, out, None))
-            }
-        }
-    }
-
     /// Always-on groups appended to the attention mask so that one routed launch covers the
     /// fused Q|K|V projection (K and V rows form whole groups of Q's group width), or 0.
     fn q_extra(&self, group_heads: i64) -> i64 {
@@ -562,13 +523,13 @@ impl<'m> Engine<'m> {
         }
     }
 
-    fn ffn_decision(&self, i: usize, x: &Tensor, rc: &mut RouteCtx, layer_mask: Option<Tensor>, pre: Option<(Tensor, Option<Tensor>)>) -> Result<Option<Decision>> {
+    fn ffn_decision(&self, i: usize, x: &Tensor, rc: &mut RouteCtx, layer_mask: Option<Tensor>) -> Result<Option<Decision>> {
         let Some(r) = self.routing else { return Ok(None) };
         let l = &r.layers[i];
         let inter = self.model.config.intermediate_size;
         let mt = x.size()[0];
         let mask = if let Some(fr) = &l.ffn {
-            self.gate(i, RouterKind::Ffn, fr, x, rc, 0, pre)?.0
+            self.gate(i, RouterKind::Ffn, fr, x, rc, 0)?.0
         } else if let Some(s) = &l.static_ffn {
             self.static_mask(RouterKind::Ffn, s, mt, rc)
         } else if let Some(lm) = layer_mask {

@@ -157,79 +157,60 @@ extern "C" __global__ void __launch_bounds__(128) router_gate(const T* __restric
     }
 }
 
-// Residual add + RMSNorm + token router + deterministic gate in one block per token (decode):
-// res = x (+ delta); out = w * rms_normalise(res); h = res W1^T + b1 (rank R <= 32, from the
-// un-normalised residual, as the routers read it); logits = h W2^T + b2 viewed [NG, 2]; group g
-// runs iff skip - execute + offset <= 0 -> mask u8 [M, NG] (and ext [M, NG + EXTRA] with the
-// EXTRA trailing groups on, when ext != null). H <= 16 * blockDim.x.
-extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_route(
-    const T* x, const T* __restrict__ delta, const T* __restrict__ w, T* res, T* __restrict__ out, int H, float eps, int has_delta,
-    const T* __restrict__ w1, const T* __restrict__ b1, const T* __restrict__ w2, const T* __restrict__ b2, float offset,
-    unsigned char* __restrict__ mask, unsigned char* __restrict__ ext, int R, int NG, int EXTRA) {
-    __shared__ float sh[32];
-    __shared__ float hpart[16][32];
-    __shared__ float hs[32];
-    const long long row = (long long)blockIdx.x * H;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    constexpr int PER = 16;
-    float v[PER];
-    float ss = 0.f;
-#pragma unroll
-    for (int j = 0; j < PER; ++j) {
-        const int i = threadIdx.x + j * blockDim.x;
-        v[j] = 0.f;
-        if (i < H) {
-            float a = tf(x[row + i]);
-            if (has_delta) a = rt(a + tf(delta[row + i]));
-            v[j] = a;
-            ss += a * a;
-        }
-    }
-    // Router first layer: each thread's share of the R dot products, reduced per warp.
-    for (int r = 0; r < R; ++r) {
-        const T* wr = w1 + (long long)r * H;
+// The whole router and gate in one launch for few tokens (decode): block r computes
+// h[m][r] = x[m] . W1[r] + b1[r] for every token m (16-byte loads, one warp a token at a time)
+// into hbuf f32 [M, R]; the last block to finish (a ticket on `counter`, which it resets to 0
+// for the next launch) evaluates the second layer and the gate for every (token, group).
+// Grid (R), 256 threads; H % 8 == 0.
+extern "C" __global__ void __launch_bounds__(256) router_gate_one(const T* __restrict__ x, const T* __restrict__ w1, const T* __restrict__ b1,
+                                                                  const T* __restrict__ w2, const T* __restrict__ b2, float offset,
+                                                                  float* hbuf, unsigned* counter, unsigned char* __restrict__ mask,
+                                                                  unsigned char* __restrict__ ext, int M, int H, int R, int NG, int EXTRA) {
+    const int r = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const T* wr = w1 + (long long)r * H;
+    const int chunks = H >> 3;
+    for (int m = warp; m < M; m += nw) {
+        const T* xm = x + (long long)m * H;
         float acc = 0.f;
+        for (int c = lane; c < chunks; c += 32) {
+            const uint4 a = *reinterpret_cast<const uint4*>(wr + (c << 3));
+            const uint4 b = *reinterpret_cast<const uint4*>(xm + (c << 3));
+            const T* ap = reinterpret_cast<const T*>(&a);
+            const T* bp = reinterpret_cast<const T*>(&b);
 #pragma unroll
-        for (int j = 0; j < PER; ++j) {
-            const int i = threadIdx.x + j * blockDim.x;
-            if (i < H) acc = fmaf(tf(wr[i]), v[j], acc);
+            for (int j = 0; j < 8; ++j) acc = fmaf(tf(ap[j]), tf(bp[j]), acc);
         }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-        if (lane == 0) hpart[warp][r] = acc;
+        if (lane == 0) hbuf[m * R + r] = rt(acc + tf(b1[r]));
     }
-    const float var = block_sum(ss, sh) / (float)H;  // its barriers also publish hpart
-    const float inv = rsqrtf(var + eps);
-#pragma unroll
-    for (int j = 0; j < PER; ++j) {
-        const int i = threadIdx.x + j * blockDim.x;
-        if (i < H) {
-            if (has_delta) res[row + i] = ft(v[j]);
-            out[row + i] = ft(tf(w[i]) * rt(v[j] * inv));
-        }
-    }
-    if (threadIdx.x < R) {
-        float a = 0.f;
-        for (int k = 0; k < nw; ++k) a += hpart[k][threadIdx.x];
-        hs[threadIdx.x] = rt(a + tf(b1[threadIdx.x]));
-    }
+    __threadfence();
     __syncthreads();
-    const int m = blockIdx.x;
-    for (int g = threadIdx.x; g < NG + EXTRA; g += blockDim.x) {
+    __shared__ int last;
+    if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const int W = NG + EXTRA;
+    for (int idx = threadIdx.x; idx < M * W; idx += blockDim.x) {
+        const int m = idx / W, g = idx - m * W;
         unsigned char on = 1;
         if (g < NG) {
             float e = 0.f, s = 0.f;
             const T* we = w2 + (long long)(2 * g) * R;
             const T* wsk = we + R;
-            for (int r = 0; r < R; ++r) {
-                e = fmaf(tf(we[r]), hs[r], e);
-                s = fmaf(tf(wsk[r]), hs[r], s);
+            const float* hm = hbuf + m * R;
+            for (int k = 0; k < R; ++k) {
+                const float hv = __ldcg(hm + k);
+                e = fmaf(tf(we[k]), hv, e);
+                s = fmaf(tf(wsk[k]), hv, s);
             }
             e = rt(rt(e) + tf(b2[2 * g]));
             s = rt(rt(s) + tf(b2[2 * g + 1]));
             on = (s - e + offset) <= 0.f;
             mask[(long long)m * NG + g] = on;
         }
-        if (ext != nullptr) ext[(long long)m * (NG + EXTRA) + g] = on;
+        if (ext != nullptr) ext[(long long)m * W + g] = on;
     }
+    if (threadIdx.x == 0) *counter = 0u;
 }
