@@ -56,6 +56,31 @@ enum Command {
         #[arg(long)]
         overwrite: bool,
     },
+    /// Run a wide subcommand data-parallel, one process per GPU: `wide launch --nproc-per-node 2
+    /// -- calibrate --config RECIPE`. Each process gets RANK, LOCAL_RANK, WORLD_SIZE,
+    /// MASTER_ADDR and MASTER_PORT (any launcher that sets them, or Slurm's srun, works too).
+    Launch {
+        /// Processes (GPUs) on this machine.
+        #[arg(long, default_value_t = 1)]
+        nproc_per_node: usize,
+        /// Machines taking part (run `wide launch` on each, with its --node-rank).
+        #[arg(long, default_value_t = 1)]
+        nnodes: usize,
+        #[arg(long, default_value_t = 0)]
+        node_rank: usize,
+        /// Address of the machine of rank 0 (reachable from every machine).
+        #[arg(long, default_value = "127.0.0.1")]
+        master_addr: String,
+        /// Port rank 0 listens on (default: a free port on one machine, 29500 on several).
+        #[arg(long)]
+        master_port: Option<u16>,
+        /// Seconds the other ranks get to stop after one fails, before they are killed.
+        #[arg(long, default_value_t = 30)]
+        grace_seconds: u64,
+        /// The wide subcommand and its arguments, after `--`.
+        #[arg(last = true, required = true)]
+        args: Vec<String>,
+    },
     /// The main job on the embedded default (CPU, from nothing): build the corpus and tokenizer,
     /// train testbed-tiny, and compare wide against dynamic depth pruning and the other
     /// variants at 50% sparsity.
@@ -230,9 +255,25 @@ enum BenchCommand {
     Kernels(KernelsArgs),
     /// Stage 1 (router calibration) training throughput, peak memory and MFU.
     Train(TrainBenchArgs),
+    /// Stage 1 throughput on 1, 2, 4, ... GPUs (bench train under `wide launch`): speedup and
+    /// scaling efficiency. `wide bench scaling --nproc 1,2 --out F -- --seq-len 4096 ...`
+    Scaling(ScalingArgs),
     /// End-to-end prefill and decode of the inference engine: dense against wide at several
     /// sparsities, peak memory, optional per-op device times.
     E2e(E2eArgs),
+}
+
+#[derive(Args)]
+struct ScalingArgs {
+    /// Process (GPU) counts, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    nproc: Vec<usize>,
+    /// Write the results JSON here.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Arguments for every `wide bench train`, after `--`.
+    #[arg(last = true)]
+    train_args: Vec<String>,
 }
 
 #[derive(Args)]
@@ -428,7 +469,12 @@ fn main() {
         let mut stderr = std::io::stderr();
         // One line, whatever the messages underneath contain.
         let msg = format!("{e:#}").split('\n').map(str::trim).filter(|l| !l.is_empty()).collect::<Vec<_>>().join(" ");
-        let _ = writeln!(stderr, "error: {msg}");
+        // In a distributed run, say which process failed.
+        let rank = match wide_train::dist::DistEnv::from_env() {
+            Ok(Some(d)) if !msg.starts_with("rank ") => format!("rank {}: ", d.rank),
+            _ => String::new(),
+        };
+        let _ = writeln!(stderr, "error: {rank}{msg}");
         std::process::exit(1);
     }
 }
@@ -452,6 +498,10 @@ fn run(cli: Cli) -> Result<()> {
             new_model(&preset, &out, seed, kind, overwrite)
         }
         Command::Demo { workdir } => demo(&workdir),
+        Command::Launch { nproc_per_node, nnodes, node_rank, master_addr, master_port, grace_seconds, args } => wide_train::dist::launch(
+            &wide_train::dist::LaunchConfig { nproc_per_node, nnodes, node_rank, master_addr, master_port, grace_seconds },
+            &args,
+        ),
         Command::Calibrate { config, overrides, resume } => {
             let (recipe, table) = wide_train::calibrate::CalibrationRecipe::load(&config, &overrides)?;
             if recipe.stage1_dir.is_some() {
@@ -568,8 +618,16 @@ fn run(cli: Cli) -> Result<()> {
             })
             .map(|_| ())
         }
+        Command::Bench(BenchCommand::Scaling(a)) => wide_eval::bench::scaling::run(&wide_eval::bench::scaling::ScalingConfig {
+            nprocs: a.nproc,
+            train_args: a.train_args,
+            out: a.out,
+            commit: env!("WIDE_GIT_COMMIT").to_string(),
+        })
+        .map(|_| ()),
         Command::Bench(BenchCommand::Train(a)) => {
-            let device = parse_device(&a.device)?;
+            // Under `wide launch`, each process trains on its own GPU.
+            let device = wide_train::dist::init()?.device(parse_device(&a.device)?)?;
             let kind = parse_dtype(&a.dtype, device)?;
             wide_core::routing::check_sparsity(a.sparsity)?;
             wide_eval::bench::train::run(&wide_eval::bench::train::TrainBenchConfig {

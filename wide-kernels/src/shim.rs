@@ -18,6 +18,7 @@ extern "C" {
     fn wide_cuda_device_count(out: *mut c_int) -> c_int;
     fn wide_cuda_current_stream(device: c_int, out: *mut *mut c_void) -> c_int;
     fn wide_cuda_synchronize(device: c_int) -> c_int;
+    fn wide_cuda_set_device(device: c_int) -> c_int;
     fn wide_graph_new(device: c_int, out: *mut *mut c_void) -> c_int;
     fn wide_graph_capture_begin(g: *mut c_void) -> c_int;
     fn wide_graph_capture_end(g: *mut c_void) -> c_int;
@@ -51,6 +52,11 @@ pub fn current_stream(device: usize) -> Result<*mut c_void> {
     let mut s = std::ptr::null_mut();
     check(unsafe { wide_cuda_current_stream(device as c_int, &mut s) }, "getting the current CUDA stream")?;
     Ok(s)
+}
+
+/// Makes `device` libtorch's (and the CUDA runtime's) current device in this thread.
+pub fn set_device(device: usize) -> Result<()> {
+    check(unsafe { wide_cuda_set_device(device as c_int) }, "setting the CUDA device")
 }
 
 /// Waits for all work on `device`.

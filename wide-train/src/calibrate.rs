@@ -240,6 +240,10 @@ impl TrainTask for RoutingTask {
         let cfg = self.m.routing.config.clone();
         if let Some((lora, _)) = &self.m.lora {
             lora.set_training(ctx.training);
+            if ctx.training && lora.config.dropout > 0.0 {
+                // Dropout keyed by the global sample index, whatever the process count.
+                self.seed_layer(ctx, 0);
+            }
         }
         let (mode, noise) = if ctx.training {
             let tau = cfg.tau(ctx.step, ctx.total_steps);
@@ -509,8 +513,9 @@ pub fn run(recipe: &CalibrationRecipe, table: &toml::Table, resume: bool, proven
     }
     // The data must be tokenized with the model's own tokenizer: use it where the recipe's
     // tokenizer file does not exist yet.
+    let dist = crate::dist::init()?;
     let tok_model = recipe.model_dir.join("tokenizer.json");
-    if !recipe.data.tokenizer.exists() && tok_model.exists() {
+    if dist.is_main() && !recipe.data.tokenizer.exists() && tok_model.exists() {
         if let Some(dir) = recipe.data.tokenizer.parent().filter(|p| !p.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir)?;
         }
@@ -530,10 +535,11 @@ pub fn run(recipe: &CalibrationRecipe, table: &toml::Table, resume: bool, proven
             );
         }
     }
-    let files = recipe.data.prepare()?;
+    // Rank 0 builds or checks the shared data folders; the others open them afterwards.
+    let files = dist.main_first(|| recipe.data.prepare())?;
     let train = files.open(Split::Train)?;
     let val = files.open(Split::Validation)?;
-    let device = parse_device(&recipe.train.device)?;
+    let device = dist.device(parse_device(&recipe.train.device)?)?;
     let kind = parse_dtype(&recipe.train.dtype, device)?;
     tch::manual_seed(recipe.train.seed as i64);
     let mut m = match &recipe.stage1_dir {
@@ -561,16 +567,25 @@ pub fn run(recipe: &CalibrationRecipe, table: &toml::Table, resume: bool, proven
         bail!("data.seq_len {seq_len} is longer than the model's context ({})", m.model().config.max_position_embeddings);
     }
     let out = &recipe.output.dir;
-    recipe::write_effective(out, table)?;
+    if dist.is_main() {
+        recipe::write_effective(out, table)?;
+    }
     let seqs = recipe.train.tokens.div_ceil(seq_len as u64);
     let mut summary = None;
+    let trains_routers = m.routing.config.variant != Variant::StaticWidth && m.routing.config.variant != Variant::Dense && !recipe.freeze_routers;
+    if !(trains_routers || stage == 2) {
+        // Nothing to train: rank 0 alone chooses static groups and writes the files.
+        dist.finish()?;
+        if !dist.is_main() {
+            return Ok(None);
+        }
+    }
     if m.routing.config.variant == Variant::StaticWidth {
         if stage == 1 {
             eprintln!("choosing static_width groups from {} calibration tokens", seqs * seq_len as u64);
             calibrate_static_width(&m, &train, seq_len, recipe.train.micro_batch, seqs, recipe.train.seed)?;
         }
     }
-    let trains_routers = m.routing.config.variant != Variant::StaticWidth && m.routing.config.variant != Variant::Dense && !recipe.freeze_routers;
     if stage == 2 {
         m.attach_lora(recipe.lora.as_ref().unwrap())?;
     }
@@ -584,7 +599,9 @@ pub fn run(recipe: &CalibrationRecipe, table: &toml::Table, resume: bool, proven
         task.activation_checkpointing = recipe.train.activation_checkpointing;
         let trainer = Trainer { cfg: recipe.train.clone(), seq_len, out_dir: out.clone(), train: &train, val: Some(&val) };
         let s = trainer.run(&mut task, resume)?;
-        if s.interrupted {
+        // Training is the distributed part; rank 0 evaluates and writes the files alone.
+        dist.finish()?;
+        if s.interrupted || !dist.is_main() {
             return Ok(None);
         }
         summary = Some(s);

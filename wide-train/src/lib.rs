@@ -13,4 +13,5 @@ pub mod baselines;
 pub mod pretrain;
 pub mod recipe;
 pub mod calibrate;
+pub mod dist;
 pub mod export;

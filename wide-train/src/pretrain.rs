@@ -235,31 +235,37 @@ pub struct PretrainReport {
 /// Runs the whole stage 0 pipeline of `recipe`; `table` is the effective recipe to record.
 /// Returns `None` when a signal stopped training (a checkpoint was written; `resume` goes on).
 pub fn run(recipe: &PretrainRecipe, table: &toml::Table, resume: bool) -> Result<Option<PretrainReport>> {
-    let files = recipe.data.prepare()?;
+    let dist = crate::dist::init()?;
+    // Rank 0 builds or checks the shared data folders; the others open them afterwards.
+    let files = dist.main_first(|| recipe.data.prepare())?;
     let train = files.open(Split::Train)?;
     let val = files.open(Split::Validation)?;
     let test = files.open(Split::Test)?;
     let tok = wide_core::Tokenizer::from_file(&recipe.data.tokenizer)?;
     let eos = tok.token_id(bpe::EOS_TOKEN).context("tokenizer has no end-of-text token")?;
     let cfg = recipe.model_config(train.vocab_size as i64, eos)?;
-    let device = parse_device(&recipe.train.device)?;
+    let device = dist.device(parse_device(&recipe.train.device)?)?;
     let kind = parse_dtype(&recipe.train.dtype, device)?;
     tch::manual_seed(recipe.train.seed as i64);
     let vs = nn::VarStore::new(device);
     let model = LlamaModel::new(&vs.root(), &cfg, &mut RandomWeights { std: recipe.model.init_std }, kind, true)?;
     let mut task = PretrainTask { vs, model };
     let out = &recipe.output.dir;
-    recipe::write_effective(out, table)?;
-    eprintln!(
+    if dist.is_main() {
+        recipe::write_effective(out, table)?;
+    }
+    if dist.is_main() { eprintln!(
         "{}: {} parameters on {device:?} ({kind:?}); {} training tokens, {} per step",
         recipe.name,
         cfg.parameter_count(),
         train.count,
         recipe.train.tokens_per_step(recipe.data.seq_len)
-    );
+    ); }
     let trainer = Trainer { cfg: recipe.train.clone(), seq_len: recipe.data.seq_len, out_dir: out.clone(), train: &train, val: Some(&val) };
     let summary = trainer.run(&mut task, resume)?;
-    if summary.interrupted {
+    // Training is the distributed part; rank 0 evaluates and writes the model alone.
+    dist.finish()?;
+    if summary.interrupted || !dist.is_main() {
         return Ok(None);
     }
     let (vl, tl) = (

@@ -181,6 +181,12 @@ pub struct TrainSummary {
 
 /// Mean loss over the first `max_batches` batches of `file` in order (no shuffling).
 pub fn evaluate(task: &mut dyn TrainTask, file: &TokenFile, seq_len: usize, batch: usize, max_batches: usize) -> Result<f64> {
+    let (sum, count) = evaluate_shard(task, file, seq_len, batch, max_batches, 0, 1)?;
+    Ok(sum / count as f64)
+}
+
+/// [`evaluate`]'s batches `rank, rank + world, ...`: (sum of sequence losses, sequences).
+fn evaluate_shard(task: &mut dyn TrainTask, file: &TokenFile, seq_len: usize, batch: usize, max_batches: usize, rank: usize, world: usize) -> Result<(f64, usize)> {
     let _g = tch::no_grad_guard();
     let n = file.num_sequences(seq_len);
     if n == 0 {
@@ -188,16 +194,29 @@ pub fn evaluate(task: &mut dyn TrainTask, file: &TokenFile, seq_len: usize, batc
     }
     let (mut sum, mut count) = (0.0, 0usize);
     let mut i = 0u64;
-    while i < n && (max_batches == 0 || count < max_batches * batch) {
-        let idx: Vec<u64> = (i..(i + batch as u64).min(n)).collect();
-        let b = file.batch(&idx, seq_len).to_device(task.device());
-        let ctx = StepContext { training: false, step: 0, total_steps: 0, sample_ids: idx.clone() };
-        let l = task.loss(&b, &ctx)?.double_value(&[]);
-        sum += l * idx.len() as f64;
-        count += idx.len();
+    let mut k = 0usize;
+    while i < n && (max_batches == 0 || k < max_batches) {
+        if k % world == rank {
+            let idx: Vec<u64> = (i..(i + batch as u64).min(n)).collect();
+            let b = file.batch(&idx, seq_len).to_device(task.device());
+            let ctx = StepContext { training: false, step: 0, total_steps: 0, sample_ids: idx.clone() };
+            let l = task.loss(&b, &ctx)?.double_value(&[]);
+            sum += l * idx.len() as f64;
+            count += idx.len();
+        }
         i += batch as u64;
+        k += 1;
     }
-    Ok(sum / count as f64)
+    Ok((sum, count))
+}
+
+/// [`evaluate`] split over the ranks of a distributed run (the same mean on every rank).
+pub fn evaluate_distributed(task: &mut dyn TrainTask, file: &TokenFile, seq_len: usize, batch: usize, max_batches: usize) -> Result<f64> {
+    let d = crate::dist::current();
+    let (sum, count) = evaluate_shard(task, file, seq_len, batch, max_batches, d.rank, d.world)?;
+    let mut v = [sum, count as f64];
+    d.all_reduce_f64(&mut v, crate::dist::Reduce::Sum)?;
+    Ok(v[0] / v[1])
 }
 
 fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
@@ -245,6 +264,18 @@ pub fn latest_checkpoint(out_dir: &Path) -> Option<PathBuf> {
 }
 
 impl Trainer<'_> {
+    /// Rank 0 writes the checkpoint; the others learn its path.
+    fn checkpoint(&self, task: &dyn TrainTask, opt: &AdamW, state: &TrainerState) -> Result<PathBuf> {
+        crate::dist::progress();
+        let dir = if crate::dist::current().is_main() {
+            self.save_checkpoint(task, opt, state)?
+        } else {
+            self.out_dir.join("checkpoints").join(format!("step-{:07}", state.step))
+        };
+        crate::dist::progress();
+        Ok(dir)
+    }
+
     fn save_checkpoint(&self, task: &dyn TrainTask, opt: &AdamW, state: &TrainerState) -> Result<PathBuf> {
         let root = self.out_dir.join("checkpoints");
         std::fs::create_dir_all(&root)?;
@@ -308,11 +339,22 @@ impl Trainer<'_> {
         self.cfg.validate()?;
         let cfg = &self.cfg;
         let seq_len = self.seq_len;
+        let dist = crate::dist::current();
+        let main = dist.is_main();
+        if cfg.grad_accum % dist.world != 0 {
+            bail!(
+                "train.grad_accum {} (micro-batches per optimizer step over all processes) is not a multiple of the {} processes: make it a multiple so that every process runs the same number",
+                cfg.grad_accum,
+                dist.world
+            );
+        }
         let n_seq = self.train.num_sequences(seq_len);
         if n_seq == 0 {
             bail!("the training split has {} tokens, fewer than one sequence of {seq_len}", self.train.count);
         }
-        std::fs::create_dir_all(&self.out_dir).with_context(|| format!("creating {}", self.out_dir.display()))?;
+        if main {
+            std::fs::create_dir_all(&self.out_dir).with_context(|| format!("creating {}", self.out_dir.display()))?;
+        }
         let total_steps = cfg.total_steps(seq_len);
         let sched = WarmupCosine { lr: cfg.lr, min_lr: cfg.min_lr, warmup: (cfg.warmup_frac * total_steps as f64).round() as u64, total: total_steps };
         let opt_cfg = AdamWConfig { lr: cfg.lr, beta1: cfg.beta1, beta2: cfg.beta2, eps: cfg.eps, weight_decay: cfg.weight_decay };
@@ -333,8 +375,10 @@ impl Trainer<'_> {
             (true, Some(dir)) => {
                 state = self.restore(task, &mut opt, &dir)?;
                 state.train_config = cfg.clone();
-                eprintln!("resumed from {} at step {} ({} samples seen)", dir.display(), state.step, state.samples);
-                truncate_metrics(&metrics_path, state.step)?;
+                if main {
+                    eprintln!("resumed from {} at step {} ({} samples seen)", dir.display(), state.step, state.samples);
+                    truncate_metrics(&metrics_path, state.step)?;
+                }
             }
             (true, None) => bail!("--resume: {} has no checkpoint to resume from", self.out_dir.display()),
             (false, Some(dir)) => bail!(
@@ -343,18 +387,32 @@ impl Trainer<'_> {
                 dir.display()
             ),
             (false, None) => {
-                let _ = std::fs::remove_file(&metrics_path);
+                if main {
+                    let _ = std::fs::remove_file(&metrics_path);
+                }
+            }
+        }
+        // Every rank starts from rank 0's parameters (and has checked the output folder before
+        // rank 0 writes into it).
+        let params: Vec<Tensor> = task.parameters().into_iter().map(|(_, t)| t).collect();
+        if dist.is_distributed() {
+            dist.broadcast_from_main(&params)?;
+            if main {
+                eprintln!("data-parallel over {} processes: {} micro-batches of {} per process per step", dist.world, cfg.grad_accum / dist.world, cfg.micro_batch);
             }
         }
         let stop = Arc::new(AtomicBool::new(false));
         for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
             signal_hook::flag::register(sig, Arc::clone(&stop)).context("installing signal handlers")?;
         }
-        let mut tb = tensorboard_rs::summary_writer::SummaryWriter::new(self.out_dir.join("tb"));
-        let mut metrics = std::fs::OpenOptions::new().create(true).append(true).open(&metrics_path)?;
+        let mut tb = main.then(|| tensorboard_rs::summary_writer::SummaryWriter::new(self.out_dir.join("tb")));
+        let mut metrics = if main { Some(std::fs::OpenOptions::new().create(true).append(true).open(&metrics_path)?) } else { None };
         let mut order = SampleOrder::new(n_seq, cfg.seed);
         let device = task.device();
         let pb = crate::progress::bar(total_steps, "train");
+        if !main {
+            pb.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+        }
         pb.set_position(state.step);
         let started = std::time::Instant::now();
         let elapsed_before = state.elapsed_seconds;
@@ -363,33 +421,46 @@ impl Trainer<'_> {
         let mut checkpoint = latest_checkpoint(&self.out_dir).unwrap_or_default();
         let mut interrupted = false;
         let tokens_per_step = cfg.tokens_per_step(seq_len);
+        let stop_after: Option<u64> = std::env::var("WIDE_STOP_AFTER_STEP").ok().and_then(|v| v.trim().parse().ok());
         while state.step < total_steps {
-            if stop.load(Ordering::SeqCst) {
+            crate::dist::progress();
+            crate::dist::inject_fault(state.step);
+            let stop_now = stop.load(Ordering::SeqCst) || stop_after.is_some_and(|s| state.step >= s);
+            if dist.any(stop_now)? {
                 interrupted = true;
                 break;
             }
             let lr = sched.at(state.step);
-            let loss = guarded(cfg, seq_len, || {
+            // This process's share of the step: micro-batch k of grad_accum goes to rank
+            // k % world; the union over ranks is the single-process step.
+            let shard = crate::dist::shard_positions(state.samples, cfg.micro_batch, cfg.grad_accum, dist.rank, dist.world);
+            let local_loss = guarded(cfg, seq_len, || {
                 opt.zero_grad();
                 let mut total = 0.0;
-                for _ in 0..cfg.grad_accum {
-                    let positions: Vec<u64> = (state.samples..state.samples + cfg.micro_batch as u64).collect();
+                for positions in shard {
                     let idx: Vec<u64> = positions.iter().map(|p| order.at(*p)).collect();
                     let batch = self.train.batch(&idx, seq_len).to_device(device);
                     let ctx = StepContext { training: true, step: state.step, total_steps, sample_ids: positions };
                     let l = task.loss_backward(&batch, &ctx, 1.0 / cfg.grad_accum as f64)?;
-                    if !l.is_finite() {
-                        bail!(
-                            "the loss became {l} at step {}; stopping. The last good checkpoint is {} (lower train.lr or check the data)",
-                            state.step,
-                            if checkpoint.as_os_str().is_empty() { "none yet".to_string() } else { checkpoint.display().to_string() }
-                        );
-                    }
                     total += l / cfg.grad_accum as f64;
-                    state.samples += cfg.micro_batch as u64;
+                    if !l.is_finite() && !dist.is_distributed() {
+                        break;
+                    }
                 }
                 Ok(total)
             })?;
+            state.samples += (cfg.micro_batch * cfg.grad_accum) as u64;
+            let mut reduced = [local_loss];
+            dist.all_reduce_f64(&mut reduced, crate::dist::Reduce::Sum)?;
+            let loss = reduced[0];
+            if !loss.is_finite() {
+                bail!(
+                    "the loss became {loss} at step {}; stopping. The last good checkpoint is {} (lower train.lr or check the data)",
+                    state.step,
+                    if checkpoint.as_os_str().is_empty() { "none yet".to_string() } else { checkpoint.display().to_string() }
+                );
+            }
+            dist.all_reduce_grads(&params)?;
             let grad_norm = opt.clip_grad_norm(cfg.grad_clip);
             opt.step(lr);
             state.step += 1;
@@ -401,46 +472,55 @@ impl Trainer<'_> {
                 let tps = (state.tokens - window.1) as f64 / dt.max(1e-9);
                 window = (std::time::Instant::now(), state.tokens);
                 pb.set_message(format!("loss {loss:.4} lr {lr:.2e} {tps:.0} tok/s"));
-                if pb.is_hidden() {
+                if pb.is_hidden() && main {
                     eprintln!("step {}/{total_steps} loss {loss:.4} lr {lr:.2e} grad-norm {grad_norm:.3} {tps:.0} tokens/s", state.step);
                 }
                 let s = state.step as usize;
-                tb.add_scalar("train/loss", loss as f32, s);
-                tb.add_scalar("train/lr", lr as f32, s);
-                tb.add_scalar("train/grad_norm", grad_norm as f32, s);
-                tb.add_scalar("train/tokens_per_second", tps as f32, s);
-                let mut line = serde_json::json!({"step": state.step, "tokens": state.tokens, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_second": tps});
-                for (k, v) in task.take_metrics() {
-                    tb.add_scalar(&format!("train/{k}"), v as f32, s);
-                    line[k] = v.into();
+                let task_metrics = dist.mean_metrics(task.take_metrics())?;
+                if let (Some(tb), Some(metrics)) = (tb.as_mut(), metrics.as_mut()) {
+                    tb.add_scalar("train/loss", loss as f32, s);
+                    tb.add_scalar("train/lr", lr as f32, s);
+                    tb.add_scalar("train/grad_norm", grad_norm as f32, s);
+                    tb.add_scalar("train/tokens_per_second", tps as f32, s);
+                    let mut line = serde_json::json!({"step": state.step, "tokens": state.tokens, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_second": tps});
+                    for (k, v) in task_metrics {
+                        tb.add_scalar(&format!("train/{k}"), v as f32, s);
+                        line[k] = v.into();
+                    }
+                    writeln!(metrics, "{line}")?;
                 }
-                writeln!(metrics, "{line}")?;
             }
             let last = state.step == total_steps;
             if let Some(val) = self.val {
                 if state.step % cfg.eval_every == 0 || last {
                     let _ = task.take_metrics();
-                    let vl = guarded(cfg, seq_len, || evaluate(task, val, seq_len, cfg.micro_batch, cfg.eval_batches))?;
+                    let vl = guarded(cfg, seq_len, || evaluate_distributed(task, val, seq_len, cfg.micro_batch, cfg.eval_batches))?;
                     let _ = task.take_metrics();
                     state.last_val_loss = Some(vl);
-                    tb.add_scalar("val/loss", vl as f32, state.step as usize);
-                    writeln!(metrics, "{}", serde_json::json!({"step": state.step, "tokens": state.tokens, "val_loss": vl}))?;
-                    if pb.is_hidden() {
+                    if let (Some(tb), Some(metrics)) = (tb.as_mut(), metrics.as_mut()) {
+                        tb.add_scalar("val/loss", vl as f32, state.step as usize);
+                        writeln!(metrics, "{}", serde_json::json!({"step": state.step, "tokens": state.tokens, "val_loss": vl}))?;
+                    }
+                    if pb.is_hidden() && main {
                         eprintln!("step {} validation loss {vl:.4} (perplexity {:.2})", state.step, vl.exp());
                     }
                 }
             }
             if state.step % cfg.checkpoint_every == 0 || last {
                 state.elapsed_seconds = elapsed_before + started.elapsed().as_secs_f64();
-                checkpoint = self.save_checkpoint(task, &opt, &state)?;
+                checkpoint = self.checkpoint(task, &opt, &state)?;
             }
         }
         pb.finish_and_clear();
-        tb.flush();
+        if let Some(tb) = tb.as_mut() {
+            tb.flush();
+        }
         state.elapsed_seconds = elapsed_before + started.elapsed().as_secs_f64();
         if interrupted {
-            checkpoint = self.save_checkpoint(task, &opt, &state)?;
-            eprintln!("stopped by signal at step {}; checkpoint {} written; rerun with --resume to continue", state.step, checkpoint.display());
+            checkpoint = self.checkpoint(task, &opt, &state)?;
+            if main {
+                eprintln!("stopped by signal at step {}; checkpoint {} written; rerun with --resume to continue", state.step, checkpoint.display());
+            }
         }
         let secs = started.elapsed().as_secs_f64();
         Ok(TrainSummary {

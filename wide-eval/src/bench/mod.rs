@@ -3,6 +3,7 @@
 pub mod dense;
 pub mod e2e;
 pub mod train;
+pub mod scaling;
 pub mod kernels;
 
 use anyhow::Result;

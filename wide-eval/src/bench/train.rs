@@ -50,10 +50,14 @@ pub fn run(cfg: &TrainBenchConfig) -> Result<serde_json::Value> {
     task.activation_checkpointing = cfg.activation_checkpointing;
     let params = task.parameters();
     let n_router: i64 = params.iter().map(|(_, t)| t.numel() as i64).sum();
+    let dist = wide_train::dist::current();
+    let world = dist.world;
+    let param_tensors: Vec<Tensor> = params.iter().map(|(_, t)| t.shallow_clone()).collect();
     let mut opt = AdamW::new(params, AdamWConfig { lr: 2e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 });
     let total = (cfg.warmup + cfg.iters) as u64;
-    let tokens_per_step = (cfg.micro_batch * cfg.seq_len) as f64;
-    eprintln!(
+    // Over all processes of a data-parallel run.
+    let tokens_per_step = (cfg.micro_batch * cfg.seq_len) as f64 * world as f64;
+    if dist.is_main() { eprintln!(
         "{}: {:.2}B parameters frozen, {} router parameters trained; {} x {} tokens per step on {}",
         cfg.preset,
         mc.parameter_count() as f64 / 1e9,
@@ -61,30 +65,49 @@ pub fn run(cfg: &TrainBenchConfig) -> Result<serde_json::Value> {
         cfg.micro_batch,
         cfg.seq_len,
         device_label(device)
-    );
+    ); }
     sync(device)?;
     reset_peak(device)?;
     let mut times = vec![];
+    let mut comm_times = vec![];
     let mut losses = vec![];
     for step in 0..total {
         let batch = Tensor::randint(mc.vocab_size, [cfg.micro_batch, cfg.seq_len + 1], (Kind::Int64, device));
-        let ids: Vec<u64> = (0..cfg.micro_batch as u64).map(|i| step * cfg.micro_batch as u64 + i).collect();
+        let ids: Vec<u64> = (0..cfg.micro_batch as u64).map(|i| (step * world as u64 + dist.rank as u64) * cfg.micro_batch as u64 + i).collect();
         sync(device)?;
         let t0 = std::time::Instant::now();
         opt.zero_grad();
-        let l = task.loss_backward(&batch, &StepContext { training: true, step, total_steps: total, sample_ids: ids }, 1.0)?;
+        let l = task.loss_backward(&batch, &StepContext { training: true, step, total_steps: total, sample_ids: ids }, 1.0 / world as f64)?;
+        let mut comm = 0.0;
+        if dist.is_distributed() {
+            // Gradient all-reduce (NCCL), timed on its own.
+            sync(device)?;
+            let c0 = std::time::Instant::now();
+            dist.all_reduce_grads(&param_tensors)?;
+            sync(device)?;
+            comm = c0.elapsed().as_secs_f64();
+        }
         opt.clip_grad_norm(1.0);
         opt.step(2e-3);
         sync(device)?;
         let dt = t0.elapsed().as_secs_f64();
-        eprintln!("step {step}: {:.1} ms, {:.0} tokens/s, loss {l:.3}", dt * 1e3, tokens_per_step / dt);
+        if dist.is_main() {
+            eprintln!("step {step}: {:.1} ms, {:.0} tokens/s, loss {l:.3}", dt * 1e3, tokens_per_step / dt);
+        }
         if step as usize >= cfg.warmup {
             times.push(dt);
+            comm_times.push(comm);
             losses.push(l);
         }
     }
-    let peak = peak_bytes(device)?;
-    let secs = super::median(&mut times);
+    // The slowest rank sets the pace; the largest peak is what a GPU must hold.
+    let mut peak_all = [peak_bytes(device)? as f64];
+    dist.all_reduce_f64(&mut peak_all, wide_train::dist::Reduce::Max)?;
+    let peak = peak_all[0] as u64;
+    let mut secs_all = [super::median(&mut times)];
+    dist.all_reduce_f64(&mut secs_all, wide_train::dist::Reduce::Max)?;
+    let secs = secs_all[0];
+    let comm_secs = super::median(&mut comm_times);
     let tps = tokens_per_step / secs;
     // Executed FLOPs per token (the masked training path runs every matrix product): forward
     // 2N and input-gradient backward 2N over the matmul parameters (everything but the input
@@ -101,6 +124,8 @@ pub fn run(cfg: &TrainBenchConfig) -> Result<serde_json::Value> {
         "provenance": Provenance::new(&cfg.commit, &device_label(device)),
         "model": {"preset": cfg.preset, "parameters": mc.parameter_count(), "dtype": format!("{:?}", cfg.kind)},
         "routing": {"variant": cfg.variant.name(), "sparsity": cfg.sparsity, "attn_group_size": cfg.attn_group_size, "ffn_group_size": cfg.ffn_group_size, "router_parameters": n_router},
+        "world_size": world,
+        "allreduce_ms": comm_secs * 1e3,
         "settings": {"seq_len": cfg.seq_len, "micro_batch": cfg.micro_batch, "activation_checkpointing": cfg.activation_checkpointing, "warmup": cfg.warmup, "iters": cfg.iters},
         "ms_per_step": secs * 1e3,
         "tokens_per_s": tps,
@@ -112,6 +137,11 @@ pub fn run(cfg: &TrainBenchConfig) -> Result<serde_json::Value> {
         "losses": losses,
         "last_metrics": metrics.into_iter().collect::<std::collections::BTreeMap<_, _>>(),
     });
+    dist.finish()?;
+    if !dist.is_main() {
+        return Ok(result);
+    }
+    println!("\nprocesses: {world} (gradient all-reduce {:.2} ms of the step)", comm_secs * 1e3);
     println!("\n| variant | sparsity | seq x batch | checkpointing | ms/step | tokens/s | peak GiB | TFLOP/s | MFU |");
     println!("|---|---|---|---|---|---|---|---|---|");
     println!(
