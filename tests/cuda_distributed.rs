@@ -10,7 +10,6 @@
 #![cfg(feature = "cuda-tests")]
 mod common;
 
-use common::root;
 use std::path::{Path, PathBuf};
 
 fn wide_bin() -> PathBuf {
@@ -22,8 +21,8 @@ fn data() -> PathBuf {
 }
 
 fn run(nproc: usize, args: &[String]) {
+    // Run from the checkout's root (the recipes' paths are relative to it).
     let mut c = std::process::Command::new(wide_bin());
-    c.current_dir(root());
     if nproc > 1 {
         c.args(["launch", "--nproc-per-node", &nproc.to_string(), "--"]);
     }
