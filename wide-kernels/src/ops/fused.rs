@@ -274,7 +274,7 @@ pub fn router_gate(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64) -> Re
     ensure!(h1 == hidden, "router_gate: compressor {:?} does not take hidden size {hidden}", r.w1.size());
     let ng = r.w2.size()[0] / 2;
     match cuda_of(x) {
-        Some((dev, f16)) if m <= 64 && hidden % 8 == 0 && x.is_contiguous() && r.w1.kind() == x.kind() && !split_router() => {
+        Some((dev, f16)) if m <= 64 && rank <= 32 && hidden % 8 == 0 && x.is_contiguous() && r.w1.kind() == x.kind() && !split_router() => {
             let hbuf = Tensor::empty([m, rank], (Kind::Float, x.device()));
             let mask = Tensor::empty([m, ng], (Kind::Bool, x.device()));
             let ext = (extra > 0).then(|| Tensor::empty([m, ng + extra], (Kind::Bool, x.device())));

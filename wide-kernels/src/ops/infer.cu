@@ -161,7 +161,7 @@ extern "C" __global__ void __launch_bounds__(128) router_gate(const T* __restric
 // h[m][r] = x[m] . W1[r] + b1[r] for every token m (16-byte loads, one warp a token at a time)
 // into hbuf f32 [M, R]; the last block to finish (a ticket on `counter`, which it resets to 0
 // for the next launch) evaluates the second layer and the gate for every (token, group).
-// Grid (R), 256 threads; H % 8 == 0.
+// Grid (R), 256 threads; H % 8 == 0, M <= 64, R <= 32.
 extern "C" __global__ void __launch_bounds__(256) router_gate_one(const T* __restrict__ x, const T* __restrict__ w1, const T* __restrict__ b1,
                                                                   const T* __restrict__ w2, const T* __restrict__ b2, float offset,
                                                                   float* hbuf, unsigned* counter, unsigned char* __restrict__ mask,
@@ -191,6 +191,10 @@ extern "C" __global__ void __launch_bounds__(256) router_gate_one(const T* __res
     __syncthreads();
     if (!last) return;
     __threadfence();
+    // Stage h in shared memory: the gate loop below would otherwise wait on L2 per element.
+    __shared__ float hs[64 * 32];
+    for (int i = threadIdx.x; i < M * R; i += blockDim.x) hs[i] = __ldcg(hbuf + i);
+    __syncthreads();
     const int W = NG + EXTRA;
     for (int idx = threadIdx.x; idx < M * W; idx += blockDim.x) {
         const int m = idx / W, g = idx - m * W;
@@ -199,11 +203,11 @@ extern "C" __global__ void __launch_bounds__(256) router_gate_one(const T* __res
             float e = 0.f, s = 0.f;
             const T* we = w2 + (long long)(2 * g) * R;
             const T* wsk = we + R;
-            const float* hm = hbuf + m * R;
+            const float* hm = hs + m * R;
             for (int k = 0; k < R; ++k) {
-                const float hv = __ldcg(hm + k);
-                e = fmaf(tf(we[k]), hv, e);
-                s = fmaf(tf(wsk[k]), hv, s);
+                const float hv = hm[k];
+                e = fmaf(tf(__ldg(we + k)), hv, e);
+                s = fmaf(tf(__ldg(wsk + k)), hv, s);
             }
             e = rt(rt(e) + tf(b2[2 * g]));
             s = rt(rt(s) + tf(b2[2 * g + 1]));
