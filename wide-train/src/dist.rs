@@ -394,9 +394,10 @@ impl Dist {
     }
 
     /// Sums the gradients of `params` over all ranks, in place, in buckets of at most
-    /// `WIDE_DIST_BUCKET_MB` (64) MB of f32: NCCL on tch's current CUDA stream for CUDA
-    /// tensors, the control plane for CPU tensors. A parameter without a gradient contributes
-    /// zeros and keeps none.
+    /// `WIDE_DIST_BUCKET_MB` (64) MB: NCCL on tch's current CUDA stream for CUDA tensors, the
+    /// control plane for CPU tensors. Sums run in the gradients' own dtype, as gradient
+    /// accumulation on one GPU does (with two ranks the result is the same as accumulating two
+    /// micro-batches on one). A parameter without a gradient contributes zeros and keeps none.
     pub fn all_reduce_grads(&self, params: &[Tensor]) -> Result<()> {
         if !self.is_distributed() {
             return Ok(());
@@ -412,18 +413,19 @@ impl Dist {
                 }
             })
             .collect();
-        let cap = (env_secs("WIDE_DIST_BUCKET_MB", 64) as i64 * (1 << 20) / 4).max(1);
+        let cap_bytes = (env_secs("WIDE_DIST_BUCKET_MB", 64) as i64 * (1 << 20)).max(1);
         let mut start = 0;
         while start < grads.len() {
             let mut end = start;
             let mut n = 0i64;
-            let device = grads[start].0.device();
-            while end < grads.len() && (end == start || n + grads[end].0.numel() as i64 <= cap) && grads[end].0.device() == device {
+            let (device, kind) = (grads[start].0.device(), grads[start].0.kind());
+            let cap = cap_bytes / kind.elt_size_in_bytes() as i64;
+            while end < grads.len() && (end == start || n + grads[end].0.numel() as i64 <= cap) && grads[end].0.device() == device && grads[end].0.kind() == kind {
                 n += grads[end].0.numel() as i64;
                 end += 1;
             }
             let bucket = &grads[start..end];
-            let flat = Tensor::cat(&bucket.iter().map(|(g, _)| g.reshape([-1]).to_kind(Kind::Float)).collect::<Vec<_>>(), 0);
+            let flat = Tensor::cat(&bucket.iter().map(|(g, _)| g.reshape([-1])).collect::<Vec<_>>(), 0);
             let reduced = self.all_reduce_tensor_sum(flat)?;
             let mut off = 0;
             let _g = tch::no_grad_guard();
@@ -459,7 +461,7 @@ impl Dist {
         Ok(())
     }
 
-    /// Sum over ranks of a 1-D f32 tensor (returns the reduced tensor on the same device).
+    /// Sum over ranks of a 1-D tensor (returns the reduced tensor on the same device and dtype).
     pub fn all_reduce_tensor_sum(&self, t: Tensor) -> Result<Tensor> {
         if !self.is_distributed() {
             return Ok(t);
