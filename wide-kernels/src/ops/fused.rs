@@ -226,28 +226,6 @@ pub fn swiglu(gu: &Tensor, mask: Option<&Tensor>, group: i64) -> Result<Tensor> 
     }
 }
 
-/// `WIDE_ROUTER=split` runs the router as cuBLAS + gate kernel at every size (read once).
-fn split_router() -> bool {
-    static V: OnceLock<bool> = OnceLock::new();
-    *V.get_or_init(|| std::env::var("WIDE_ROUTER").map(|v| v == "split").unwrap_or(false))
-}
-
-/// A zeroed u32 on `device` that one-launch kernels take tickets from (the last block resets
-/// it), allocated once and kept for the process.
-fn ticket_counter(device: usize) -> Result<u64> {
-    static C: OnceLock<Mutex<HashMap<usize, u64>>> = OnceLock::new();
-    let mut map = C.get_or_init(Default::default).lock().unwrap();
-    if let Some(p) = map.get(&device) {
-        return Ok(*p);
-    }
-    let t = Tensor::zeros([1], (Kind::Int, Device::Cuda(device)));
-    let p = t.data_ptr() as u64;
-    // Kept alive for the process: kernels launched later, and graphs captured with them, use it.
-    std::mem::forget(t);
-    map.insert(device, p);
-    Ok(p)
-}
-
 /// A router's weights: `Linear(hidden -> rank)` then `Linear(rank -> 2 * groups)`.
 pub struct RouterWeights<'a> {
     pub w1: &'a Tensor,
@@ -266,46 +244,14 @@ pub fn router_gate_reference(x: &Tensor, r: &RouterWeights, offset: f64) -> Tens
 /// The router on `x: [M, hidden]` and the deterministic gate (a group runs iff
 /// `skip - execute + offset <= 0`): returns the mask bool `[M, groups]` and, with `extra > 0`,
 /// the same mask with `extra` always-on groups appended, `[M, groups + extra]`. The kernel
-/// runs in one launch for up to 64 tokens (decode); more tokens take the first layer from
-/// cuBLAS and the second layer and the gate from one kernel.
+/// takes the first layer from cuBLAS (a GEMV or GEMM over all SMs) and does the second layer
+/// and the gate in one kernel.
 pub fn router_gate(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64) -> Result<(Tensor, Option<Tensor>)> {
     let (m, hidden) = x.size2()?;
     let (rank, h1) = r.w1.size2()?;
     ensure!(h1 == hidden, "router_gate: compressor {:?} does not take hidden size {hidden}", r.w1.size());
     let ng = r.w2.size()[0] / 2;
     match cuda_of(x) {
-        Some((dev, f16)) if m <= 64 && rank <= 32 && hidden % 8 == 0 && x.is_contiguous() && r.w1.kind() == x.kind() && !split_router() => {
-            let hbuf = Tensor::empty([m, rank], (Kind::Float, x.device()));
-            let mask = Tensor::empty([m, ng], (Kind::Bool, x.device()));
-            let ext = (extra > 0).then(|| Tensor::empty([m, ng + extra], (Kind::Bool, x.device())));
-            let k = kernel(f16, "router_gate_one", dev)?;
-            unsafe {
-                k.launch(
-                    LaunchConfig { grid: (rank as u32, 1, 1), block: (256, 1, 1), shared_mem_bytes: 0 },
-                    &[
-                        KernelArg::tensor(x)?,
-                        KernelArg::tensor(&r.w1.contiguous())?,
-                        KernelArg::tensor(&r.b1.contiguous())?,
-                        KernelArg::tensor(&r.w2.contiguous())?,
-                        KernelArg::tensor(&r.b2.contiguous())?,
-                        KernelArg::F32(offset as f32),
-                        KernelArg::tensor(&hbuf)?,
-                        KernelArg::Ptr(ticket_counter(dev)?),
-                        KernelArg::tensor(&mask)?,
-                        match &ext {
-                            Some(t) => KernelArg::tensor(t)?,
-                            None => KernelArg::Ptr(0),
-                        },
-                        KernelArg::I32(m as i32),
-                        KernelArg::I32(hidden as i32),
-                        KernelArg::I32(rank as i32),
-                        KernelArg::I32(ng as i32),
-                        KernelArg::I32(extra as i32),
-                    ],
-                )?;
-            }
-            Ok((mask, ext))
-        }
         Some((dev, f16)) if rank <= 256 && m <= i32::MAX as i64 && r.w1.kind() == x.kind() => {
             // First layer on cuBLAS (a GEMV over all SMs), second layer and gate in one kernel.
             let h = x.linear(r.w1, Some(r.b1)).contiguous();
