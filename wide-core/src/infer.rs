@@ -296,7 +296,7 @@ impl<'m> Engine<'m> {
         let mut dev_counts = BTreeMap::new();
         let want_counts = counts.is_some();
         let mut rc = RouteCtx { source: masks, cursor: 0, valid: Some(valid), counts: want_counts.then_some(&mut dev_counts), fit: None };
-        let hn = self.forward_tokens(&ids.to_device(dev), b, t, &pos, None, cache, &mut rc)?;
+        let hn = self.forward_tokens(&ids.to_device(dev), (b, t), &pos, None, cache, &mut rc)?;
         if let Some(c) = counts {
             add_counts(c, &dev_counts);
         }
@@ -321,7 +321,7 @@ impl<'m> Engine<'m> {
         let mut src = MaskSource::Routers;
         let mut dev_counts = BTreeMap::new();
         let mut rc = RouteCtx { source: &mut src, cursor: 0, valid: Some(valid), counts: Some(&mut dev_counts), fit: Some(target) };
-        let _ = self.forward_tokens(&ids.to_device(self.model.device), b, t, &pos, None, &cache, &mut rc)?;
+        let _ = self.forward_tokens(&ids.to_device(self.model.device), (b, t), &pos, None, &cache, &mut rc)?;
         let mut c = SkipCounts::default();
         add_counts(&mut c, &dev_counts);
         self.sparsity_hint = [target, target];
@@ -365,7 +365,7 @@ impl<'m> Engine<'m> {
     /// `lengths` (decode, T = 1) attention reads the cache up to each row's length; otherwise
     /// it is causal over these T tokens (prefill from an empty cache). Returns the final-norm
     /// hidden states `[M, hidden]`.
-    fn forward_tokens(&self, ids: &Tensor, b: i64, t: i64, pos: &Tensor, lengths: Option<&Tensor>, cache: &EngineCache, rc: &mut RouteCtx) -> Result<Tensor> {
+    fn forward_tokens(&self, ids: &Tensor, (b, t): (i64, i64), pos: &Tensor, lengths: Option<&Tensor>, cache: &EngineCache, rc: &mut RouteCtx) -> Result<Tensor> {
         let m = self.model;
         let c = &m.config;
         let eps = c.rms_norm_eps;
@@ -385,7 +385,7 @@ impl<'m> Engine<'m> {
                 qkv = Tensor::cat(&[&q, &k, &v.narrow(1, nh + nkv, nkv)], 1).view([b * t, -1]);
             }
             let q = self.timed("rope_kv", || fused::rope_qkv_cache(&qkv, pos, &self.inv_freq, &shape, &cache.keys[i], &cache.values[i]))?;
-            let attn = self.timed("attention", || self.attention(i, &q, b, t, lengths, cache, attn_d.as_ref()))?;
+            let attn = self.timed("attention", || self.attention(i, &q, (b, t), lengths, cache, attn_d.as_ref()))?;
             let o = self.timed("o_proj", || self.project_k(&attn, &layer.self_attn.o_proj.weight, layer.self_attn.o_proj.bias.as_ref(), attn_d.as_ref(), c.head_dim, 0))?;
             let (xr, h2) = self.timed("norm", || fused::add_rmsnorm(&x, Some(&o), &layer.post_attention_layernorm.weight, eps))?;
             x = xr;
@@ -603,7 +603,7 @@ impl<'m> Engine<'m> {
     }
 
     /// Attention outputs `[M, HQ * D]` with skipped head groups exactly zero.
-    fn attention(&self, i: usize, q: &Tensor, b: i64, t: i64, lengths: Option<&Tensor>, cache: &EngineCache, d: Option<&Decision>) -> Result<Tensor> {
+    fn attention(&self, i: usize, q: &Tensor, (b, t): (i64, i64), lengths: Option<&Tensor>, cache: &EngineCache, d: Option<&Decision>) -> Result<Tensor> {
         let c = &self.model.config;
         let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         let window = self.model.layers[i].self_attn.window;
@@ -625,7 +625,7 @@ impl<'m> Engine<'m> {
             Some(len) => {
                 let qpk = nh / nkv;
                 let kernel_ok = is_fast_dtype(q)
-                    && window.map_or(true, |w| w >= cache.capacity)
+                    && window.is_none_or(|w| w >= cache.capacity)
                     && matches!((hd, qpk), (64, 1 | 2 | 4 | 8) | (128, 1 | 2 | 4));
                 if kernel_ok {
                     let (mask, gh) = match d {
@@ -729,7 +729,7 @@ impl<'e, 'm> Decoder<'e, 'm> {
         let b = self.cache.batch;
         let mut src = MaskSource::Routers;
         let mut rc = RouteCtx { source: &mut src, cursor: 0, valid: None, counts: self.counts.as_mut(), fit: None };
-        let hn = e.forward_tokens(&self.tokens.view([b, 1]), b, 1, &self.pos, Some(&self.lengths), &self.cache, &mut rc)?;
+        let hn = e.forward_tokens(&self.tokens.view([b, 1]), (b, 1), &self.pos, Some(&self.lengths), &self.cache, &mut rc)?;
         let logits = e.timed("lm_head", || Ok(hn.linear::<Tensor>(&e.model.lm_head, None)))?;
         if self.greedy {
             self.tokens.copy_(&logits.argmax(-1, false));

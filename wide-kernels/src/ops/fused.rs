@@ -23,8 +23,11 @@ pub fn kernel_variants() -> Vec<KernelSource> {
     vec![source(false), source(true)]
 }
 
+/// Loaded entry points by (f16, entry, device).
+type KernelCache = Mutex<HashMap<(bool, &'static str, usize), CudaKernel>>;
+
 fn kernel(f16: bool, entry: &'static str, device: usize) -> Result<CudaKernel> {
-    static K: OnceLock<Mutex<HashMap<(bool, &'static str, usize), CudaKernel>>> = OnceLock::new();
+    static K: OnceLock<KernelCache> = OnceLock::new();
     let key = (f16, entry, device);
     if let Some(k) = K.get_or_init(Default::default).lock().unwrap().get(&key) {
         return Ok(*k);
@@ -65,7 +68,7 @@ pub fn add_rmsnorm(x: &Tensor, delta: Option<&Tensor>, w: &Tensor, eps: f64) -> 
     }
     ensure!(w.size() == [h], "add_rmsnorm: weight {:?} must be [{h}]", w.size());
     match cuda_of(x) {
-        Some((dev, f16)) if h <= 16 * 512 && x.is_contiguous() && delta.map_or(true, |d| d.is_contiguous()) => {
+        Some((dev, f16)) if h <= 16 * 512 && x.is_contiguous() && delta.is_none_or(|d| d.is_contiguous()) => {
             let res = match delta {
                 Some(_) => x.empty_like(),
                 None => x.shallow_clone(),
