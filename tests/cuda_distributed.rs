@@ -1,7 +1,9 @@
 //! Two GPUs against one with the same global batch (GPU machine with 2 GPUs, feature
-//! `cuda-tests`): stage 1 and stage 2 on testbed-small give the same loss curve (per-step
-//! |delta loss| <= 0.02, final loss within 0.5%), and the 2-GPU stage 1 checkpoint loads on one
-//! GPU (stage 2 starts from it on 1 and on 2 GPUs).
+//! `cuda-tests`): stage 1 and stage 2 on testbed-small give the same loss curve (step 1 equal,
+//! steps 2-3 to rounding, then per-step |delta loss| <= 0.02 and the final loss within 0.5%, or
+//! within 1.5x what a repeat of the 1-GPU run shows against the first where GPU
+//! non-determinism is larger than that), and the 2-GPU stage 1 checkpoint loads on one GPU
+//! (stage 2 starts from it on 1 and on 2 GPUs).
 //!
 //! Needs `WIDE_TEST_DATA`: a folder with `corpus/manifest.json`, `tokenizer-8192.json` and
 //! `tokens/` of testbed-small's data (a prefix of the training split is enough), and optionally
@@ -41,20 +43,43 @@ fn curve(dir: &Path) -> Vec<f64> {
         .collect()
 }
 
-/// Per-step and final agreement; returns (max |delta|, final relative difference).
-fn compare(what: &str, one: &Path, two: &Path) -> (f64, f64) {
-    let (a, b) = (curve(one), curve(two));
+fn max_step_delta(a: &[f64], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max)
+}
+
+fn tail_mean(v: &[f64]) -> f64 {
+    let t = &v[v.len().saturating_sub(16)..];
+    t.iter().sum::<f64>() / t.len() as f64
+}
+
+/// 1 GPU against 2 GPUs, with a repeat of the 1-GPU run as the floor that GPU
+/// non-determinism sets (kernels with atomics in the backward pass; hard gates and the
+/// |target - rate| loss amplify last-bit differences into different curves).
+fn compare(what: &str, one: &Path, again: &Path, two: &Path) {
+    let (a, c, b) = (curve(one), curve(again), curve(two));
     assert!(a.len() >= 16, "{what}: only {} steps logged", a.len());
-    assert_eq!(a.len(), b.len(), "{what}: step counts differ");
-    let max = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
-    let (fa, fb) = (a[a.len() - 1], b[b.len() - 1]);
-    let rel = (fa - fb).abs() / fa.abs();
-    eprintln!("{what}: {} steps, max per-step |delta loss| {max:.4}, final loss {fa:.4} (1 GPU) vs {fb:.4} (2 GPUs), {:.3}%", a.len(), 100.0 * rel);
-    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
-        assert!((x - y).abs() <= 0.02, "{what}: step {}: loss {x} on 1 GPU, {y} on 2 GPUs", i + 1);
+    assert!(a.len() == b.len() && a.len() == c.len(), "{what}: step counts differ");
+    let (d12, d11) = (max_step_delta(&a, &b), max_step_delta(&a, &c));
+    let (f12, f11) = ((tail_mean(&a) - tail_mean(&b)).abs() / tail_mean(&a), (tail_mean(&a) - tail_mean(&c)).abs() / tail_mean(&a));
+    eprintln!(
+        "{what}: {} steps; max per-step |delta loss| 1 vs 2 GPUs {d12:.4}, 1 GPU vs itself {d11:.4}; mean loss of the last 16 steps {:.4} / {:.4} / {:.4} (1 GPU, again, 2 GPUs): 1 vs 2 {:.3}%, 1 vs itself {:.3}%",
+        a.len(),
+        tail_mean(&a),
+        tail_mean(&c),
+        tail_mean(&b),
+        100.0 * f12,
+        100.0 * f11
+    );
+    // Step 1 is the loss of the initial model on the step's samples with their noise: equal
+    // unless the sharding or the noise is wrong.
+    assert!((a[0] - b[0]).abs() <= 1e-4, "{what}: step 1: loss {} on 1 GPU, {} on 2 GPUs", a[0], b[0]);
+    // Steps 2 and 3 follow one and two updates with the reduced gradients: equal to rounding.
+    for i in 1..3 {
+        assert!((a[i] - b[i]).abs() <= 5e-3, "{what}: step {}: loss {} on 1 GPU, {} on 2 GPUs", i + 1, a[i], b[i]);
     }
-    assert!(rel <= 0.005, "{what}: final loss {fa} on 1 GPU, {fb} on 2 GPUs");
-    (max, rel)
+    // Afterwards: within the tolerance, or within what one GPU shows against itself.
+    assert!(d12 <= 0.02f64.max(1.5 * d11), "{what}: 1 vs 2 GPUs differ by up to {d12} per step (1 GPU vs itself: {d11})");
+    assert!(f12 <= 0.005f64.max(1.5 * f11), "{what}: final losses differ by {:.3}% (1 GPU vs itself: {:.3}%)", 100.0 * f12, 100.0 * f11);
 }
 
 #[test]
@@ -84,17 +109,20 @@ fn two_gpus_match_one_gpu_with_the_same_global_batch() {
         a
     };
     let (s1a, s1b) = (out.join("s1-1gpu"), out.join("s1-2gpu"));
+    let s1c = out.join("s1-1gpu-again");
     run(1, &stage1(&s1a));
     run(2, &stage1(&s1b));
-    compare("stage 1", &s1a, &s1b);
+    run(1, &stage1(&s1c));
+    compare("stage 1", &s1a, &s1c, &s1b);
     // Stage 2 from the 2-GPU stage 1 files, on 1 and on 2 GPUs.
     let stage2 = |dir: &Path| -> Vec<String> {
         let mut a = vec!["recover".to_string(), "--config".into(), "configs/recover-testbed-small.toml".into(), "--stage1".into(), s1b.display().to_string()];
         a.extend(sets(&["train.tokens=524288".into(), format!("output.dir=\"{}\"", dir.display())]));
         a
     };
-    let (s2a, s2b) = (out.join("s2-1gpu"), out.join("s2-2gpu"));
+    let (s2a, s2b, s2c) = (out.join("s2-1gpu"), out.join("s2-2gpu"), out.join("s2-1gpu-again"));
     run(1, &stage2(&s2a));
     run(2, &stage2(&s2b));
-    compare("stage 2", &s2a, &s2b);
+    run(1, &stage2(&s2c));
+    compare("stage 2", &s2a, &s2c, &s2b);
 }

@@ -9,6 +9,7 @@ int wide_cuda_device_count(int* out) { *out = 0; return 0; }
 int wide_cuda_current_stream(int device, void** out) { (void)device; *out = NULL; return -1; }
 int wide_cuda_synchronize(int device) { (void)device; return -1; }
 int wide_cuda_set_device(int device) { (void)device; return -1; }
+int wide_set_deterministic(int on) { (void)on; return -1; }
 int wide_graph_new(int device, void** out) { (void)device; *out = NULL; return -1; }
 int wide_graph_capture_begin(void* h) { (void)h; return -1; }
 int wide_graph_capture_end(void* h) { (void)h; return -1; }

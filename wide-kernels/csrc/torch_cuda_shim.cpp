@@ -4,6 +4,7 @@
 //
 // Every function returns 0 on success and -1 on failure; the message of the failure is then
 // available from wide_shim_last_error() on the same thread.
+#include <ATen/Context.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -88,6 +89,14 @@ int wide_cuda_synchronize(int device) {
   return guarded([&] {
     DeviceScope scope(static_cast<c10::DeviceIndex>(device));
     c10::cuda::device_synchronize();
+  });
+}
+
+int wide_set_deterministic(int on) {
+  return guarded([&] {
+    at::globalContext().setDeterministicAlgorithms(on != 0, /*warn_only=*/true);
+    at::globalContext().setDeterministicCuDNN(on != 0);
+    at::globalContext().setBenchmarkCuDNN(false);
   });
 }
 

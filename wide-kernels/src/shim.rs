@@ -19,6 +19,7 @@ extern "C" {
     fn wide_cuda_current_stream(device: c_int, out: *mut *mut c_void) -> c_int;
     fn wide_cuda_synchronize(device: c_int) -> c_int;
     fn wide_cuda_set_device(device: c_int) -> c_int;
+    fn wide_set_deterministic(on: c_int) -> c_int;
     fn wide_graph_new(device: c_int, out: *mut *mut c_void) -> c_int;
     fn wide_graph_capture_begin(g: *mut c_void) -> c_int;
     fn wide_graph_capture_end(g: *mut c_void) -> c_int;
@@ -52,6 +53,13 @@ pub fn current_stream(device: usize) -> Result<*mut c_void> {
     let mut s = std::ptr::null_mut();
     check(unsafe { wide_cuda_current_stream(device as c_int, &mut s) }, "getting the current CUDA stream")?;
     Ok(s)
+}
+
+/// Asks libtorch for deterministic kernels where it has them (and warns where it has none):
+/// `torch.use_deterministic_algorithms(on, warn_only=True)`, deterministic cuDNN, no cuDNN
+/// benchmarking. cuBLAS also needs `CUBLAS_WORKSPACE_CONFIG=:4096:8` set before its first use.
+pub fn set_deterministic(on: bool) -> Result<()> {
+    check(unsafe { wide_set_deterministic(on as c_int) }, "setting deterministic algorithms")
 }
 
 /// Makes `device` libtorch's (and the CUDA runtime's) current device in this thread.

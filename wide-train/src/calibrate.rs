@@ -513,6 +513,7 @@ pub fn run(recipe: &CalibrationRecipe, table: &toml::Table, resume: bool, proven
     }
     // The data must be tokenized with the model's own tokenizer: use it where the recipe's
     // tokenizer file does not exist yet.
+    recipe.train.apply_determinism()?;
     let dist = crate::dist::init()?;
     let tok_model = recipe.model_dir.join("tokenizer.json");
     if dist.is_main() && !recipe.data.tokenizer.exists() && tok_model.exists() {

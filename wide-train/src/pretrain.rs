@@ -235,6 +235,7 @@ pub struct PretrainReport {
 /// Runs the whole stage 0 pipeline of `recipe`; `table` is the effective recipe to record.
 /// Returns `None` when a signal stopped training (a checkpoint was written; `resume` goes on).
 pub fn run(recipe: &PretrainRecipe, table: &toml::Table, resume: bool) -> Result<Option<PretrainReport>> {
+    recipe.train.apply_determinism()?;
     let dist = crate::dist::init()?;
     // Rank 0 builds or checks the shared data folders; the others open them afterwards.
     let files = dist.main_first(|| recipe.data.prepare())?;

@@ -95,6 +95,26 @@ pub struct TrainConfig {
     /// supports it (router calibration and LoRA recovery).
     #[serde(default)]
     pub activation_checkpointing: bool,
+    /// Deterministic GPU kernels where libtorch has them (runs repeat bit for bit; attention's
+    /// backward is slower). Also `WIDE_DETERMINISTIC=1`.
+    #[serde(default)]
+    pub deterministic: bool,
+}
+
+impl TrainConfig {
+    /// Applies `deterministic` (or `WIDE_DETERMINISTIC=1`) to this process; call before any GPU
+    /// work.
+    pub fn apply_determinism(&self) -> Result<()> {
+        let on = self.deterministic || std::env::var("WIDE_DETERMINISTIC").is_ok_and(|v| v == "1");
+        if on {
+            if std::env::var_os("CUBLAS_WORKSPACE_CONFIG").is_none() {
+                std::env::set_var("CUBLAS_WORKSPACE_CONFIG", ":4096:8");
+            }
+            // Without CUDA in this libtorch there is nothing to switch.
+            let _ = wide_kernels::shim::set_deterministic(true);
+        }
+        Ok(())
+    }
 }
 fn one() -> usize {
     1
