@@ -101,6 +101,21 @@ fn two_processes_match_one_and_resume_with_another_process_count() {
     assert_eq!(losses(&split).len(), 4);
     ok(&single(&split, &[], &["--resume"]));
     assert_same_curve(&losses(&one), &losses(&split), 1e-5, "2 processes then 1 vs 1");
+    // Stage 2 (LoRA with dropout + routers) from the 2-process stage 1 files, on 1 and on 2
+    // processes: LoRA gradients are reduced too and dropout is keyed by the global sample.
+    let (r1, r2) = (dir.path().join("recover-one"), dir.path().join("recover-two"));
+    let recover = |out: &Path| -> Vec<String> {
+        let mut a = calibrate_args(out, &["train.tokens=16384"]);
+        a[0] = "recover".into();
+        a[2] = root().join("configs/recover-testbed-tiny.toml").display().to_string();
+        a.extend(["--stage1".to_string(), two.display().to_string()]);
+        a
+    };
+    ok(&wide().args(recover(&r1)).output().unwrap());
+    let mut c = wide();
+    c.args(["launch", "--nproc-per-node", "2", "--grace-seconds", "5", "--"]).args(recover(&r2));
+    ok(&c.output().unwrap());
+    assert_same_curve(&losses(&r1), &losses(&r2), 1e-5, "stage 2: 2 processes vs 1");
 }
 
 #[test]
