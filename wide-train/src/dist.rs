@@ -48,8 +48,9 @@ impl DistEnv {
             let rank: usize = parse_var(&get, "RANK")?.ok_or_else(|| anyhow!("WORLD_SIZE is set but RANK is not: a launcher must set both (or use `wide launch`)"))?;
             let local = parse_var(&get, "LOCAL_RANK")?.unwrap_or(rank);
             (rank, world, local, None)
-        } else if let Some(world) = parse_var::<usize>(&get, "SLURM_NTASKS")? {
-            let rank: usize = parse_var(&get, "SLURM_PROCID")?.ok_or_else(|| anyhow!("SLURM_NTASKS is set but SLURM_PROCID is not: start the processes with srun"))?;
+        } else if let (Some(world), Some(rank)) = (parse_var::<usize>(&get, "SLURM_NTASKS")?, parse_var::<usize>(&get, "SLURM_PROCID")?) {
+            // A task started by srun (a shell inside an allocation has no SLURM_PROCID and runs
+            // as a single process).
             let local = parse_var(&get, "SLURM_LOCALID")?.unwrap_or(0);
             (rank, world, local, get("SLURM_LAUNCH_NODE_IPADDR"))
         } else {
@@ -740,6 +741,7 @@ mod tests {
         assert_eq!(DistEnv::from_vars(vars(&[("WORLD_SIZE", "1"), ("RANK", "0")])).unwrap(), None);
         let e = DistEnv::from_vars(vars(&[("WORLD_SIZE", "4"), ("RANK", "3"), ("LOCAL_RANK", "1"), ("MASTER_ADDR", "node7"), ("MASTER_PORT", "1234")])).unwrap().unwrap();
         assert_eq!(e, DistEnv { rank: 3, world: 4, local_rank: 1, master_addr: "node7".into(), master_port: 1234 });
+        assert_eq!(DistEnv::from_vars(vars(&[("SLURM_NTASKS", "8")])).unwrap(), None);
         let s = DistEnv::from_vars(vars(&[("SLURM_NTASKS", "8"), ("SLURM_PROCID", "5"), ("SLURM_LOCALID", "1"), ("SLURM_LAUNCH_NODE_IPADDR", "10.0.0.2")])).unwrap().unwrap();
         assert_eq!(s, DistEnv { rank: 5, world: 8, local_rank: 1, master_addr: "10.0.0.2".into(), master_port: 29500 });
         let err = |p: &[(&str, &str)]| format!("{:#}", DistEnv::from_vars(vars(p)).unwrap_err());
