@@ -128,15 +128,6 @@ fn bad_routing_input_is_refused() {
     assert!(format!("{e:#}").contains("were trained for another model"), "{e:#}");
 }
 
-/// Loss per logged step from a run's metrics.jsonl.
-fn losses(dir: &Path) -> Vec<f64> {
-    std::fs::read_to_string(dir.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64())
-        .collect()
-}
-
 #[test]
 fn activation_checkpointing_trains_the_same_routers() {
     let dir = tempfile::tempdir().unwrap();
@@ -148,7 +139,7 @@ fn activation_checkpointing_trains_the_same_routers() {
     with.push("train.activation_checkpointing=true");
     let o = calibrate(&ckpt, &with);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let (a, b) = (losses(&plain), losses(&ckpt));
+    let (a, b) = (common::logged_losses(&plain), common::logged_losses(&ckpt));
     assert_eq!(a.len(), 8, "{a:?}");
     assert_eq!(a.len(), b.len());
     for (i, (x, y)) in a.iter().zip(&b).enumerate() {

@@ -12,6 +12,7 @@
 #![cfg(feature = "cuda-tests")]
 mod common;
 
+use common::logged_losses as curve;
 use std::path::{Path, PathBuf};
 
 fn wide_bin() -> PathBuf {
@@ -33,14 +34,6 @@ fn run(nproc: usize, args: &[String]) {
     let o = c.output().unwrap();
     assert!(o.status.success(), "{:?} failed:\n{}", args, String::from_utf8_lossy(&o.stderr));
     eprintln!("{nproc} GPU(s): {} in {:.1} s", args[0], t.elapsed().as_secs_f64());
-}
-
-fn curve(dir: &Path) -> Vec<f64> {
-    std::fs::read_to_string(dir.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64())
-        .collect()
 }
 
 fn max_step_delta(a: &[f64], b: &[f64]) -> f64 {

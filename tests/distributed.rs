@@ -4,7 +4,7 @@
 //! leaves the last checkpoint intact; bootstrap and launch mistakes are refused clearly.
 mod common;
 
-use common::{assert_clear_error, root, wide};
+use common::{assert_clear_error, logged_losses as losses, root, wide};
 use std::path::Path;
 use std::process::Output;
 use std::time::{Duration, Instant};
@@ -49,14 +49,6 @@ fn launched(n: usize, out: &Path, envs: &[(&str, &str)], extra: &[&str]) -> Outp
 
 fn ok(o: &Output) {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-}
-
-fn losses(dir: &Path) -> Vec<f64> {
-    std::fs::read_to_string(dir.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64())
-        .collect()
 }
 
 fn assert_same_curve(a: &[f64], b: &[f64], tol: f64, what: &str) {

@@ -54,6 +54,15 @@ pub fn assert_clear_error(out: &Output, needle: &str) {
     assert!(errors[0].contains(needle), "error line does not mention {needle:?}: {stderr}");
 }
 
+/// The training loss of every logged step of a run, from its `metrics.jsonl`.
+pub fn logged_losses(run_dir: &Path) -> Vec<f64> {
+    std::fs::read_to_string(run_dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64())
+        .collect()
+}
+
 /// The checkout's root.
 pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
