@@ -15,6 +15,10 @@
 //! waits on a rank that hangs) prints one error line and exits with status 1. Its own
 //! connections close with it, so the stop propagates to every rank within about a second.
 //! Checkpoints are written by rank 0 only, atomically, so the last good one stays intact.
+//!
+//! Every rank holds the whole frozen backbone. Sharding it for models that do not fit one GPU
+//! would add a second communicator over the ranks of a model replica; the data-parallel
+//! reduction here would then run over the replicas, with the same sharding of samples.
 use anyhow::{anyhow, bail, Context, Result};
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
@@ -538,6 +542,9 @@ pub fn inject_fault(step: u64) {
     }
 }
 
+/// The variables that keep NVLink multicast off (set for every rank unless already set).
+pub const NVLS_OFF: [(&str, &str); 3] = [("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")];
+
 /// `wide launch`: what to start.
 #[derive(Debug, Clone)]
 pub struct LaunchConfig {
@@ -587,7 +594,7 @@ pub fn launch(cfg: &LaunchConfig, args: &[String]) -> Result<()> {
             .env("LOCAL_WORLD_SIZE", cfg.nproc_per_node.to_string())
             .env("MASTER_ADDR", &cfg.master_addr)
             .env("MASTER_PORT", port.to_string());
-        for (k, v) in [("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")] {
+        for (k, v) in NVLS_OFF {
             if std::env::var_os(k).is_none() {
                 c.env(k, v);
             }
@@ -700,6 +707,13 @@ mod nccl {
 
     impl Comm {
         pub fn new(id: [u8; 128], rank: usize, world: usize, device: usize) -> Result<Self> {
+            // NVLink multicast stays off in every process, however it was started (NCCL reads
+            // these when the communicator is created).
+            for (k, v) in super::NVLS_OFF {
+                if std::env::var_os(k).is_none() {
+                    std::env::set_var(k, v);
+                }
+            }
             wide_kernels::shim::set_device(device)?;
             wide_kernels::cuda::ensure_context(device)?;
             let id = sys::ncclUniqueId { internal: id.map(|b| b as std::ffi::c_char) };
