@@ -50,6 +50,35 @@ pub fn left_pad(prompts: &[Vec<i64>], pad_id: i64) -> (Tensor, Tensor, Tensor) {
 }
 
 /// Picks the next token of each row from logits `[B, vocab]`.
+/// The tokens each row of a generation has produced: rows stop at an end-of-sequence token
+/// (when `stop_at_eos`) or at `max_new_tokens`.
+pub(crate) struct Emitted {
+    pub tokens: Vec<Vec<i64>>,
+    done: Vec<bool>,
+}
+
+impl Emitted {
+    pub fn new(rows: usize) -> Self {
+        Self { tokens: vec![vec![]; rows], done: vec![false; rows] }
+    }
+
+    /// Appends `next[r]` to every row still running and streams it through `on_token`; returns
+    /// true when every row has stopped.
+    pub fn push(&mut self, next: &[i64], eos: &[i64], cfg: &SamplingConfig, on_token: &mut impl FnMut(usize, i64) -> Result<()>) -> Result<bool> {
+        for (r, &tok) in next.iter().enumerate() {
+            if self.done[r] {
+                continue;
+            }
+            self.tokens[r].push(tok);
+            on_token(r, tok)?;
+            if (cfg.stop_at_eos && eos.contains(&tok)) || self.tokens[r].len() >= cfg.max_new_tokens {
+                self.done[r] = true;
+            }
+        }
+        Ok(self.done.iter().all(|d| *d))
+    }
+}
+
 pub fn pick_tokens(logits: &Tensor, cfg: &SamplingConfig, rng: &mut StdRng) -> Result<Vec<i64>> {
     if cfg.temperature <= 0.0 {
         return Ok(Vec::<i64>::try_from(logits.argmax(-1, false).to_device(Device::Cpu))?);
@@ -137,24 +166,10 @@ impl LlamaModel {
         let mut next = pick_tokens(&logits.squeeze_dim(1), cfg, &mut rng)?;
         let prefill_seconds = start.elapsed().as_secs_f64();
         let start = std::time::Instant::now();
-        let mut out: Vec<Vec<i64>> = vec![vec![]; b];
-        let mut done = vec![false; b];
+        let mut out = Emitted::new(b);
         let mut positions: Vec<i64> = prompts.iter().map(|p| p.len() as i64).collect();
         let mut steps = 0;
-        loop {
-            for (r, &tok) in next.iter().enumerate() {
-                if done[r] {
-                    continue;
-                }
-                out[r].push(tok);
-                on_token(r, tok)?;
-                if (cfg.stop_at_eos && self.config.eos_token_ids.contains(&tok)) || out[r].len() >= cfg.max_new_tokens {
-                    done[r] = true;
-                }
-            }
-            if done.iter().all(|d| *d) {
-                break;
-            }
+        while !out.push(&next, &self.config.eos_token_ids, cfg, &mut on_token)? {
             let slot = cache.len;
             let _ = full_mask.narrow(1, slot, 1).fill_(1);
             let step_ids = Tensor::from_slice(&next).view([b as i64, 1]).to_device(dev);
@@ -174,7 +189,7 @@ impl LlamaModel {
             }
             steps += 1;
         }
-        Ok(Generation { tokens: out, prefill_seconds, decode_seconds: start.elapsed().as_secs_f64(), decode_steps: steps })
+        Ok(Generation { tokens: out.tokens, prefill_seconds, decode_seconds: start.elapsed().as_secs_f64(), decode_steps: steps })
     }
 }
 

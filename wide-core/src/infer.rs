@@ -15,7 +15,7 @@
 //!
 //! The training path ([`LlamaModel::forward_routed`]) and this path compute the same function
 //! for the same masks (tests compare them on CPU and GPU).
-use crate::generate::{pick_tokens, SamplingConfig};
+use crate::generate::{pick_tokens, Emitted, SamplingConfig};
 use crate::model::{grouped_attention, LlamaModel};
 use crate::rope::inverse_frequencies;
 use crate::routing::{RouterKind, Routing, Variant};
@@ -829,24 +829,10 @@ impl<'m> Engine<'m> {
         let mut next = pick_tokens(&logits, cfg, &mut rng)?;
         let prefill_seconds = start.elapsed().as_secs_f64();
         let start = std::time::Instant::now();
-        let mut out: Vec<Vec<i64>> = vec![vec![]; b];
-        let mut done = vec![false; b];
+        let mut out = Emitted::new(b);
         let mut steps = 0;
         let mut captured = false;
-        loop {
-            for (r, &tok) in next.iter().enumerate() {
-                if done[r] {
-                    continue;
-                }
-                out[r].push(tok);
-                on_token(r, tok)?;
-                if (cfg.stop_at_eos && self.model.config.eos_token_ids.contains(&tok)) || out[r].len() >= cfg.max_new_tokens {
-                    done[r] = true;
-                }
-            }
-            if done.iter().all(|d| *d) {
-                break;
-            }
+        while !out.push(&next, &self.model.config.eos_token_ids, cfg, &mut on_token)? {
             dec.set_tokens(&next)?;
             if use_graph && !captured {
                 dec.capture()?;
@@ -857,7 +843,7 @@ impl<'m> Engine<'m> {
             steps += 1;
         }
         Ok(EngineGeneration {
-            tokens: out,
+            tokens: out.tokens,
             prefill_seconds,
             decode_seconds: start.elapsed().as_secs_f64(),
             decode_steps: steps,

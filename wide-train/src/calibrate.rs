@@ -272,12 +272,7 @@ impl TrainTask for RoutingTask {
         if self.activation_checkpointing && ctx.training {
             return self.loss_backward_checkpointed(batch, ctx, scale);
         }
-        let loss = self.loss(batch, ctx)?;
-        let l = loss.double_value(&[]);
-        if l.is_finite() {
-            (loss * scale).f_backward()?;
-        }
-        Ok(l)
+        crate::trainer::backward_scaled(self.loss(batch, ctx)?, scale)
     }
 
     fn take_metrics(&mut self) -> Vec<(String, f64)> {

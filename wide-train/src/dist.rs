@@ -454,14 +454,10 @@ impl Dist {
         }
         let _g = tch::no_grad_guard();
         for p in params {
-            let flat = p.detach().reshape([-1]).to_kind(Kind::Double);
+            // A sum with one nonzero term (rank 0's) is exact in any dtype.
+            let flat = p.detach().reshape([-1]).copy();
             let flat = if self.is_main() { flat } else { flat.zeros_like() };
-            let summed = match p.device() {
-                // Through f64 on CPU; on GPU the tensor's own dtype is exact (one nonzero term).
-                Device::Cpu => self.all_reduce_tensor_sum(flat)?,
-                _ => self.all_reduce_tensor_sum(if self.is_main() { p.detach().reshape([-1]).copy() } else { p.detach().reshape([-1]).zeros_like() })?,
-            };
-            p.detach().copy_(&summed.view_as(p).to_kind(p.kind()));
+            p.detach().copy_(&self.all_reduce_tensor_sum(flat)?.view_as(p));
         }
         Ok(())
     }
@@ -522,7 +518,8 @@ impl Dist {
 /// Test hook for the failure behaviour: `WIDE_FAULT=RANK:STEP:exit|hang` makes that rank exit
 /// with status 3, or stop making progress, when it reaches that optimizer step.
 pub fn inject_fault(step: u64) {
-    let Ok(spec) = std::env::var("WIDE_FAULT") else { return };
+    static SPEC: OnceLock<Option<String>> = OnceLock::new();
+    let Some(spec) = SPEC.get_or_init(|| std::env::var("WIDE_FAULT").ok()) else { return };
     let parts: Vec<&str> = spec.split(':').collect();
     let d = current();
     if parts.len() != 3 || parts[0].parse::<usize>().ok() != Some(d.rank) || parts[1].parse::<u64>().ok() != Some(step) {

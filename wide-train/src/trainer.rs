@@ -34,12 +34,7 @@ pub trait TrainTask {
     /// back-propagated. The default runs [`TrainTask::loss`] and one backward pass; a task
     /// may instead recompute activations in pieces (activation checkpointing).
     fn loss_backward(&mut self, batch: &Tensor, ctx: &StepContext, scale: f64) -> Result<f64> {
-        let loss = self.loss(batch, ctx)?;
-        let l = loss.double_value(&[]);
-        if l.is_finite() {
-            (loss * scale).f_backward()?;
-        }
-        Ok(l)
+        backward_scaled(self.loss(batch, ctx)?, scale)
     }
     /// Extra scalars gathered since the last call (logged with the loss), e.g. skip rates.
     fn take_metrics(&mut self) -> Vec<(String, f64)> {
@@ -49,6 +44,15 @@ pub trait TrainTask {
     /// configuration is refused.
     fn fingerprint(&self) -> serde_json::Value;
     fn device(&self) -> Device;
+}
+
+/// Back-propagates `scale * loss` unless the loss is not finite; returns the loss.
+pub fn backward_scaled(loss: Tensor, scale: f64) -> Result<f64> {
+    let l = loss.double_value(&[]);
+    if l.is_finite() {
+        (loss * scale).f_backward()?;
+    }
+    Ok(l)
 }
 
 /// Loop settings (the `[train]` table of a recipe).
@@ -463,7 +467,9 @@ impl Trainer<'_> {
                     let ctx = StepContext { training: true, step: state.step, total_steps, sample_ids: positions };
                     let l = task.loss_backward(&batch, &ctx, 1.0 / cfg.grad_accum as f64)?;
                     total += l / cfg.grad_accum as f64;
-                    if !l.is_finite() && !dist.is_distributed() {
+                    if !l.is_finite() {
+                        // The reduced loss below is then not finite on every rank, which stops
+                        // them all at the same step.
                         break;
                     }
                 }
