@@ -147,6 +147,10 @@ fn gemm_k_all_paths_match_reference() {
         for g in [32, 64, 256, 512] {
             run_k_case(kind, 200, 512, 4096, g, 0.5);
         }
+        // GEMV with a slice of 3 chunks (not a power of two) and group counts past a warp.
+        for m in [1, 2, 5] {
+            run_k_case(kind, m, 96, 24 * 70, 24, 0.5);
+        }
     }
 }
 
@@ -247,5 +251,9 @@ fn attention_decode_matches_reference() {
         run_decode_case(kind, 3, 8, 2, 1000, 64, 2, &[1, 513, 1000], 0.5);
         run_decode_case(kind, 2, 16, 2, 777, 64, 4, &[700, 5], 0.5);
         run_decode_case(kind, 2, 4, 4, 300, 128, 1, &[300, 299], 0.5);
+        // 8 query heads a KV head; a batch large enough that each sequence gets a few blocks.
+        run_decode_case(kind, 2, 16, 2, 4000, 128, 4, &[4000, 1717], 0.5);
+        let lens: Vec<i32> = (0..40).map(|i| 1 + 37 * i).collect();
+        run_decode_case(kind, 40, 32, 8, 1500, 128, 4, &lens, 0.5);
     }
 }

@@ -210,11 +210,35 @@ impl Drop for GpuTimer {
     }
 }
 
-/// L2 cache size of a device in bytes.
-pub fn l2_cache_bytes(device: usize) -> Result<usize> {
+fn device_attribute(device: usize, attr: sys::CUdevice_attribute, what: &str) -> Result<usize> {
     ensure_context(device)?;
     let dev = drv::device::get(device as i32).map_err(|e| driver_err(e, "opening the device"))?;
-    let v = unsafe { drv::device::get_attribute(dev, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE) }
-        .map_err(|e| driver_err(e, "reading the L2 size"))?;
+    let v = unsafe { drv::device::get_attribute(dev, attr) }.map_err(|e| driver_err(e, what))?;
     Ok(v as usize)
+}
+
+/// L2 cache size of a device in bytes.
+pub fn l2_cache_bytes(device: usize) -> Result<usize> {
+    device_attribute(device, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE, "reading the L2 size")
+}
+
+/// Number of multiprocessors of a device (read once per device).
+pub fn multiprocessor_count(device: usize) -> Result<usize> {
+    static CACHE: std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<usize, usize>>> = std::sync::OnceLock::new();
+    let cache = CACHE.get_or_init(Default::default);
+    if let Some(&n) = cache.lock().unwrap().get(&device) {
+        return Ok(n);
+    }
+    let n = device_attribute(device, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, "reading the multiprocessor count")?;
+    cache.lock().unwrap().insert(device, n);
+    Ok(n)
+}
+
+/// Grid `(gx, gy, 1)` for a kernel whose blocks each cover `gx`-th of a row and loop over rows
+/// (`for m = blockIdx.y; m < rows; m += gridDim.y`): about 16 blocks a multiprocessor. One
+/// block per row would launch hundreds of thousands of blocks at prefill sizes and spend more
+/// time scheduling them than moving the bytes.
+pub fn row_loop_grid(device: usize, gx: u32, rows: i64) -> Result<(u32, u32, u32)> {
+    let gy = (16 * multiprocessor_count(device)? as u32 / gx.max(1)).clamp(1, rows.clamp(1, 65535) as u32);
+    Ok((gx, gy, 1))
 }

@@ -67,8 +67,8 @@ pub fn attention_decode(q: &Tensor, k: &Tensor, v: &Tensor, lengths: &Tensor, ma
         _ => return Ok(attention_decode_reference(q, k, v, lengths, mask, group_heads, scale)),
     };
     let qpk = s.hq / s.hkv;
-    if !matches!((s.d, qpk), (64, 1 | 2 | 4 | 8) | (128, 1 | 2 | 4)) {
-        bail!("attention_decode: the CUDA kernel takes head_dim 64 (<= 8 query heads per KV head) or 128 (<= 4), got head_dim {} with {qpk}", s.d);
+    if !matches!((s.d, qpk), (64 | 128, 1 | 2 | 4 | 8)) {
+        bail!("attention_decode: the CUDA kernel takes head_dim 64 or 128 with at most 8 query heads per KV head, got head_dim {} with {qpk}", s.d);
     }
     ensure!(s.tcap <= i32::MAX as i64 / s.d, "attention_decode: cache too long for the kernel");
     let f16 = q.kind() == Kind::Half;
@@ -79,20 +79,19 @@ pub fn attention_decode(q: &Tensor, k: &Tensor, v: &Tensor, lengths: &Tensor, ma
         Kind::Uint8 => mask.contiguous(),
         k => bail!("attention_decode: mask must be bool or u8, got {k:?}"),
     };
-    // Split the cache so that about 4 blocks a multiprocessor (132 on an H200) have work.
-    let blocks_wanted = 528i64;
-    let splits = (blocks_wanted / (s.b * s.hkv)).max(1);
-    let chunk = (((s.tcap + splits - 1) / splits).max(64) + 31) / 32 * 32;
-    let splits = ((s.tcap + chunk - 1) / chunk).max(1);
-    let part_o = Tensor::empty([s.b, s.hq, splits, s.d], (Kind::Float, q.device()));
-    let part_ml = Tensor::empty([s.b, s.hq, splits, 2], (Kind::Float, q.device()));
+    // NB blocks a sequence, shared out on the device among its active KV heads. More blocks
+    // do not stream faster (the kernel is at ~3.7 TB/s with 2 a multiprocessor) but each adds a
+    // fixed cost: a partial result to write and to merge.
+    let nb = (blocks_per_sm() * crate::cuda::multiprocessor_count(device)? as i64 / s.b).clamp(1, 8192);
+    ensure!(s.b <= 65535 && s.hkv <= 64, "attention_decode: the CUDA kernel takes at most 65535 sequences and 64 KV heads, got {} and {}", s.b, s.hkv);
+    let part_o = Tensor::empty([s.b, s.hq, nb, s.d], (Kind::Float, q.device()));
+    let part_ml = Tensor::empty([s.b, s.hq, nb, 2], (Kind::Float, q.device()));
     let out = Tensor::empty([s.b, s.hq, s.d], (q.kind(), q.device()));
     let split = routed_kernel(f16, None, &format!("attn_decode_split_{}_{qpk}", s.d), device)?;
-    let combine = routed_kernel(f16, None, &format!("attn_decode_combine_{}", s.d), device)?;
-    ensure!(s.hkv <= 65535 && s.b <= 65535, "attention_decode: too many heads or sequences for one launch");
+    let combine = routed_kernel(f16, None, &format!("attn_decode_combine_{}_{qpk}", s.d), device)?;
     unsafe {
         split.launch(
-            LaunchConfig { grid: (splits as u32, s.hkv as u32, s.b as u32), block: (128, 1, 1), shared_mem_bytes: 0 },
+            LaunchConfig { grid: (nb as u32, 1, s.b as u32), block: (128, 1, 1), shared_mem_bytes: 0 },
             &[
                 KernelArg::tensor(&q)?,
                 KernelArg::tensor(&k)?,
@@ -104,28 +103,36 @@ pub fn attention_decode(q: &Tensor, k: &Tensor, v: &Tensor, lengths: &Tensor, ma
                 KernelArg::I32(s.hq as i32),
                 KernelArg::I32(s.hkv as i32),
                 KernelArg::I32(s.tcap as i32),
-                KernelArg::I32(splits as i32),
-                KernelArg::I32(chunk as i32),
+                KernelArg::I32(nb as i32),
                 KernelArg::I32(s.group_heads as i32),
                 KernelArg::I32(s.ng as i32),
                 KernelArg::F32((scale * std::f64::consts::LOG2_E) as f32),
             ],
         )?;
         combine.launch(
-            LaunchConfig { grid: (s.hq as u32, s.b as u32, 1), block: (s.d as u32, 1, 1), shared_mem_bytes: 0 },
+            LaunchConfig { grid: (s.hq as u32, s.b as u32, 1), block: (256, 1, 1), shared_mem_bytes: 4 * nb as u32 },
             &[
                 KernelArg::tensor(&part_o)?,
                 KernelArg::tensor(&part_ml)?,
                 KernelArg::tensor(&mask)?,
                 KernelArg::tensor(&out)?,
                 KernelArg::I32(s.hq as i32),
-                KernelArg::I32(splits as i32),
+                KernelArg::I32(s.hkv as i32),
+                KernelArg::I32(nb as i32),
                 KernelArg::I32(s.group_heads as i32),
                 KernelArg::I32(s.ng as i32),
             ],
         )?;
     }
     Ok(out)
+}
+
+/// Decode-kernel blocks a multiprocessor (shared among the sequences of a batch): 2, or
+/// `WIDE_DECODE_BLOCKS_PER_SM` (read once; for benchmark sweeps). Measured on the H200 (32768
+/// tokens, 50% skip): 1, 2, 3, 4 blocks a multiprocessor ran 32.3, 31.6, 35.2, 34.4 us.
+fn blocks_per_sm() -> i64 {
+    static V: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("WIDE_DECODE_BLOCKS_PER_SM").ok().and_then(|v| v.parse().ok()).filter(|&v| v > 0).unwrap_or(2))
 }
 
 /// Causal prefill attention with padding and head-group routing, reference in tch. q

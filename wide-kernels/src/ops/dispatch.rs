@@ -91,6 +91,8 @@ impl GemmPath {
 
 /// Largest M the GEMV kernels take (their per-token accumulators live in registers).
 pub const GEMV_MAX_M: i64 = 16;
+/// Most groups the gemm_k GEMV takes (each warp lists the used groups in shared memory).
+pub const GEMV_K_MAX_GROUPS: i64 = 1024;
 /// A routed kernel must beat dense by this factor to be chosen (timing noise margin).
 pub const MARGIN: f64 = 0.97;
 
@@ -150,7 +152,7 @@ pub const GEMV_K_MAX_FRACTION: f64 = 0.6;
 
 /// The policy. `tuned` is the autotuner's record for this shape's M bucket, if any.
 pub fn choose(s: &GemmShape, sparsity: f64, tuned: Option<&Tuned>) -> GemmPath {
-    let gemv_ok = s.m <= GEMV_MAX_M && s.k % 8 == 0 && s.group % 8 == 0 && (!s.op.reduces_over_groups() || s.k / s.group <= 2048);
+    let gemv_ok = s.m <= GEMV_MAX_M && s.k % 8 == 0 && s.group % 8 == 0 && (!s.op.reduces_over_groups() || s.k / s.group <= GEMV_K_MAX_GROUPS);
     let frac = gemv_weight_fraction(s.m, sparsity);
     let pays = if s.op.reduces_over_groups() { s.m == 1 && frac <= GEMV_K_MAX_FRACTION } else { frac <= GEMV_MAX_FRACTION };
     if gemv_ok && pays {

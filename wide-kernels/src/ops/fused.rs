@@ -205,7 +205,7 @@ pub fn swiglu(gu: &Tensor, mask: Option<&Tensor>, group: i64) -> Result<Tensor> 
             let out = Tensor::empty([m, i], (gu.kind(), gu.device()));
             let mk = mask.map(|t| if t.kind() == Kind::Bool { t.contiguous().view_dtype(Kind::Uint8) } else { t.to_kind(Kind::Uint8).contiguous() });
             let k = kernel(f16, "swiglu_masked", dev)?;
-            let grid = (((i / 8) as u32).div_ceil(128), m.min(65535) as u32, 1);
+            let grid = crate::cuda::row_loop_grid(dev, ((i / 8) as u32).div_ceil(128), m)?;
             unsafe {
                 k.launch(
                     LaunchConfig { grid, block: (128, 1, 1), shared_mem_bytes: 0 },

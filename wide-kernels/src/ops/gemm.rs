@@ -9,11 +9,12 @@
 //!
 //! On CUDA (bf16, f16; fp32 accumulation) the op picks a path with [`super::dispatch::choose`];
 //! elsewhere, and for other dtypes, the tch reference runs.
-use super::dispatch::{self, GemmPath, GemmShape, RoutedOp, TileConfig, Tuned, TuneKey, GEMV_MAX_M};
+use super::dispatch::{self, GemmPath, GemmShape, RoutedOp, TileConfig, Tuned, TuneKey, GEMV_K_MAX_GROUPS, GEMV_MAX_M};
 use super::layout::RouteLayout;
 use super::routed_kernel;
 use crate::cuda::{GpuTimer, KernelArg, LaunchConfig};
 use anyhow::{bail, ensure, Context, Result};
+use std::sync::OnceLock;
 use tch::{Device, Kind, Tensor};
 
 /// Output-width routed projection. x `[M, K]`, w `[N, K]`, layout of a mask `[M, N / group]`;
@@ -162,9 +163,12 @@ fn launch_gemv(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layou
     ensure!(s.m <= GEMV_MAX_M, "the GEMV path takes at most {GEMV_MAX_M} tokens, got {}", s.m);
     ensure!(s.group % 8 == 0, "the GEMV path needs a group size divisible by 8, got {}", s.group);
     let ng = if s.op.reduces_over_groups() { s.k / s.group } else { s.n / s.group };
-    ensure!(!s.op.reduces_over_groups() || ng <= 2048, "gemm_k GEMV takes at most 2048 groups, got {ng}");
+    ensure!(
+        !s.op.reduces_over_groups() || ng <= GEMV_K_MAX_GROUPS,
+        "the gemm_k GEMV takes at most {GEMV_K_MAX_GROUPS} groups, got {ng} (use a larger group size)"
+    );
     let mm = [1, 2, 4, 8, 16].into_iter().find(|&v| v >= s.m).unwrap();
-    let r = if s.op.reduces_over_groups() { gemv_k_rows_per_warp(mm, s.n) } else { gemv_rows_per_warp(mm, s.n) };
+    let r = gemv_rows_override(mm, s.n).unwrap_or_else(|| gemv_rows_per_warp(mm, s.n));
     let entry = match s.op {
         RoutedOp::Mn => format!("gemv_mn_{mm}_{r}"),
         RoutedOp::MnSwiglu => format!("gemv_mn_swiglu_{mm}_{r}"),
@@ -185,35 +189,41 @@ fn launch_gemv(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layou
         KernelArg::I32(s.group as i32),
         KernelArg::I32(ng as i32),
     ]);
-    // 4 warps a block, r rows a warp.
+    // 4 warps a block, r rows a warp; the gemm_k GEMV keeps each warp's group list in shared
+    // memory (a group index, and with several tokens which of them use it).
     let blocks = (s.n as u32).div_ceil(4 * r as u32);
-    unsafe { kernel.launch(LaunchConfig { grid: (blocks, 1, 1), block: (128, 1, 1), shared_mem_bytes: 0 }, &args)? };
+    let smem = if s.op.reduces_over_groups() { 4 * ng as u32 * if mm > 1 { 8 } else { 4 } } else { 0 };
+    unsafe { kernel.launch(LaunchConfig { grid: (blocks, 1, 1), block: (128, 1, 1), shared_mem_bytes: smem }, &args)? };
     Ok(out)
 }
 
-/// Output rows per warp of the GEMV kernels: more rows reuse each x chunk more often, but
-/// leave fewer warps to keep loads in flight; aim for at least ~4096 warps (31 a
-/// multiprocessor on an H200; at 50% sparsity half of them exit at once) and keep
+/// Output rows per warp of both GEMV kernels: more rows reuse each x chunk (and, for gemm_k,
+/// each warp's group list) more often and put more loads in flight per lane, but leave fewer
+/// warps; aim for at least ~2048 warps (15 a multiprocessor on an H200) and keep
 /// `r * mm <= 16` accumulators. `r` divides N (and every group size that is a multiple of 8).
+/// Measured on the H200 at M = 1, 50% skip (`WIDE_GEMV_ROWS` sweep, see wide-kernels/NOTES.md):
+/// up 4096->14336 1.60x / 1.82x / 1.91x with 1 / 2 / 4 rows, q 4096->4096 1.16x / 1.24x / 1.23x.
 pub fn gemv_rows_per_warp(mm: i64, n: i64) -> i64 {
-    let cap = (16 / mm).clamp(1, 8);
-    let mut r = 1;
-    while r * 2 <= cap && n / (r * 2) >= 4096 && n % (r * 2) == 0 {
-        r *= 2;
-    }
-    r
-}
-
-/// Output rows per warp of the gemm_k GEMV: as [`gemv_rows_per_warp`] but aiming at ~2048
-/// warps (measured on the H200: 4096 rows in 2048 warps of 2 rows beat 4096 warps of 1 row by
-/// 1.4x at M = 1, since each block also builds the list of used groups).
-pub fn gemv_k_rows_per_warp(mm: i64, n: i64) -> i64 {
     let cap = (16 / mm).clamp(1, 8);
     let mut r = 1;
     while r * 2 <= cap && n / (r * 2) >= 2048 && n % (r * 2) == 0 {
         r *= 2;
     }
     r
+}
+
+/// Rows per warp forced by `WIDE_GEMV_ROWS` (read once; for benchmark sweeps), if it names
+/// one of the compiled variants for this token bucket and divides N.
+fn gemv_rows_override(mm: i64, n: i64) -> Option<i64> {
+    static V: OnceLock<Option<i64>> = OnceLock::new();
+    let r = (*V.get_or_init(|| std::env::var("WIDE_GEMV_ROWS").ok().and_then(|v| v.parse().ok())))?;
+    let compiled = match mm {
+        1 | 2 => [1, 2, 4, 8].contains(&r),
+        4 => [1, 2, 4].contains(&r),
+        8 => [1, 2].contains(&r),
+        _ => r == 1,
+    };
+    (compiled && n % r == 0).then_some(r)
 }
 
 /// Dense cuBLAS product(s) and the mask: one extra pass over the output (gemm_mn: zeros
@@ -233,7 +243,7 @@ fn dense_masked(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layo
     let f16 = x.kind() == Kind::Half;
     let apply = |a: &Tensor, b: Option<&Tensor>, dst: &Tensor, cols: i64, mode: i32| -> Result<()> {
         let k = routed_kernel(f16, None, "apply_group_mask", device)?;
-        let grid = ((cols as u32 / 8).div_ceil(128), s.m.min(65535) as u32, 1);
+        let grid = crate::cuda::row_loop_grid(device, (cols as u32 / 8).div_ceil(128), s.m)?;
         unsafe {
             k.launch(
                 LaunchConfig { grid, block: (128, 1, 1), shared_mem_bytes: 0 },
@@ -419,15 +429,13 @@ mod tests {
 
     #[test]
     fn gemv_rows_per_warp_keeps_enough_warps() {
-        // Llama-3.1-8B: 14336 rows -> 2 a warp (7168 warps); 4096 rows -> 1 (4096 warps).
-        assert_eq!(gemv_rows_per_warp(1, 14336), 2);
-        assert_eq!(gemv_rows_per_warp(1, 4096), 1);
+        // Llama-3.1-8B: 14336 rows -> 4 a warp (3584 warps); 4096 rows -> 2 (2048 warps).
+        assert_eq!(gemv_rows_per_warp(1, 14336), 4);
+        assert_eq!(gemv_rows_per_warp(1, 4096), 2);
         assert_eq!(gemv_rows_per_warp(16, 14336), 1, "16 tokens x 1 row = 16 accumulators");
         assert_eq!(gemv_rows_per_warp(4, 1 << 20), 4);
         assert_eq!(gemv_rows_per_warp(1, 1 << 20), 8);
         assert_eq!(gemv_rows_per_warp(1, 100), 1);
-        assert_eq!(gemv_k_rows_per_warp(1, 4096), 2);
-        assert_eq!(gemv_k_rows_per_warp(16, 4096), 1);
         for (mm, n) in [(1, 12288), (2, 65536), (8, 8192)] {
             let r = gemv_rows_per_warp(mm, n);
             assert!(n % r == 0 && r * mm <= 16 && r <= 8);

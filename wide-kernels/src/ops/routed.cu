@@ -46,6 +46,13 @@ __device__ __forceinline__ float dot8(uint4 a, uint4 b, float acc) {
     return acc;
 }
 
+// D (f32, 16x8) += A (16x16, row) * B (16x8, col) on the tensor cores.
+__device__ __forceinline__ void mma16816(float* d, const unsigned* a, const unsigned* b) {
+    asm volatile(MMA_OP " {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -178,47 +185,66 @@ __device__ __forceinline__ void gemv_mn(const T* __restrict__ x, const T* __rest
 // ---------------------------------------------------------------------------------------
 // GEMV, reduction-width routed (small M): out[m, :] = sum over groups g active for token m of
 // x[m, gG:(g+1)G] . w[:, gG:(g+1)G]^T. Only the column slices of w that some token uses are
-// read. A warp owns R output rows; the block first lists the groups any token uses.
+// read. A warp owns R output rows and lists the used groups itself (warp-private shared memory,
+// no block barrier): the lanes then walk the concatenated 16-byte chunks of the used slices,
+// U steps unrolled so that R * U weight loads are in flight per lane. Dynamic shared memory:
+// (warps a block) * NG * (4 bytes, 8 with M > 1).
 // ---------------------------------------------------------------------------------------
 template <int MAXM, int R>
 __device__ __forceinline__ void gemv_k(const T* __restrict__ x, const T* __restrict__ w, const unsigned char* __restrict__ mask,
                                        T* __restrict__ out, int M, int N, int K, int G, int NG) {
-    __shared__ int glist[2048];
-    __shared__ unsigned gbits[2048];
-    __shared__ int nlist;
-    const int lane = threadIdx.x & 31;
-    for (int g = threadIdx.x; g < NG; g += blockDim.x) {
-        unsigned b = 0;
-#pragma unroll
-        for (int m = 0; m < MAXM; ++m)
-            if (m < M && mask[(long long)m * NG + g]) b |= 1u << m;
-        gbits[g] = b;
-    }
-    __syncthreads();
-    if (threadIdx.x < 32) {  // ascending list of used groups: keeps the weight reads in order
-        int base = 0;
-        for (int g0 = 0; g0 < NG; g0 += 32) {
-            const int g = g0 + lane;
-            const bool on = g < NG && gbits[g] != 0;
-            const unsigned b = __ballot_sync(0xffffffffu, on);
-            if (on) glist[base + __popc(b & ((1u << lane) - 1u))] = g;
-            base += __popc(b);
-        }
-        if (lane == 0) nlist = base;
-    }
-    __syncthreads();
+    extern __shared__ int gemv_k_smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int n0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
-    if (n0 >= N) return;
+    if (n0 >= N) return;  // uniform within the warp
+    int* glist = gemv_k_smem + warp * NG * (MAXM > 1 ? 2 : 1);
+    unsigned* gbits = reinterpret_cast<unsigned*>(glist + NG);  // tokens using list entry i (M > 1)
+    // Lane l looks at groups [g0 + 16 l, +16): all of its mask loads are in flight at once (one
+    // memory latency for the whole list instead of one per 32 groups), then a warp scan places
+    // each lane's used groups in order.
+    int nlist = 0;
+    for (int g0 = 0; g0 < NG; g0 += 512) {
+        unsigned tb[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            const int g = g0 + 16 * lane + i;
+            tb[i] = 0;
+            if (g < NG) {
+#pragma unroll
+                for (int m = 0; m < MAXM; ++m)
+                    if (m < M && mask[(long long)m * NG + g]) tb[i] |= 1u << m;
+            }
+        }
+        int cnt = 0;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) cnt += tb[i] != 0;
+        int incl = cnt;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int y = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += y;
+        }
+        int at = nlist + incl - cnt;
+#pragma unroll
+        for (int i = 0; i < 16; ++i)
+            if (tb[i]) {
+                glist[at] = g0 + 16 * lane + i;
+                if (MAXM > 1) gbits[at] = tb[i];
+                ++at;
+            }
+        nlist += __shfl_sync(0xffffffffu, incl, 31);
+    }
+    __syncwarp();
     const int per = G >> 3;  // 16-byte chunks per group slice
+    const bool pow2 = (per & (per - 1)) == 0;
+    const int sh = __ffs(per) - 1;
     const int chunks = nlist * per;
     float acc[R][MAXM];
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
         for (int m = 0; m < MAXM; ++m) acc[r][m] = 0.f;
-    // One chunk a lane per step: measured faster here than unrolling (the block's group list
-    // and the per-chunk group lookup cost more than the extra loads in flight gain).
-    constexpr int U = 1;
+    constexpr int U = R >= 8 ? 1 : 8 / R;
     for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
         uint4 wv[U][R];
         int col[U];
@@ -227,11 +253,11 @@ __device__ __forceinline__ void gemv_k(const T* __restrict__ x, const T* __restr
         for (int u = 0; u < U; ++u) {
             const int c = c0 + 32 * u;
             bits[u] = 0;
+            col[u] = 0;
             if (c < chunks) {
-                const int gi = c / per;
-                const int g = glist[gi];
-                col[u] = g * G + ((c - gi * per) << 3);
-                bits[u] = gbits[g];
+                const int gi = pow2 ? c >> sh : c / per;
+                col[u] = glist[gi] * G + ((c - gi * per) << 3);
+                bits[u] = MAXM > 1 ? gbits[gi] : 1u;
 #pragma unroll
                 for (int r = 0; r < R; ++r) wv[u][r] = ld_stream(w + (long long)(n0 + r) * K + col[u]);
             }
@@ -322,179 +348,298 @@ extern "C" __global__ void apply_group_mask(const T* __restrict__ a, const T* __
 }
 
 // ---------------------------------------------------------------------------------------
-// Decode attention, head-group routed (split-K "flash decoding").
+// Decode attention, head-group routed (split-K "flash decoding" on the tensor cores).
 // q [B, HQ, D]; k, v [B, HKV, TCAP, D]; lengths i32 [B]; mask u8 [B, NG] with GH query heads a
-// group. Block (split s, KV head h, batch b) covers tokens [s*chunk, (s+1)*chunk) of one KV head
-// for its QPK query heads; if none of them is active the block returns before reading K/V.
-// Groups of 8 lanes each own one token at a time (D/8 dims a lane); 16 such groups a block.
-// Partial results (log2-domain max, sum, unnormalised output) go to part_* for the combine.
+// group. Grid (NB, 1, B). A KV head is active if any of its QPK (<= 8) query heads is; only
+// active heads are read. The NB blocks of a sequence are shared out on the device among its n
+// active KV heads, NB / n splits each (so every block works whatever the skip rate, which the
+// host cannot know without a sync); a split is a run of the sequence rounded up to 64 tokens.
+// Each of the 4 warps of a block takes runs of 2 tiles of 16 tokens (warp w: runs w, w+4, ...):
+//   S = Q K^T: mma m16n8k16 with the query heads as rows (rows >= QPK are zero) and 8 tokens as
+//     columns. K is read straight from global memory into B fragments: lane (g = lane/4,
+//     t = lane%4) loads dims [32c + 8t, +8) of token g, and the mma's k index is permuted
+//     accordingly (Q is loaded with the same permutation; a dot product does not care).
+//   O^T += V^T P^T: rows = dims, columns = the 8 heads, k = the 16 tokens. The P fragments are
+//     the S accumulators of this lane (same layout), packed to 16 bits; the V^T fragments are
+//     packed from V rows loaded 16 (D = 128) or 8 (D = 64) bytes at a time, row r of mma i
+//     being dim CW*r + i (CW = D/16).
+// Online softmax per head in the log2 domain; the warps are merged through shared memory and
+// the partial results (max, sum, unnormalised output) go to part_* for the combine.
 // ---------------------------------------------------------------------------------------
+__device__ __forceinline__ unsigned pack_half(unsigned lo_src, unsigned hi_src, int half) {
+    return __byte_perm(lo_src, hi_src, half ? 0x7632 : 0x5410);
+}
+
+template <int W>  // W 32-bit words, read once (streamed past L1)
+__device__ __forceinline__ void ld_words(unsigned* dst, const void* p, bool valid) {
+    if (W == 4) {
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (valid) v = ld_stream(p);
+        dst[0] = v.x; dst[1] = v.y; dst[2] = v.z; dst[3] = v.w;
+    } else {
+        uint2 v = make_uint2(0, 0);
+        if (valid) asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+        dst[0] = v.x; dst[1] = v.y;
+    }
+}
+
+// Bit h set iff KV head h of sequence b has an active query head (HKV <= 64). Each lane tests
+// its heads with all of their mask loads in flight, then one ballot per 32 heads; every warp
+// computes the same bits on its own (no block barrier).
+template <int QPK>
+__device__ __forceinline__ unsigned long long active_kv_heads(const unsigned char* __restrict__ mask, int b, int HKV, int GH, int NG) {
+    const int lane = threadIdx.x & 31;
+    unsigned long long bits = 0;
+    for (int h0 = 0; h0 < HKV; h0 += 32) {
+        const int h = h0 + lane;
+        bool on = false;
+        if (h < HKV) {
+#pragma unroll
+            for (int j = 0; j < QPK; ++j) on |= mask[(long long)b * NG + (h * QPK + j) / GH] != 0;
+        }
+        bits |= (unsigned long long)__ballot_sync(0xffffffffu, on) << h0;
+    }
+    return bits;
+}
+
+// Index of the n-th (from 0) set bit of v.
+__device__ __forceinline__ int nth_set_bit(unsigned long long v, int n) {
+    for (int i = 0; i < n; ++i) v &= v - 1;
+    return __ffsll((long long)v) - 1;
+}
+
+// Splits a sequence gets per active KV head, and tokens a split.
+__device__ __forceinline__ int decode_splits(int NB, int n_active) { return max(1, NB / max(n_active, 1)); }
+__device__ __forceinline__ int decode_chunk(int len, int splits) { return max(64, ((len + splits - 1) / splits + 63) / 64 * 64); }
+
 template <int D, int QPK>
 __device__ __forceinline__ void attn_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                                   const int* __restrict__ lengths, const unsigned char* __restrict__ mask,
                                                   float* __restrict__ part_o, float* __restrict__ part_ml, int HQ, int HKV,
-                                                  int TCAP, int S, int chunk, int GH, int NG, float scale_log2) {
-    constexpr int DPL = D / 8;   // dims a lane
-    constexpr int NV = DPL / 8;  // 16-byte loads a lane per row
-    constexpr int NTG = 16;      // token groups a block (128 threads)
-    __shared__ float sm_acc[NTG][D];
-    __shared__ float sm_m[NTG], sm_l[NTG];
-    const int s = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-    const int tid = threadIdx.x, lane = tid & 31, sub = lane & 7, tg = tid >> 3;
-    const unsigned gmask = 0xffu << (lane & 24);  // the 8 lanes of this token group
-    unsigned act = 0;
-#pragma unroll
-    for (int j = 0; j < QPK; ++j)
-        if (mask[(long long)b * NG + (h * QPK + j) / GH]) act |= 1u << j;
-    if (act == 0) return;  // every query head of this KV head is off: its K/V are not read
+                                                  int TCAP, int NB, int GH, int NG, float scale_log2) {
+    static_assert(QPK <= 8 && D % 32 == 0, "at most 8 query heads a KV head, head_dim a multiple of 32");
+    constexpr int DC = D / 32;     // 32-dim blocks of K (2 mma k-steps each)
+    constexpr int CW = D / 16;     // dims a lane holds per V row chunk = PV mmas
+    constexpr int VW = CW / 2;     // 32-bit words per V chunk
+    constexpr int NW = 4;          // warps a block
+    __shared__ float sm_o[NW][QPK][D];
+    __shared__ float sm_m[NW][QPK], sm_l[NW][QPK];
+    const int b = blockIdx.z;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const unsigned long long heads = active_kv_heads<QPK>(mask, b, HKV, GH, NG);
+    const int n_act = __popcll(heads);
+    const int splits = decode_splits(NB, n_act);
+    if ((int)blockIdx.x >= n_act * splits) return;  // nothing for this block (or no head active)
+    const int s = blockIdx.x % splits;
+    const int h = nth_set_bit(heads, blockIdx.x / splits);
+    const float NEG_INF = -__int_as_float(0x7f800000);
     const int len = min(lengths[b], TCAP);
+    const int chunk = decode_chunk(len, splits);
     const int t0 = s * chunk, t1 = min(len, t0 + chunk);
-    float qr[QPK][DPL];
+    // Q A-fragments: row g = query head g (zero past QPK); a1, a3 (rows g + 8) stay zero.
+    unsigned qa[DC][4];
 #pragma unroll
-    for (int j = 0; j < QPK; ++j) {
-        const T* qp = q + ((long long)b * HQ + h * QPK + j) * D + sub * DPL;
+    for (int c = 0; c < DC; ++c) {
+        uint4 w = make_uint4(0, 0, 0, 0);
+        if (g < QPK) w = ld_keep(q + ((long long)b * HQ + h * QPK + g) * D + 32 * c + 8 * t);
+        qa[c][0] = w.x; qa[c][1] = w.y; qa[c][2] = w.z; qa[c][3] = w.w;
+    }
+    float o[CW][4];
 #pragma unroll
-        for (int u = 0; u < NV; ++u) {
-            const uint4 w = ld_keep(qp + u * 8);
-            const unsigned* wp = &w.x;
+    for (int i = 0; i < CW; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    float m = NEG_INF, l = 0.f;  // head g's running max (log2 domain) and this lane's share of the sum
+    const long long head = ((long long)b * HKV + h) * TCAP;
+    const T* kb = k + head * D;
+    const T* vb = v + head * D;
+    // A warp takes TW tiles of 16 tokens an iteration and issues all of their loads first (the
+    // loads and the mma are volatile asm, so they stay in this order): 16 KB in flight a warp.
+    constexpr int TW = 2;
+    for (int tw = t0 + 16 * TW * warp; tw < t1; tw += 16 * TW * NW) {
+        // K: tokens tb + 8j + g, dims 32c + 8t .. +8.   V: tokens tb + {2t, 2t+1, 2t+8, 2t+9}, dims
+        // [CW g, +CW) and [CW (g+8), +CW).
+        unsigned kr[TW][2][DC][4], vr[TW][4][2][VW];
+#pragma unroll
+        for (int u = 0; u < TW; ++u) {
+            const int tb = tw + 16 * u;
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const int tok = tb + 8 * j + g;
+#pragma unroll
+                for (int c = 0; c < DC; ++c) ld_words<4>(kr[u][j][c], kb + (long long)tok * D + 32 * c + 8 * t, tok < t1);
+            }
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const float2 f = to_f2(wp[e]);
-                qr[j][u * 8 + 2 * e] = f.x * scale_log2;
-                qr[j][u * 8 + 2 * e + 1] = f.y * scale_log2;
+                const int tok = tb + 2 * t + (e & 1) + 8 * (e >> 1);
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) ld_words<VW>(vr[u][e][hh], vb + (long long)tok * D + CW * (g + 8 * hh), tok < t1);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < TW; ++u) {
+            const int tb = tw + 16 * u;
+            if (tb >= t1) break;  // uniform in the warp
+            float sc[2][4];
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+#pragma unroll
+                for (int c = 0; c < DC; ++c)
+#pragma unroll
+                    for (int hh = 0; hh < 2; ++hh) {
+                        const unsigned a[4] = {qa[c][2 * hh], 0u, qa[c][2 * hh + 1], 0u};
+                        const unsigned bb[2] = {kr[u][j][c][2 * hh], kr[u][j][c][2 * hh + 1]};
+                        mma16816(sc[j], a, bb);
+                    }
+            }
+            // sc[j][e] (e < 2) = score of head g with token tb + 8j + 2t + e.
+            float mt = NEG_INF;
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    sc[j][e] = tb + 8 * j + 2 * t + e < t1 ? sc[j][e] * scale_log2 : NEG_INF;
+                    mt = fmaxf(mt, sc[j][e]);
+                }
+            mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
+            mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 2));
+            const float mn = fmaxf(m, mt);  // finite: token tb is valid
+            const float alpha = exp2f(m - mn);
+            m = mn;
+            float p[2][2];
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) p[j][e] = exp2f(sc[j][e] - mn);
+            l = l * alpha + (p[0][0] + p[0][1]) + (p[1][0] + p[1][1]);
+            // This lane's outputs belong to heads 2t and 2t + 1, whose alphas live in lanes 8t, 8t + 4.
+            const float al0 = __shfl_sync(0xffffffffu, alpha, 8 * t), al1 = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);
+            const unsigned pb[2] = {from_f2(p[0][0], p[0][1]), from_f2(p[1][0], p[1][1])};
+#pragma unroll
+            for (int i = 0; i < CW; ++i) {
+                o[i][0] *= al0; o[i][2] *= al0;
+                o[i][1] *= al1; o[i][3] *= al1;
+                const int w = i >> 1, hf = i & 1;
+                const unsigned a[4] = {pack_half(vr[u][0][0][w], vr[u][1][0][w], hf), pack_half(vr[u][0][1][w], vr[u][1][1][w], hf),
+                                       pack_half(vr[u][2][0][w], vr[u][3][0][w], hf), pack_half(vr[u][2][1][w], vr[u][3][1][w], hf)};
+                mma16816(o[i], a, pb);
             }
         }
     }
-    float mx[QPK], l[QPK], acc[QPK][DPL];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if (t == 0 && g < QPK) { sm_m[warp][g] = m; sm_l[warp][g] = l; }
 #pragma unroll
-    for (int j = 0; j < QPK; ++j) {
-        mx[j] = -__int_as_float(0x7f800000);
-        l[j] = 0.f;
+    for (int i = 0; i < CW; ++i)
 #pragma unroll
-        for (int i = 0; i < DPL; ++i) acc[j][i] = 0.f;
-    }
-    const long long head = ((long long)b * HKV + h) * TCAP;
-    const T* kb = k + head * D + sub * DPL;
-    const T* vb = v + head * D + sub * DPL;
-    constexpr int UT = 2;  // tokens in flight per lane group
-    for (int tb = t0 + tg; tb < t1; tb += NTG * UT) {
-        uint4 kv[UT][NV], vv[UT][NV];
+        for (int e = 0; e < 4; ++e) {
+            const int hq = 2 * t + (e & 1), dim = CW * (g + 8 * (e >> 1)) + i;
+            if (hq < QPK) sm_o[warp][hq][dim] = o[i][e];
+        }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < QPK * D; idx += 32 * NW) {
+        const int hq = idx / D, d = idx % D;
+        float M = NEG_INF;
 #pragma unroll
-        for (int u = 0; u < UT; ++u) {
-            const int t = tb + u * NTG;
-            if (t < t1) {
+        for (int w = 0; w < NW; ++w) M = fmaxf(M, sm_m[w][hq]);
+        float L = 0.f, O = 0.f;
+        if (M != NEG_INF) {
 #pragma unroll
-                for (int e = 0; e < NV; ++e) {
-                    kv[u][e] = ld_stream(kb + (long long)t * D + e * 8);
-                    vv[u][e] = ld_stream(vb + (long long)t * D + e * 8);
-                }
+            for (int w = 0; w < NW; ++w) {
+                const float c = exp2f(sm_m[w][hq] - M);
+                L += c * sm_l[w][hq];
+                O += c * sm_o[w][hq][d];
             }
         }
-#pragma unroll
-        for (int u = 0; u < UT; ++u) {
-            const int t = tb + u * NTG;
-            if (t >= t1) break;  // uniform within the 8-lane group
-            float kf[DPL], vf[DPL];
-#pragma unroll
-            for (int e = 0; e < NV; ++e) {
-                const unsigned* kp = &kv[u][e].x;
-                const unsigned* vp = &vv[u][e].x;
-#pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    const float2 a = to_f2(kp[c]), bb = to_f2(vp[c]);
-                    kf[e * 8 + 2 * c] = a.x;
-                    kf[e * 8 + 2 * c + 1] = a.y;
-                    vf[e * 8 + 2 * c] = bb.x;
-                    vf[e * 8 + 2 * c + 1] = bb.y;
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < QPK; ++j) {
-                float d = 0.f;
-#pragma unroll
-                for (int i = 0; i < DPL; ++i) d = fmaf(qr[j][i], kf[i], d);
-                // Only this token's 8 lanes take part: the 4 groups of a warp may run
-                // different numbers of tokens (ragged lengths), so a full-warp mask would hang.
-                d += __shfl_xor_sync(gmask, d, 4);
-                d += __shfl_xor_sync(gmask, d, 2);
-                d += __shfl_xor_sync(gmask, d, 1);
-                const float mn = fmaxf(mx[j], d);
-                const float alpha = exp2f(mx[j] - mn), p = exp2f(d - mn);
-                l[j] = l[j] * alpha + p;
-#pragma unroll
-                for (int i = 0; i < DPL; ++i) acc[j][i] = fmaf(acc[j][i], alpha, p * vf[i]);
-                mx[j] = mn;
-            }
-        }
-    }
-    // Merge the 16 token groups, one query head at a time (keeps shared memory small).
-#pragma unroll
-    for (int j = 0; j < QPK; ++j) {
-        __syncthreads();
-        if (sub == 0) { sm_m[tg] = mx[j]; sm_l[tg] = l[j]; }
-#pragma unroll
-        for (int i = 0; i < DPL; ++i) sm_acc[tg][sub * DPL + i] = acc[j][i];
-        __syncthreads();
-        const long long row = ((long long)b * HQ + h * QPK + j) * S + s;
-        if (tid < D) {
-            float M = -__int_as_float(0x7f800000);
-            for (int g = 0; g < NTG; ++g) M = fmaxf(M, sm_m[g]);
-            float L = 0.f, O = 0.f;
-            if (M != -__int_as_float(0x7f800000)) {
-                for (int g = 0; g < NTG; ++g) {
-                    const float c = exp2f(sm_m[g] - M);
-                    L += c * sm_l[g];
-                    O += c * sm_acc[g][tid];
-                }
-            }
-            part_o[row * D + tid] = O;
-            if (tid == 0) { part_ml[row * 2] = M; part_ml[row * 2 + 1] = L; }
-        }
+        const long long row = ((long long)b * HQ + h * QPK + hq) * NB + s;
+        part_o[row * D + d] = O;
+        if (d == 0) { part_ml[row * 2] = M; part_ml[row * 2 + 1] = L; }
     }
 }
 
-// out [B, HQ, D]: inactive heads exactly 0, others the merged splits. Grid (HQ, B), D threads.
-template <int D>
+// out [B, HQ, D]: inactive heads exactly 0, others the merged splits. Grid (HQ, B), 256
+// threads, dynamic shared memory NB floats. Three passes, none with a chain of dependent loads
+// (a running merge over hundreds of splits would wait on one load after another): the maximum
+// over the splits, each split's weight exp2(m_s - M) and the total sum, then the weighted sum of
+// the outputs (NSL slices of D/4 threads, 16-byte loads), merged through shared memory.
+__device__ __forceinline__ float block_reduce(float v, float* sh, bool is_max) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float y = __shfl_xor_sync(0xffffffffu, v, o);
+        v = is_max ? fmaxf(v, y) : v + y;
+    }
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float r = sh[0];
+    for (int i = 1; i < (int)(blockDim.x >> 5); ++i) r = is_max ? fmaxf(r, sh[i]) : r + sh[i];
+    return r;
+}
+
+template <int D, int QPK>
 __device__ __forceinline__ void attn_decode_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
-                                                    const unsigned char* __restrict__ mask, T* __restrict__ out, int HQ, int S,
-                                                    int GH, int NG) {
-    const int hq = blockIdx.x, b = blockIdx.y, d = threadIdx.x;
-    T* o = out + ((long long)b * HQ + hq) * D + d;
-    if (!mask[(long long)b * NG + hq / GH]) { *o = (T)0.0f; return; }
-    const long long row0 = ((long long)b * HQ + hq) * S;
-    float M = -__int_as_float(0x7f800000);
-    for (int s = 0; s < S; ++s) M = fmaxf(M, part_ml[(row0 + s) * 2]);
-    float L = 0.f, O = 0.f;
-    if (M != -__int_as_float(0x7f800000)) {
-        for (int s = 0; s < S; ++s) {
-            const float c = exp2f(part_ml[(row0 + s) * 2] - M);
-            L += c * part_ml[(row0 + s) * 2 + 1];
-            O += c * part_o[(row0 + s) * D + d];
-        }
+                                                    const unsigned char* __restrict__ mask, T* __restrict__ out, int HQ, int HKV,
+                                                    int NB, int GH, int NG) {
+    constexpr int DV = D / 4, NSL = 256 / DV;
+    extern __shared__ float sm_c[];  // NB split weights
+    __shared__ float sm_o[NSL][D];
+    __shared__ float sh[8];
+    const int hq = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, sl = tid / DV, dv = tid % DV;
+    T* o = out + ((long long)b * HQ + hq) * D;
+    if (!mask[(long long)b * NG + hq / GH]) {
+        if (tid < D) o[tid] = (T)0.0f;
+        return;
     }
-    *o = (T)(L > 0.f ? O / L : 0.0f);
+    const int S = decode_splits(NB, __popcll(active_kv_heads<QPK>(mask, b, HKV, GH, NG)));
+    const float NEG_INF = -__int_as_float(0x7f800000);
+    const long long row0 = ((long long)b * HQ + hq) * NB;
+    float m = NEG_INF;
+    for (int s = tid; s < S; s += blockDim.x) m = fmaxf(m, part_ml[(row0 + s) * 2]);
+    const float M = block_reduce(m, sh, true);
+    float l = 0.f;
+    for (int s = tid; s < S; s += blockDim.x) {
+        const float ms = part_ml[(row0 + s) * 2];
+        const float c = ms == NEG_INF ? 0.f : exp2f(ms - M);  // a split past the length: weight 0
+        sm_c[s] = c;
+        l += c * part_ml[(row0 + s) * 2 + 1];
+    }
+    const float L = block_reduce(l, sh, false);  // its barriers also publish sm_c
+    float4 O = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+    for (int s = sl; s < S; s += NSL) {
+        const float c = sm_c[s];
+        const float4 os = *reinterpret_cast<const float4*>(part_o + (row0 + s) * D + dv * 4);
+        O.x += c * os.x;
+        O.y += c * os.y;
+        O.z += c * os.z;
+        O.w += c * os.w;
+    }
+    *reinterpret_cast<float4*>(&sm_o[sl][dv * 4]) = O;
+    __syncthreads();
+    if (tid < D) {
+        float OO = 0.f;
+        for (int i = 0; i < NSL; ++i) OO += sm_o[i][tid];
+        o[tid] = (T)(L > 0.f ? OO / L : 0.0f);
+    }
 }
 
-#define ATTN_SPLIT(D, QPK)                                                                                          \
+#define ATTN_DECODE(D, QPK)                                                                                         \
     extern "C" __global__ void __launch_bounds__(128) attn_decode_split_##D##_##QPK(                                 \
         const T* q, const T* k, const T* v, const int* lengths, const unsigned char* mask, float* part_o, float* part_ml, \
-        int HQ, int HKV, int TCAP, int S, int chunk, int GH, int NG, float scale_log2) {                             \
-        attn_decode_split<D, QPK>(q, k, v, lengths, mask, part_o, part_ml, HQ, HKV, TCAP, S, chunk, GH, NG, scale_log2); \
+        int HQ, int HKV, int TCAP, int NB, int GH, int NG, float scale_log2) {                                        \
+        attn_decode_split<D, QPK>(q, k, v, lengths, mask, part_o, part_ml, HQ, HKV, TCAP, NB, GH, NG, scale_log2);   \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(256) attn_decode_combine_##D##_##QPK(                               \
+        const float* part_o, const float* part_ml, const unsigned char* mask, T* out, int HQ, int HKV, int NB, int GH, int NG) { \
+        attn_decode_combine<D, QPK>(part_o, part_ml, mask, out, HQ, HKV, NB, GH, NG);                                 \
     }
-ATTN_SPLIT(64, 1)
-ATTN_SPLIT(64, 2)
-ATTN_SPLIT(64, 4)
-ATTN_SPLIT(64, 8)
-ATTN_SPLIT(128, 1)
-ATTN_SPLIT(128, 2)
-ATTN_SPLIT(128, 4)
-#define ATTN_COMBINE(D)                                                                                             \
-    extern "C" __global__ void attn_decode_combine_##D(const float* part_o, const float* part_ml, const unsigned char* mask, \
-                                                       T* out, int HQ, int S, int GH, int NG) {                      \
-        attn_decode_combine<D>(part_o, part_ml, mask, out, HQ, S, GH, NG);                                           \
-    }
-ATTN_COMBINE(64)
-ATTN_COMBINE(128)
+ATTN_DECODE(64, 1)
+ATTN_DECODE(64, 2)
+ATTN_DECODE(64, 4)
+ATTN_DECODE(64, 8)
+ATTN_DECODE(128, 1)
+ATTN_DECODE(128, 2)
+ATTN_DECODE(128, 4)
+ATTN_DECODE(128, 8)
 
 // Keeps the GPU busy for `ns` nanoseconds: queued before a timed region, it lets the host
 // enqueue the region's launches ahead of the GPU, so events time device work alone.
@@ -534,11 +679,6 @@ __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0
 __device__ __forceinline__ void ldsm_x4(unsigned* r, const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
-}
-__device__ __forceinline__ void mma16816(float* d, const unsigned* a, const unsigned* b) {
-    asm volatile(MMA_OP " {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
 // One BK slice of the block tile: A [BM][LDS], B [BN][LDS] (n-major, k contiguous).
