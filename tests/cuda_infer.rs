@@ -37,6 +37,14 @@ fn fused_kernels_match_their_references() {
         assert!(rel(&o, &fused::rmsnorm_reference(&rr, &w, 1e-5)) < 1e-2, "rmsnorm m={m} h={h}");
         let (_, o2) = fused::add_rmsnorm(&x, None, &w, 1e-5).unwrap();
         assert!(rel(&o2, &fused::rmsnorm_reference(&x, &w, 1e-5)) < 1e-2);
+        // The same launch with a router's first layer (rank 32: several router blocks a row).
+        let (w1, b1) = (Tensor::randn([32, h], bf) * 0.03, Tensor::randn([32], bf) * 0.1);
+        for delta in [Some(&d), None] {
+            let (r3, o3, h1) = fused::add_rmsnorm_router(&x, delta, &w, 1e-5, &w1, &b1).unwrap();
+            let (r2, o2) = fused::add_rmsnorm(&x, delta, &w, 1e-5).unwrap();
+            assert!(r3.equal(&r2) && o3.equal(&o2), "norm outputs change with the router fused in (m={m} h={h})");
+            assert!(rel(&h1, &r2.linear(&w1, Some(&b1))) < 1e-2, "router first layer m={m} h={h}");
+        }
     }
     for (b, t, hq, hkv, d) in [(1i64, 1i64, 32i64, 8i64, 128i64), (3, 17, 8, 2, 64)] {
         let s = QkvShape { batch: b, tokens: t, q_heads: hq, kv_heads: hkv, head_dim: d };

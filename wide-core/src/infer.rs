@@ -118,6 +118,8 @@ struct RouteCtx<'a> {
     counts: Option<&'a mut BTreeMap<RouterKind, (Tensor, Tensor)>>,
     /// Fit per-layer offsets so each router skips this share of the valid tokens' groups.
     fit: Option<f64>,
+    /// The next router's first layer, computed by the norm kernel that produced its input.
+    hidden: Option<(RouterKind, Tensor)>,
 }
 
 /// An attention or FFN decision for the tokens of one forward.
@@ -295,7 +297,7 @@ impl<'m> Engine<'m> {
         let (valid, pos) = self.prefill_inputs(b, t, lengths);
         let mut dev_counts = BTreeMap::new();
         let want_counts = counts.is_some();
-        let mut rc = RouteCtx { source: masks, cursor: 0, valid: Some(valid), counts: want_counts.then_some(&mut dev_counts), fit: None };
+        let mut rc = RouteCtx { source: masks, cursor: 0, valid: Some(valid), counts: want_counts.then_some(&mut dev_counts), fit: None, hidden: None };
         let hn = self.forward_tokens(&ids.to_device(dev), (b, t), &pos, None, cache, &mut rc)?;
         if let Some(c) = counts {
             add_counts(c, &dev_counts);
@@ -320,7 +322,7 @@ impl<'m> Engine<'m> {
         let (valid, pos) = self.prefill_inputs(b, t, lengths);
         let mut src = MaskSource::Routers;
         let mut dev_counts = BTreeMap::new();
-        let mut rc = RouteCtx { source: &mut src, cursor: 0, valid: Some(valid), counts: Some(&mut dev_counts), fit: Some(target) };
+        let mut rc = RouteCtx { source: &mut src, cursor: 0, valid: Some(valid), counts: Some(&mut dev_counts), fit: Some(target), hidden: None };
         let _ = self.forward_tokens(&ids.to_device(self.model.device), (b, t), &pos, None, &cache, &mut rc)?;
         let mut c = SkipCounts::default();
         add_counts(&mut c, &dev_counts);
@@ -373,7 +375,7 @@ impl<'m> Engine<'m> {
         let mut delta: Option<Tensor> = None;
         let shape = QkvShape { batch: b, tokens: t, q_heads: c.num_attention_heads, kv_heads: c.num_key_value_heads, head_dim: c.head_dim };
         for (i, layer) in m.layers.iter().enumerate() {
-            let (xr, hn) = self.timed("norm", || fused::add_rmsnorm(&x, delta.as_ref(), &layer.input_layernorm.weight, eps))?;
+            let (xr, hn) = self.timed("norm", || self.norm_and_router(i, RouterKind::Attention, &x, delta.as_ref(), &layer.input_layernorm.weight, rc))?;
             x = xr;
             let (attn_d, q_ext, layer_mask) = self.timed("router", || self.attention_decision(i, &x, rc))?;
             let mut qkv = self.timed("qkv", || self.project_qkv(i, &hn, attn_d.as_ref(), q_ext.as_ref()))?;
@@ -387,7 +389,7 @@ impl<'m> Engine<'m> {
             let q = self.timed("rope_kv", || fused::rope_qkv_cache(&qkv, pos, &self.inv_freq, &shape, &cache.keys[i], &cache.values[i]))?;
             let attn = self.timed("attention", || self.attention(i, &q, (b, t), lengths, cache, attn_d.as_ref()))?;
             let o = self.timed("o_proj", || self.project_k(&attn, &layer.self_attn.o_proj.weight, layer.self_attn.o_proj.bias.as_ref(), attn_d.as_ref(), c.head_dim, 0))?;
-            let (xr, h2) = self.timed("norm", || fused::add_rmsnorm(&x, Some(&o), &layer.post_attention_layernorm.weight, eps))?;
+            let (xr, h2) = self.timed("norm", || self.norm_and_router(i, RouterKind::Ffn, &x, Some(&o), &layer.post_attention_layernorm.weight, rc))?;
             x = xr;
             let ffn_d = self.timed("router", || self.ffn_decision(i, &x, rc, layer_mask))?;
             let hid = self.timed("gate_up", || self.project_gate_up(i, &h2, ffn_d.as_ref()))?;
@@ -396,6 +398,27 @@ impl<'m> Engine<'m> {
         }
         let (_, hn) = self.timed("norm", || fused::add_rmsnorm(&x, delta.as_ref(), &m.norm.weight, eps))?;
         Ok(hn)
+    }
+
+    /// Residual add + RMSNorm; for a few tokens whose next router (`kind`, of layer `i`) runs,
+    /// the same launch also computes that router's first layer (left in `rc.hidden`).
+    fn norm_and_router(&self, i: usize, kind: RouterKind, x: &Tensor, delta: Option<&Tensor>, w: &Tensor, rc: &mut RouteCtx) -> Result<(Tensor, Tensor)> {
+        let eps = self.model.config.rms_norm_eps;
+        let layer = self.routing.map(|r| &r.layers[i]);
+        let router = match kind {
+            RouterKind::Attention => layer.and_then(|l| l.attention.as_ref()),
+            RouterKind::Ffn => layer.and_then(|l| l.ffn.as_ref()),
+            RouterKind::Layer => None,
+        };
+        let fuse = rc.fit.is_none() && matches!(rc.source, MaskSource::Routers) && x.size()[0] <= GEMV_MAX_M && is_fast_dtype(x);
+        match router.filter(|_| fuse) {
+            Some(r) => {
+                let (res, out, h1) = fused::add_rmsnorm_router(x, delta, w, eps, &r.compressor_w, &r.compressor_b)?;
+                rc.hidden = Some((kind, h1));
+                Ok((res, out))
+            }
+            None => fused::add_rmsnorm(x, delta, w, eps),
+        }
     }
 
     /// One router's execute mask `[M, groups]` (bool) for tokens `x: [M, hidden]`, and the
@@ -435,7 +458,14 @@ impl<'m> Engine<'m> {
                     self.offsets.borrow_mut()[i][k] = off;
                 }
                 let off = self.offsets.borrow()[i][k];
-                fused::router_gate(x, &w, off, if rc.valid.is_none() { extra } else { 0 })?
+                let extra = if rc.valid.is_none() { extra } else { 0 };
+                match rc.hidden.take() {
+                    Some((hk, h1)) if hk == kind => fused::router_gate_from_hidden(&h1, &w, off, extra)?,
+                    other => {
+                        rc.hidden = other; // another router's (layer_skip's layer router runs first)
+                        fused::router_gate(x, &w, off, extra)?
+                    }
+                }
             }
         };
         if let Some(v) = &rc.valid {
@@ -728,7 +758,7 @@ impl<'e, 'm> Decoder<'e, 'm> {
         let e = self.engine;
         let b = self.cache.batch;
         let mut src = MaskSource::Routers;
-        let mut rc = RouteCtx { source: &mut src, cursor: 0, valid: None, counts: self.counts.as_mut(), fit: None };
+        let mut rc = RouteCtx { source: &mut src, cursor: 0, valid: None, counts: self.counts.as_mut(), fit: None, hidden: None };
         let hn = e.forward_tokens(&self.tokens.view([b, 1]), (b, 1), &self.pos, Some(&self.lengths), &self.cache, &mut rc)?;
         let logits = e.timed("lm_head", || Ok(hn.linear::<Tensor>(&e.model.lm_head, None)))?;
         if self.greedy {

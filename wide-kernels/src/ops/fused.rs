@@ -1,7 +1,8 @@
 //! Fused element-wise ops of the inference path, each with its tch reference (any device and
 //! dtype) and a CUDA kernel (bf16/f16) from `infer.cu`:
 //!
-//! - [`add_rmsnorm`]: residual add and RMSNorm in one pass;
+//! - [`add_rmsnorm`]: residual add and RMSNorm in one pass ([`add_rmsnorm_router`]: and the first
+//!   layer of the router that reads the same residual);
 //! - [`rope_qkv_cache`]: RoPE on the fused q/k/v projection, q out in attention layout, k and v
 //!   written into the KV cache at each token's position;
 //! - [`swiglu`]: `silu(gate) * up` from the fused gate|up projection, zero at skipped groups;
@@ -62,36 +63,62 @@ pub fn rmsnorm_reference(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
 
 /// `x, delta: [M, H]` (delta optional), `w: [H]` -> `(x + delta, rmsnorm(x + delta) * w)`.
 pub fn add_rmsnorm(x: &Tensor, delta: Option<&Tensor>, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+    let (res, out, _) = add_rmsnorm_impl(x, delta, w, eps, None)?;
+    Ok((res, out))
+}
+
+/// [`add_rmsnorm`] and the first layer of a router reading the same residual (`w1: [R, H]`,
+/// `b1: [R]`): returns `(res, norm, res W1^T + b1)`. On CUDA one launch does both (decode: a
+/// GEMV launch fewer per router); the hidden `[M, R]` then feeds [`router_gate_from_hidden`].
+pub fn add_rmsnorm_router(x: &Tensor, delta: Option<&Tensor>, w: &Tensor, eps: f64, w1: &Tensor, b1: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    let (res, out, h1) = add_rmsnorm_impl(x, delta, w, eps, Some((w1, b1)))?;
+    let h1 = match h1 {
+        Some(h) => h,
+        None => res.linear(w1, Some(b1)),
+    };
+    Ok((res, out, h1))
+}
+
+fn add_rmsnorm_impl(x: &Tensor, delta: Option<&Tensor>, w: &Tensor, eps: f64, router: Option<(&Tensor, &Tensor)>) -> Result<(Tensor, Tensor, Option<Tensor>)> {
     let (m, h) = x.size2()?;
     if let Some(d) = delta {
         ensure!(d.size() == [m, h], "add_rmsnorm: delta {:?} must match x [{m}, {h}]", d.size());
     }
     ensure!(w.size() == [h], "add_rmsnorm: weight {:?} must be [{h}]", w.size());
+    if let Some((w1, b1)) = router {
+        ensure!(w1.dim() == 2 && w1.size()[1] == h && b1.size() == [w1.size()[0]], "add_rmsnorm_router: router {:?} / {:?} does not take hidden size {h}", w1.size(), b1.size());
+    }
     match cuda_of(x) {
-        Some((dev, f16)) if h <= 16 * 512 && x.is_contiguous() && delta.is_none_or(|d| d.is_contiguous()) => {
+        Some((dev, f16)) if h <= 16 * 512 && x.is_contiguous() && delta.is_none_or(|d| d.is_contiguous()) && m <= 65535 => {
             let res = match delta {
                 Some(_) => x.empty_like(),
                 None => x.shallow_clone(),
             };
             let out = x.empty_like();
             let threads = (((h + 15) / 16).clamp(32, 512) as u32).div_ceil(32) * 32;
-            let k = kernel(f16, "add_rmsnorm", dev)?;
-            unsafe {
-                k.launch(
-                    LaunchConfig { grid: (m as u32, 1, 1), block: (threads, 1, 1), shared_mem_bytes: 0 },
-                    &[
-                        KernelArg::tensor(x)?,
-                        KernelArg::tensor(delta.unwrap_or(x))?,
-                        KernelArg::tensor(&w.contiguous())?,
-                        KernelArg::tensor(&res)?,
-                        KernelArg::tensor(&out)?,
-                        KernelArg::I32(h as i32),
-                        KernelArg::F32(eps as f32),
-                        KernelArg::I32(delta.is_some() as i32),
-                    ],
-                )?;
-            }
-            Ok((res, out))
+            let mut args = vec![
+                KernelArg::tensor(x)?,
+                KernelArg::tensor(delta.unwrap_or(x))?,
+                KernelArg::tensor(&w.contiguous())?,
+                KernelArg::tensor(&res)?,
+                KernelArg::tensor(&out)?,
+                KernelArg::I32(h as i32),
+                KernelArg::F32(eps as f32),
+                KernelArg::I32(delta.is_some() as i32),
+            ];
+            let fused = router.filter(|(w1, _)| h % 8 == 0 && w1.kind() == x.kind());
+            let (entry, grid, smem, h1) = match fused {
+                Some((w1, b1)) => {
+                    let r = w1.size()[0];
+                    let h1 = Tensor::empty([m, r], (x.kind(), x.device()));
+                    args.extend([KernelArg::tensor(&w1.contiguous())?, KernelArg::tensor(&b1.contiguous())?, KernelArg::tensor(&h1)?, KernelArg::I32(r as i32)]);
+                    ("add_rmsnorm_router", (m as u32, 1 + (r as u32).div_ceil(threads / 32), 1), 4 * h as u32, Some(h1))
+                }
+                None => ("add_rmsnorm", (m as u32, 1, 1), 0, None),
+            };
+            let k = kernel(f16, entry, dev)?;
+            unsafe { k.launch(LaunchConfig { grid, block: (threads, 1, 1), shared_mem_bytes: smem }, &args)? };
+            Ok((res, out, h1))
         }
         _ => {
             let res = match delta {
@@ -99,7 +126,7 @@ pub fn add_rmsnorm(x: &Tensor, delta: Option<&Tensor>, w: &Tensor, eps: f64) -> 
                 None => x.shallow_clone(),
             };
             let out = rmsnorm_reference(&res, w, eps);
-            Ok((res, out))
+            Ok((res, out, None))
         }
     }
 }
@@ -239,27 +266,35 @@ pub struct RouterWeights<'a> {
 
 /// Reference of [`router_gate`]: execute mask bool `[M, groups]`.
 pub fn router_gate_reference(x: &Tensor, r: &RouterWeights, offset: f64) -> Tensor {
-    let m = x.size()[0];
-    let logits = x.linear(r.w1, Some(r.b1)).linear(r.w2, Some(r.b2)).to_kind(Kind::Float).view([m, -1, 2]);
+    gate_from_hidden_reference(&x.linear(r.w1, Some(r.b1)), r, offset)
+}
+
+fn gate_from_hidden_reference(h: &Tensor, r: &RouterWeights, offset: f64) -> Tensor {
+    let logits = h.linear(r.w2, Some(r.b2)).to_kind(Kind::Float).view([h.size()[0], -1, 2]);
     (logits.select(-1, 1) - logits.select(-1, 0) + offset).le(0.0)
 }
 
 /// The router on `x: [M, hidden]` and the deterministic gate (a group runs iff
 /// `skip - execute + offset <= 0`): returns the mask bool `[M, groups]` and, with `extra > 0`,
-/// the same mask with `extra` always-on groups appended, `[M, groups + extra]`. The kernel
-/// takes the first layer from cuBLAS (a GEMV or GEMM over all SMs) and does the second layer
-/// and the gate in one kernel.
+/// the same mask with `extra` always-on groups appended, `[M, groups + extra]`. On CUDA the
+/// first layer runs on cuBLAS (a GEMV or GEMM over all SMs), then [`router_gate_from_hidden`].
 pub fn router_gate(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64) -> Result<(Tensor, Option<Tensor>)> {
-    let (m, hidden) = x.size2()?;
-    let (rank, h1) = r.w1.size2()?;
-    ensure!(h1 == hidden, "router_gate: compressor {:?} does not take hidden size {hidden}", r.w1.size());
+    let (_, hidden) = x.size2()?;
+    ensure!(r.w1.size2()?.1 == hidden, "router_gate: compressor {:?} does not take hidden size {hidden}", r.w1.size());
+    router_gate_from_hidden(&x.linear(r.w1, Some(r.b1)), r, offset, extra)
+}
+
+/// The router's second layer and the gate on its first layer's output `h: [M, rank]` (from
+/// [`router_gate`] or [`add_rmsnorm_router`]); one kernel on CUDA.
+pub fn router_gate_from_hidden(h: &Tensor, r: &RouterWeights, offset: f64, extra: i64) -> Result<(Tensor, Option<Tensor>)> {
+    let (m, rank) = h.size2()?;
+    ensure!(r.w2.dim() == 2 && r.w2.size()[1] == rank, "router_gate: router layer {:?} does not take rank {rank}", r.w2.size());
     let ng = r.w2.size()[0] / 2;
-    match cuda_of(x) {
-        Some((dev, f16)) if rank <= 256 && m <= i32::MAX as i64 && r.w1.kind() == x.kind() => {
-            // First layer on cuBLAS (a GEMV over all SMs), second layer and gate in one kernel.
-            let h = x.linear(r.w1, Some(r.b1)).contiguous();
-            let mask = Tensor::empty([m, ng], (Kind::Bool, x.device()));
-            let ext = (extra > 0).then(|| Tensor::empty([m, ng + extra], (Kind::Bool, x.device())));
+    match cuda_of(h) {
+        Some((dev, f16)) if rank <= 256 && m <= i32::MAX as i64 && r.w2.kind() == h.kind() => {
+            let h = h.contiguous();
+            let mask = Tensor::empty([m, ng], (Kind::Bool, h.device()));
+            let ext = (extra > 0).then(|| Tensor::empty([m, ng + extra], (Kind::Bool, h.device())));
             let k = kernel(f16, "router_gate", dev)?;
             unsafe {
                 k.launch(
@@ -283,8 +318,8 @@ pub fn router_gate(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64) -> Re
             Ok((mask, ext))
         }
         _ => {
-            let mask = router_gate_reference(x, r, offset);
-            let ext = (extra > 0).then(|| Tensor::cat(&[&mask, &Tensor::ones([m, extra], (Kind::Bool, x.device()))], 1));
+            let mask = gate_from_hidden_reference(h, r, offset);
+            let ext = (extra > 0).then(|| Tensor::cat(&[&mask, &Tensor::ones([m, extra], (Kind::Bool, h.device()))], 1));
             Ok((mask, ext))
         }
     }

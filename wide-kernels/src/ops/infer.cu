@@ -32,13 +32,13 @@ __device__ __forceinline__ float block_sum(float v, float* sh) {
     return s;
 }
 
-// res[m] = x[m] (+ delta[m]); out[m] = w * rms_normalise(res[m]). One block per row.
-// x may alias res (in-place residual update). H <= 8 * blockDim.x * 8.
-extern "C" __global__ void __launch_bounds__(512) add_rmsnorm(const T* x, const T* __restrict__ delta, const T* __restrict__ w,
-                                                              T* res, T* __restrict__ out, int H, float eps, int has_delta) {
+// res[m] = x[m] (+ delta[m]); out[m] = w * rms_normalise(res[m]) for row m, by one block.
+// x may alias res (in-place residual update). H <= 16 * blockDim.x.
+__device__ __forceinline__ void add_rmsnorm_row(const T* x, const T* __restrict__ delta, const T* __restrict__ w, T* res,
+                                                T* __restrict__ out, int H, float eps, int has_delta, long long m) {
     __shared__ float sh[32];
-    const long long row = (long long)blockIdx.x * H;
-    constexpr int PER = 16;  // elements a thread holds (H <= 16 * blockDim.x)
+    const long long row = m * H;
+    constexpr int PER = 16;  // elements a thread holds
     float v[PER];
     float ss = 0.f;
 #pragma unroll
@@ -62,6 +62,50 @@ extern "C" __global__ void __launch_bounds__(512) add_rmsnorm(const T* x, const 
             out[row + i] = ft(tf(w[i]) * rt(v[j] * inv));
         }
     }
+}
+
+// One block per row.
+extern "C" __global__ void __launch_bounds__(512) add_rmsnorm(const T* x, const T* __restrict__ delta, const T* __restrict__ w,
+                                                              T* res, T* __restrict__ out, int H, float eps, int has_delta) {
+    add_rmsnorm_row(x, delta, w, res, out, H, eps, has_delta, blockIdx.x);
+}
+
+// add_rmsnorm and the first layer of the router that reads the same residual, in one launch
+// (decode: saves a GEMV launch per router). Grid (M, 1 + ceil(R / warps)): block (m, 0) is
+// add_rmsnorm of row m; block (m, y > 0) rebuilds the residual row in shared memory (H floats
+// of dynamic shared memory) and gives each warp one output r = (y - 1) * warps + warp:
+// h1[m, r] = res[m] . w1[r] + b1[r], rounded once like cuBLAS's linear with bias. H % 8 == 0.
+extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router(const T* x, const T* __restrict__ delta, const T* __restrict__ w,
+                                                                     T* res, T* __restrict__ out, int H, float eps, int has_delta,
+                                                                     const T* __restrict__ w1, const T* __restrict__ b1,
+                                                                     T* __restrict__ h1, int R) {
+    if (blockIdx.y == 0) {
+        add_rmsnorm_row(x, delta, w, res, out, H, eps, has_delta, blockIdx.x);
+        return;
+    }
+    extern __shared__ float xs[];
+    const long long row = (long long)blockIdx.x * H;
+    for (int i = threadIdx.x; i < H; i += blockDim.x) {
+        float a = tf(x[row + i]);
+        if (has_delta) a = rt(a + tf(delta[row + i]));
+        xs[i] = a;
+    }
+    __syncthreads();
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    const int r = (blockIdx.y - 1) * warps + (threadIdx.x >> 5);
+    if (r >= R) return;
+    const T* wr = w1 + (long long)r * H;
+    float acc = 0.f;
+#pragma unroll 4
+    for (int c = lane; c < H / 8; c += 32) {
+        const uint4 wv = __ldg(reinterpret_cast<const uint4*>(wr + 8 * c));
+        const T* we = reinterpret_cast<const T*>(&wv);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc = fmaf(tf(we[e]), xs[8 * c + e], acc);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (lane == 0) h1[(long long)blockIdx.x * R + r] = ft(acc + tf(b1[r]));
 }
 
 // qkv [M, (HQ + 2 HKV) D] (one row per token; token m = b * T + t). Rotates q and k by the
@@ -128,7 +172,7 @@ extern "C" __global__ void swiglu_masked(const T* __restrict__ gu, const unsigne
 }
 
 // Second router layer and deterministic gate for a few tokens (decode): h [M, R] is the first
-// layer's output (x W1^T + b1, from cuBLAS), logits = h W2^T + b2 viewed [NG, 2] = (execute,
+// layer's output (x W1^T + b1, from cuBLAS or add_rmsnorm_router), logits = h W2^T + b2 viewed [NG, 2] = (execute,
 // skip); group g runs iff skip - execute + offset <= 0. Writes mask u8 [M, NG] and, when
 // ext != null, ext [M, NG + EXTRA] with the EXTRA trailing groups on. Grid (M), 128 threads.
 extern "C" __global__ void __launch_bounds__(128) router_gate(const T* __restrict__ h, const T* __restrict__ w2, const T* __restrict__ b2,
