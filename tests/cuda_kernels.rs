@@ -255,5 +255,7 @@ fn attention_decode_matches_reference() {
         run_decode_case(kind, 2, 16, 2, 4000, 128, 4, &[4000, 1717], 0.5);
         let lens: Vec<i32> = (0..40).map(|i| 1 + 37 * i).collect();
         run_decode_case(kind, 40, 32, 8, 1500, 128, 4, &lens, 0.5);
+        // Fewer blocks a sequence than KV heads would leave heads unread: all of them active.
+        run_decode_case(kind, 40, 32, 8, 1500, 128, 4, &lens, 1.0);
     }
 }

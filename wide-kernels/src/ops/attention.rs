@@ -79,10 +79,10 @@ pub fn attention_decode(q: &Tensor, k: &Tensor, v: &Tensor, lengths: &Tensor, ma
         Kind::Uint8 => mask.contiguous(),
         k => bail!("attention_decode: mask must be bool or u8, got {k:?}"),
     };
-    // NB blocks a sequence, shared out on the device among its active KV heads. More blocks
-    // do not stream faster (the kernel is at ~3.7 TB/s with 2 a multiprocessor) but each adds a
-    // fixed cost: a partial result to write and to merge.
-    let nb = (blocks_per_sm() * crate::cuda::multiprocessor_count(device)? as i64 / s.b).clamp(1, 8192);
+    // NB blocks a sequence, shared out on the device among its active KV heads, and at least
+    // one for each KV head. More blocks do not stream faster (the kernel is at ~3.7 TB/s with 2
+    // a multiprocessor) but each adds a fixed cost: a partial result to write and to merge.
+    let nb = (blocks_per_sm() * crate::cuda::multiprocessor_count(device)? as i64 / s.b).clamp(s.hkv, 8192.max(s.hkv));
     ensure!(s.b <= 65535 && s.hkv <= 64, "attention_decode: the CUDA kernel takes at most 65535 sequences and 64 KV heads, got {} and {}", s.b, s.hkv);
     let part_o = Tensor::empty([s.b, s.hq, nb, s.d], (Kind::Float, q.device()));
     let part_ml = Tensor::empty([s.b, s.hq, nb, 2], (Kind::Float, q.device()));

@@ -408,7 +408,8 @@ __device__ __forceinline__ int nth_set_bit(unsigned long long v, int n) {
     return __ffsll((long long)v) - 1;
 }
 
-// Splits a sequence gets per active KV head, and tokens a split.
+// Splits a sequence gets per active KV head (NB >= HKV, so every active head gets one), and
+// tokens a split.
 __device__ __forceinline__ int decode_splits(int NB, int n_active) { return max(1, NB / max(n_active, 1)); }
 __device__ __forceinline__ int decode_chunk(int len, int splits) { return max(64, ((len + splits - 1) / splits + 63) / 64 * 64); }
 
