@@ -320,29 +320,40 @@ GEMV_ENTRIES(16, 1)
 // ---------------------------------------------------------------------------------------
 extern "C" __global__ void apply_group_mask(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ dst,
                                             const unsigned char* __restrict__ mask, long long M, int N, int G, int NG, int mode) {
-    // Grid (ceil(N/8/blockDim), min(M, 65535)): no 64-bit division on the hot path.
+    // Grid (ceil(N/8/blockDim), rows): blocks loop over rows; no 64-bit division on the hot path.
     const int n = (blockIdx.x * blockDim.x + threadIdx.x) << 3;
     if (n >= N) return;
     const int g = n / G;
-    for (long long m = blockIdx.y; m < M; m += gridDim.y) {
-        const bool on = mask[m * NG + g] != 0;
-        uint4* d = reinterpret_cast<uint4*>(dst + m * N + n);
-        if (!on) {
-            *d = make_uint4(0, 0, 0, 0);
-        } else if (mode == 1) {
-            *d = ld_stream(a + m * N + n);
-        } else if (mode == 2) {
-            const uint4 av = ld_stream(a + m * N + n), bv = ld_stream(b + m * N + n);
-            const unsigned* ap = &av.x;
-            const unsigned* bp = &bv.x;
-            uint4 o;
-            unsigned* op = &o.x;
+    // Rows in batches of 4 whose mask bytes are loaded together (one wait instead of four).
+    for (long long m0 = blockIdx.y; m0 < M; m0 += 4LL * gridDim.y) {
+        bool on[4];
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const float2 p = to_f2(ap[j]), q = to_f2(bp[j]);
-                op[j] = from_f2(silu(p.x) * q.x, silu(p.y) * q.y);
+        for (int u = 0; u < 4; ++u) {
+            const long long m = m0 + u * (long long)gridDim.y;
+            on[u] = m < M && mask[m * NG + g] != 0;
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const long long m = m0 + u * (long long)gridDim.y;
+            if (m >= M) break;
+            uint4* d = reinterpret_cast<uint4*>(dst + m * N + n);
+            if (!on[u]) {
+                *d = make_uint4(0, 0, 0, 0);
+            } else if (mode == 1) {
+                *d = ld_stream(a + m * N + n);
+            } else if (mode == 2) {
+                const uint4 av = ld_stream(a + m * N + n), bv = ld_stream(b + m * N + n);
+                const unsigned* ap = &av.x;
+                const unsigned* bp = &bv.x;
+                uint4 o;
+                unsigned* op = &o.x;
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const float2 p = to_f2(ap[j]), q = to_f2(bp[j]);
+                    op[j] = from_f2(silu(p.x) * q.x, silu(p.y) * q.y);
+                }
+                *d = o;
             }
-            *d = o;
         }
     }
 }
