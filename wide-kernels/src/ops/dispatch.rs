@@ -145,9 +145,10 @@ pub fn gemv_weight_fraction(m: i64, sparsity: f64) -> f64 {
 /// (1.24-1.28x, fraction 0.75); at M = 4 only at 75% skip (1.13-1.17x, fraction 0.68).
 pub const GEMV_MAX_FRACTION: f64 = 0.8;
 
-/// The reduction-width GEMV (one token only): measured 0.96-1.11x at 25% skip (fraction 0.75)
-/// and 1.20-1.49x at 50%, while at M = 4 it lost everywhere (0.33-0.99x): each token's own
-/// group slices make the x reads and the per-chunk group lookups dominate.
+/// The reduction-width GEMV (one token only): measured (H200, 2026-11-30, down and O, every G)
+/// 0.94-1.06x at 25% skip (fraction 0.75) and 1.22-1.46x at 50%, while at M = 4 it lost
+/// everywhere (0.29-0.90x): each token's own group slices make the x reads and the per-chunk
+/// group lookups dominate.
 pub const GEMV_K_MAX_FRACTION: f64 = 0.6;
 
 /// The policy. `tuned` is the autotuner's record for this shape's M bucket, if any.
