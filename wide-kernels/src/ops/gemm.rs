@@ -168,7 +168,7 @@ fn launch_gemv(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layou
         "the gemm_k GEMV takes at most {GEMV_K_MAX_GROUPS} groups, got {ng} (use a larger group size)"
     );
     let mm = [1, 2, 4, 8, 16].into_iter().find(|&v| v >= s.m).unwrap();
-    let r = gemv_rows_override(mm, s.n).unwrap_or_else(|| gemv_rows_per_warp(mm, s.n));
+    let r = gemv_rows_override(mm, s.n).unwrap_or_else(|| if s.op.reduces_over_groups() { gemv_k_rows_per_block(mm, s.n) } else { gemv_rows_per_warp(mm, s.n) });
     let entry = match s.op {
         RoutedOp::Mn => format!("gemv_mn_{mm}_{r}"),
         RoutedOp::MnSwiglu => format!("gemv_mn_swiglu_{mm}_{r}"),
@@ -189,17 +189,22 @@ fn launch_gemv(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layou
         KernelArg::I32(s.group as i32),
         KernelArg::I32(ng as i32),
     ]);
-    // 4 warps a block, r rows a warp; the gemm_k GEMV keeps each warp's group list in shared
-    // memory (a group index, and with several tokens which of them use it).
-    let blocks = (s.n as u32).div_ceil(4 * r as u32);
-    let smem = if s.op.reduces_over_groups() { 4 * ng as u32 * if mm > 1 { 8 } else { 4 } } else { 0 };
-    unsafe { kernel.launch(LaunchConfig { grid: (blocks, 1, 1), block: (128, 1, 1), shared_mem_bytes: smem }, &args)? };
+    // gemm_mn: 4 warps a block, r rows a warp. gemm_k: 8 warps share r rows (split over the used
+    // chunks); shared memory holds the block's group list (a group index, and with several
+    // tokens which of them use it) and the warps' partial sums.
+    let (blocks, threads, smem) = if s.op.reduces_over_groups() {
+        let warps = 8u32;
+        let list = ng as u32 * if mm > 1 { 8 } else { 4 };
+        ((s.n / r) as u32, 32 * warps, list + 4 * warps * (r * mm) as u32)
+    } else {
+        ((s.n as u32).div_ceil(4 * r as u32), 128, 0)
+    };
+    unsafe { kernel.launch(LaunchConfig { grid: (blocks, 1, 1), block: (threads, 1, 1), shared_mem_bytes: smem }, &args)? };
     Ok(out)
 }
 
-/// Output rows per warp of both GEMV kernels: more rows reuse each x chunk (and, for gemm_k,
-/// each warp's group list) more often and put more loads in flight per lane, but leave fewer
-/// warps; aim for at least ~2048 warps (15 a multiprocessor on an H200) and keep
+/// Output rows per warp of the gemm_mn GEMV: more rows reuse each x chunk more often and put
+/// more loads in flight per lane, but leave fewer warps; aim for at least ~2048 warps (15 a multiprocessor on an H200) and keep
 /// `r * mm <= 16` accumulators. `r` divides N (and every group size that is a multiple of 8).
 /// Measured on the H200 at M = 1, 50% skip (`WIDE_GEMV_ROWS` sweep, see wide-kernels/NOTES.md):
 /// up 4096->14336 1.60x / 1.82x / 1.91x with 1 / 2 / 4 rows, q 4096->4096 1.16x / 1.24x / 1.23x.
@@ -207,6 +212,19 @@ pub fn gemv_rows_per_warp(mm: i64, n: i64) -> i64 {
     let cap = (16 / mm).clamp(1, 8);
     let mut r = 1;
     while r * 2 <= cap && n / (r * 2) >= 2048 && n % (r * 2) == 0 {
+        r *= 2;
+    }
+    r
+}
+
+/// Output rows per block of the gemm_k GEMV (8 warps share them): as many as keep at least 512
+/// blocks (4 a multiprocessor on an H200), at most `16 / mm`. Measured on the H200 (down
+/// 14336->4096, M = 1, 50% skip, `WIDE_GEMV_ROWS` sweep): 1.40x / 1.65x / 1.76x / 1.91x with
+/// 1 / 2 / 4 / 8 rows; O 0.89x / 1.30x / 1.57x / 1.61x.
+pub fn gemv_k_rows_per_block(mm: i64, n: i64) -> i64 {
+    let cap = (16 / mm).clamp(1, 8);
+    let mut r = 1;
+    while r * 2 <= cap && n / (r * 2) >= 512 && n % (r * 2) == 0 {
         r *= 2;
     }
     r
@@ -436,6 +454,10 @@ mod tests {
         assert_eq!(gemv_rows_per_warp(4, 1 << 20), 4);
         assert_eq!(gemv_rows_per_warp(1, 1 << 20), 8);
         assert_eq!(gemv_rows_per_warp(1, 100), 1);
+        // gemm_k: 4096 rows -> 8 a block of 8 warps (512 blocks); 16 tokens -> 1.
+        assert_eq!(gemv_k_rows_per_block(1, 4096), 8);
+        assert_eq!(gemv_k_rows_per_block(16, 4096), 1);
+        assert_eq!(gemv_k_rows_per_block(1, 1024), 2);
         for (mm, n) in [(1, 12288), (2, 65536), (8, 8192)] {
             let r = gemv_rows_per_warp(mm, n);
             assert!(n % r == 0 && r * mm <= 16 && r <= 8);

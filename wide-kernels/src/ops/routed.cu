@@ -185,73 +185,77 @@ __device__ __forceinline__ void gemv_mn(const T* __restrict__ x, const T* __rest
 // ---------------------------------------------------------------------------------------
 // GEMV, reduction-width routed (small M): out[m, :] = sum over groups g active for token m of
 // x[m, gG:(g+1)G] . w[:, gG:(g+1)G]^T. Only the column slices of w that some token uses are
-// read. A warp owns R output rows and lists the used groups itself (warp-private shared memory,
-// no block barrier): the lanes then walk the concatenated 16-byte chunks of the used slices,
-// U steps unrolled so that R * U weight loads are in flight per lane. Dynamic shared memory:
-// (warps a block) * NG * (4 bytes, 8 with M > 1).
+// read. A block owns R output rows and all of its warps work on them (split over the used
+// chunks, so a block keeps 8 warps of loads in flight on rows of tens of KB); warp 0 lists the
+// used groups (its mask loads all in flight at once, then a warp scan), the warps' partial sums
+// meet in shared memory. Dynamic shared memory: NG * (4 bytes, 8 with M > 1) for the list, then
+// warps * R * MAXM floats.
 // ---------------------------------------------------------------------------------------
 template <int MAXM, int R>
 __device__ __forceinline__ void gemv_k(const T* __restrict__ x, const T* __restrict__ w, const unsigned char* __restrict__ mask,
                                        T* __restrict__ out, int M, int N, int K, int G, int NG) {
     extern __shared__ int gemv_k_smem[];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int n0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
-    if (n0 >= N) return;  // uniform within the warp
-    int* glist = gemv_k_smem + warp * NG * (MAXM > 1 ? 2 : 1);
+    __shared__ int s_nlist;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwb = blockDim.x >> 5;
+    const int n0 = blockIdx.x * R;
+    int* glist = gemv_k_smem;
     unsigned* gbits = reinterpret_cast<unsigned*>(glist + NG);  // tokens using list entry i (M > 1)
-    // Lane l looks at groups [g0 + 16 l, +16): all of its mask loads are in flight at once (one
-    // memory latency for the whole list instead of one per 32 groups), then a warp scan places
-    // each lane's used groups in order.
-    int nlist = 0;
-    for (int g0 = 0; g0 < NG; g0 += 512) {
-        unsigned tb[16];
+    float* red = reinterpret_cast<float*>(glist + NG * (MAXM > 1 ? 2 : 1));
+    if (warp == 0) {
+        // Lane l looks at groups [g0 + 16 l, +16).
+        int nlist = 0;
+        for (int g0 = 0; g0 < NG; g0 += 512) {
+            unsigned tb[16];
 #pragma unroll
-        for (int i = 0; i < 16; ++i) {
-            const int g = g0 + 16 * lane + i;
-            tb[i] = 0;
-            if (g < NG) {
+            for (int i = 0; i < 16; ++i) {
+                const int g = g0 + 16 * lane + i;
+                tb[i] = 0;
+                if (g < NG) {
 #pragma unroll
-                for (int m = 0; m < MAXM; ++m)
-                    if (m < M && mask[(long long)m * NG + g]) tb[i] |= 1u << m;
+                    for (int m = 0; m < MAXM; ++m)
+                        if (m < M && mask[(long long)m * NG + g]) tb[i] |= 1u << m;
+                }
             }
-        }
-        int cnt = 0;
+            int cnt = 0;
 #pragma unroll
-        for (int i = 0; i < 16; ++i) cnt += tb[i] != 0;
-        int incl = cnt;
+            for (int i = 0; i < 16; ++i) cnt += tb[i] != 0;
+            int incl = cnt;
 #pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int y = __shfl_up_sync(0xffffffffu, incl, o);
-            if (lane >= o) incl += y;
-        }
-        int at = nlist + incl - cnt;
-#pragma unroll
-        for (int i = 0; i < 16; ++i)
-            if (tb[i]) {
-                glist[at] = g0 + 16 * lane + i;
-                if (MAXM > 1) gbits[at] = tb[i];
-                ++at;
+            for (int o = 1; o < 32; o <<= 1) {
+                const int y = __shfl_up_sync(0xffffffffu, incl, o);
+                if (lane >= o) incl += y;
             }
-        nlist += __shfl_sync(0xffffffffu, incl, 31);
+            int at = nlist + incl - cnt;
+#pragma unroll
+            for (int i = 0; i < 16; ++i)
+                if (tb[i]) {
+                    glist[at] = g0 + 16 * lane + i;
+                    if (MAXM > 1) gbits[at] = tb[i];
+                    ++at;
+                }
+            nlist += __shfl_sync(0xffffffffu, incl, 31);
+        }
+        if (lane == 0) s_nlist = nlist;
     }
-    __syncwarp();
+    __syncthreads();
     const int per = G >> 3;  // 16-byte chunks per group slice
     const bool pow2 = (per & (per - 1)) == 0;
     const int sh = __ffs(per) - 1;
-    const int chunks = nlist * per;
+    const int chunks = s_nlist * per;
     float acc[R][MAXM];
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
         for (int m = 0; m < MAXM; ++m) acc[r][m] = 0.f;
     constexpr int U = R >= 8 ? 1 : 8 / R;
-    for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
+    const int stride = 32 * nwb;
+    for (int c0 = 32 * warp + lane; c0 < chunks; c0 += stride * U) {
         uint4 wv[U][R];
         int col[U];
         unsigned bits[U];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const int c = c0 + 32 * u;
+            const int c = c0 + stride * u;
             bits[u] = 0;
             col[u] = 0;
             if (c < chunks) {
@@ -276,11 +280,18 @@ __device__ __forceinline__ void gemv_k(const T* __restrict__ x, const T* __restr
     for (int r = 0; r < R; ++r)
 #pragma unroll
         for (int m = 0; m < MAXM; ++m) {
-            if (m < M) {
-                const float v = warp_sum(acc[r][m]);
-                if (lane == 0) out[(long long)m * N + n0 + r] = (T)v;
-            }
+            const float v = warp_sum(acc[r][m]);
+            if (lane == 0) red[(warp * R + r) * MAXM + m] = v;
         }
+    __syncthreads();
+    for (int i = threadIdx.x; i < R * MAXM; i += blockDim.x) {
+        const int r = i / MAXM, m = i % MAXM;
+        if (m < M) {
+            float v = 0.f;
+            for (int wi = 0; wi < nwb; ++wi) v += red[(wi * R + r) * MAXM + m];
+            out[(long long)m * N + n0 + r] = (T)v;
+        }
+    }
 }
 
 #define GEMV_ENTRIES(MM, R)                                                                                          \
@@ -293,7 +304,7 @@ __device__ __forceinline__ void gemv_k(const T* __restrict__ x, const T* __restr
                                                                                 int N, int K, int G, int NG) {       \
         gemv_mn<MM, R, true>(x, w, w2, mask, out, M, N, K, G, NG);                                                    \
     }                                                                                                                \
-    extern "C" __global__ void __launch_bounds__(128) gemv_k_##MM##_##R(const T* x, const T* w, const unsigned char* mask, \
+    extern "C" __global__ void __launch_bounds__(256) gemv_k_##MM##_##R(const T* x, const T* w, const unsigned char* mask, \
                                                                         T* out, int M, int N, int K, int G, int NG) {  \
         gemv_k<MM, R>(x, w, mask, out, M, N, K, G, NG);                                                               \
     }
