@@ -204,8 +204,8 @@ fn launch_gemv(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layou
 }
 
 /// Output rows per warp of the gemm_mn GEMV: more rows reuse each x chunk more often and put
-/// more loads in flight per lane, but leave fewer warps; aim for at least ~2048 warps (15 a multiprocessor on an H200) and keep
-/// `r * mm <= 16` accumulators. `r` divides N (and every group size that is a multiple of 8).
+/// more loads in flight per lane, but leave fewer warps; aim for at least ~2048 warps (15 a
+/// multiprocessor on an H200) and keep `r * mm <= 16` accumulators. `r` divides N (and every group size that is a multiple of 8).
 /// Measured on the H200 at M = 1, 50% skip (`WIDE_GEMV_ROWS` sweep, see wide-kernels/NOTES.md):
 /// up 4096->14336 1.60x / 1.82x / 1.91x with 1 / 2 / 4 rows, q 4096->4096 1.16x / 1.24x / 1.23x.
 pub fn gemv_rows_per_warp(mm: i64, n: i64) -> i64 {
@@ -230,8 +230,9 @@ pub fn gemv_k_rows_per_block(mm: i64, n: i64) -> i64 {
     r
 }
 
-/// Rows per warp forced by `WIDE_GEMV_ROWS` (read once; for benchmark sweeps), if it names
-/// one of the compiled variants for this token bucket and divides N.
+/// Rows a warp (gemm_mn) or a block (gemm_k) forced by `WIDE_GEMV_ROWS` (read once; for
+/// benchmark sweeps), if it names one of the compiled variants for this token bucket and
+/// divides N.
 fn gemv_rows_override(mm: i64, n: i64) -> Option<i64> {
     static V: OnceLock<Option<i64>> = OnceLock::new();
     let r = (*V.get_or_init(|| std::env::var("WIDE_GEMV_ROWS").ok().and_then(|v| v.parse().ok())))?;
