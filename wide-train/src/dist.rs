@@ -125,9 +125,17 @@ fn env_secs(name: &str, default: u64) -> u64 {
 /// Prints one error line and ends the process at once (a rank blocked in a collective cannot
 /// be unwound; exiting closes its connections, which stops the others).
 fn fatal(rank: usize, msg: &str) -> ! {
+    fatal_with(rank, msg, 1)
+}
+
+/// Exit status of a rank that stops because another rank stopped or went silent: the launcher
+/// then reports the rank that failed first, not the ones that followed it.
+pub const PEER_STOPPED_EXIT: i32 = 75;
+
+fn fatal_with(rank: usize, msg: &str, code: i32) -> ! {
     let _ = writeln!(std::io::stderr(), "error: rank {rank}: {msg}");
     let _ = std::io::stderr().flush();
-    unsafe { libc::_exit(1) }
+    unsafe { libc::_exit(code) }
 }
 
 /// The process's distributed context: set up from the environment on first use (a single
@@ -606,7 +614,7 @@ pub fn launch(cfg: &LaunchConfig, args: &[String]) -> Result<()> {
             }
         }
     };
-    let mut failed: Option<(usize, String)> = None;
+    let mut failed: Option<(usize, String, bool)> = None;
     let mut forwarded = false;
     let mut stop_deadline: Option<Instant> = None;
     let mut done = vec![false; children.len()];
@@ -621,13 +629,13 @@ pub fn launch(cfg: &LaunchConfig, args: &[String]) -> Result<()> {
             }
             if let Some(status) = c.try_wait()? {
                 done[i] = true;
-                if !status.success() && failed.is_none() {
+                if !status.success() && reports_instead(failed.as_ref().map(|f| f.2), status.code()) {
                     let how = match (status.code(), std::os::unix::process::ExitStatusExt::signal(&status)) {
                         (Some(code), _) => format!("exited with status {code}"),
                         (None, Some(sig)) => format!("was killed by signal {sig}"),
                         _ => "failed".to_string(),
                     };
-                    failed = Some((*rank, how));
+                    failed = Some((*rank, how, status.code() == Some(PEER_STOPPED_EXIT)));
                 }
             }
         }
@@ -640,10 +648,21 @@ pub fn launch(cfg: &LaunchConfig, args: &[String]) -> Result<()> {
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    if let Some((rank, how)) = failed {
+    if let Some((rank, how, _)) = failed {
         bail!("rank {rank} {how}; the other ranks were stopped (see the messages above; the last good checkpoint is kept)");
     }
     Ok(())
+}
+
+/// Whether a rank that just failed with `code` is reported instead of the failure kept so far
+/// (`kept`: none yet, or whether it only followed another rank): the first failure is the cause,
+/// unless it exited with [`PEER_STOPPED_EXIT`] and the cause shows up later (two ranks can end
+/// within one polling interval, and the launcher polls them in rank order).
+fn reports_instead(kept: Option<bool>, code: Option<i32>) -> bool {
+    match kept {
+        None => true,
+        Some(kept_follows) => kept_follows && code != Some(PEER_STOPPED_EXIT),
+    }
 }
 
 /// Beats once a second on `s` and watches the peer's beats.
@@ -659,14 +678,14 @@ fn heartbeat(me: usize, peer: usize, mut s: TcpStream, timeout: Duration) {
             return;
         }
         if s.write_all(&[1]).is_err() && !CLOSING.load(Ordering::SeqCst) {
-            fatal(me, &format!("rank {peer} stopped (its connection broke); stopping this one"));
+            fatal_with(me, &format!("rank {peer} stopped (its connection broke); stopping this one"), PEER_STOPPED_EXIT);
         }
         match s.read(&mut buf) {
             Ok(0) => {
                 if CLOSING.load(Ordering::SeqCst) {
                     return;
                 }
-                fatal(me, &format!("rank {peer} stopped (its connection closed); stopping this one"));
+                fatal_with(me, &format!("rank {peer} stopped (its connection closed); stopping this one"), PEER_STOPPED_EXIT);
             }
             Ok(_) => last = Instant::now(),
             Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
@@ -674,11 +693,11 @@ fn heartbeat(me: usize, peer: usize, mut s: TcpStream, timeout: Duration) {
                 if CLOSING.load(Ordering::SeqCst) {
                     return;
                 }
-                fatal(me, &format!("rank {peer} stopped (its connection broke: {e}); stopping this one"));
+                fatal_with(me, &format!("rank {peer} stopped (its connection broke: {e}); stopping this one"), PEER_STOPPED_EXIT);
             }
         }
         if last.elapsed() > timeout {
-            fatal(me, &format!("no heartbeat from rank {peer} for {} s (WIDE_DIST_HEARTBEAT_TIMEOUT); stopping this one", timeout.as_secs()));
+            fatal_with(me, &format!("no heartbeat from rank {peer} for {} s (WIDE_DIST_HEARTBEAT_TIMEOUT); stopping this one", timeout.as_secs()), PEER_STOPPED_EXIT);
         }
     }
 }
@@ -740,6 +759,17 @@ mod nccl {
 mod tests {
     use super::*;
     use std::collections::HashMap;
+
+    #[test]
+    fn the_launcher_names_the_rank_that_failed_first() {
+        assert!(reports_instead(None, Some(3)));
+        assert!(reports_instead(None, Some(PEER_STOPPED_EXIT)), "a follower is kept until the cause shows up");
+        // Rank 0 followed rank 1 and was polled first: rank 1's own failure replaces it.
+        assert!(reports_instead(Some(true), Some(3)));
+        assert!(reports_instead(Some(true), None), "killed by a signal");
+        assert!(!reports_instead(Some(true), Some(PEER_STOPPED_EXIT)));
+        assert!(!reports_instead(Some(false), Some(3)), "the first real failure stays the cause");
+    }
 
     fn vars(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
         let m: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
