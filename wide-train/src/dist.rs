@@ -332,7 +332,10 @@ impl Dist {
     pub fn all_reduce_f64(&self, values: &mut [f64], op: Reduce) -> Result<()> {
         let mut c = self.control.lock().unwrap();
         let rank = self.rank;
-        let lost = |what: &str, e: std::io::Error| -> anyhow::Error { anyhow!("rank {rank}: lost the control connection while {what} ({e}); another rank stopped") };
+        // Another rank stopped: stop like the heartbeat does, as a follower (PEER_STOPPED_EXIT).
+        let lost = |what: &str, e: std::io::Error| -> anyhow::Error {
+            fatal_with(rank, &format!("lost the control connection while {what} ({e}); another rank stopped"), PEER_STOPPED_EXIT)
+        };
         match &mut *c {
             Control::Single => {}
             Control::Root(peers) => {
