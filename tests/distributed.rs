@@ -47,6 +47,11 @@ fn launched(n: usize, out: &Path, envs: &[(&str, &str)], extra: &[&str]) -> Outp
     c.output().unwrap()
 }
 
+/// A loopback port nobody listens on now (for processes started without `wide launch`).
+fn free_port() -> String {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string()
+}
+
 fn ok(o: &Output) {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }
@@ -136,7 +141,7 @@ fn a_hung_rank_stops_the_others_within_the_timeout() {
     prepare_data();
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("run");
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let port = free_port();
     let t = Instant::now();
     let children: Vec<_> = (0..2)
         .map(|rank| {
@@ -170,7 +175,7 @@ fn bootstrap_and_launch_mistakes_are_refused() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("run");
     // Rank 0 alone: nobody joins within the bootstrap timeout.
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let port = free_port();
     let o = wide()
         .args(calibrate_args(&out, &[]))
         .env("WORLD_SIZE", "2")

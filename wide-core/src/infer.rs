@@ -459,12 +459,10 @@ impl<'m> Engine<'m> {
                 }
                 let off = self.offsets.borrow()[i][k];
                 let extra = if rc.valid.is_none() { extra } else { 0 };
-                match rc.hidden.take() {
-                    Some((hk, h1)) if hk == kind => fused::router_gate_from_hidden(&h1, &w, off, extra)?,
-                    other => {
-                        rc.hidden = other; // another router's (layer_skip's layer router runs first)
-                        fused::router_gate(x, &w, off, extra)?
-                    }
+                // The norm launch computed this router's first layer (not the layer router's).
+                match rc.hidden.take_if(|(hk, _)| *hk == kind) {
+                    Some((_, h1)) => fused::router_gate_from_hidden(&h1, &w, off, extra)?,
+                    None => fused::router_gate(x, &w, off, extra)?,
                 }
             }
         };

@@ -89,7 +89,7 @@ fn add_rmsnorm_impl(x: &Tensor, delta: Option<&Tensor>, w: &Tensor, eps: f64, ro
         ensure!(w1.dim() == 2 && w1.size()[1] == h && b1.size() == [w1.size()[0]], "add_rmsnorm_router: router {:?} / {:?} does not take hidden size {h}", w1.size(), b1.size());
     }
     match cuda_of(x) {
-        Some((dev, f16)) if h <= 16 * 512 && x.is_contiguous() && delta.is_none_or(|d| d.is_contiguous()) && m <= 65535 => {
+        Some((dev, f16)) if h <= 16 * 512 && x.is_contiguous() && delta.is_none_or(|d| d.is_contiguous()) => {
             let res = match delta {
                 Some(_) => x.empty_like(),
                 None => x.shallow_clone(),
