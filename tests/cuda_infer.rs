@@ -44,6 +44,27 @@ fn fused_kernels_match_their_references() {
             let (r2, o2) = fused::add_rmsnorm(&x, delta, &w, 1e-5).unwrap();
             assert!(r3.equal(&r2) && o3.equal(&o2), "norm outputs change with the router fused in (m={m} h={h})");
             assert!(rel(&h1, &r2.linear(&w1, Some(&b1))) < 1e-2, "router first layer m={m} h={h}");
+            // And the whole router with its gate in the same launch: the decisions are those of
+            // the separate gate kernel on the same hidden, bit for bit, for one router block a
+            // row (rank 8), several (32) and many (200).
+            for rank in [8i64, 32, 200] {
+                let (w1, b1) = (Tensor::randn([rank, h], bf) * 0.03, Tensor::randn([rank], bf) * 0.1);
+                let (w2, b2) = (Tensor::randn([2 * 112, rank], bf) * 0.2, Tensor::randn([2 * 112], bf) * 0.1);
+                let rw = RouterWeights { w1: &w1, b1: &b1, w2: &w2, b2: &b2 };
+                for extra in [0i64, 4] {
+                    poison_bool(m, 112);
+                    let g = fused::add_rmsnorm_router_gate(&x, delta, &w, 1e-5, &rw, 0.05, extra).unwrap();
+                    assert!(g.res.equal(&r2) && g.norm.equal(&o2), "norm outputs change with the gate fused in (m={m} h={h} rank {rank})");
+                    let (want, want_ext) = fused::router_gate_from_hidden(&g.hidden, &rw, 0.05, extra).unwrap();
+                    assert!(g.mask.equal(&want), "fused gate differs from the gate kernel (m={m} h={h} rank {rank} extra {extra})");
+                    assert_eq!(g.ext.is_some(), extra > 0);
+                    if let (Some(e), Some(we)) = (&g.ext, &want_ext) {
+                        assert!(e.equal(we), "fused extended mask differs (m={m} h={h} rank {rank})");
+                    }
+                    let on = g.mask.to_kind(Kind::Float).mean(Kind::Float).double_value(&[]);
+                    assert!(on > 0.0 && on < 1.0 || m == 1, "degenerate gate test: {on} of the pairs on");
+                }
+            }
         }
     }
     for (b, t, hq, hkv, d) in [(1i64, 1i64, 32i64, 8i64, 128i64), (3, 17, 8, 2, 64)] {
@@ -73,6 +94,13 @@ fn fused_kernels_match_their_references() {
     assert!(agree > 0.98, "router decisions agree on {agree} of the pairs (bf16 rounding may flip near-ties)");
     let ext = ext.unwrap();
     assert!(ext.narrow(1, 0, 112).equal(&m) && ext.narrow(1, 112, 4).all().int64_value(&[]) == 1);
+}
+
+/// Leaves garbage in the allocator's free bool blocks of this size, so a kernel that skips
+/// writing part of its mask output is caught.
+fn poison_bool(m: i64, ng: i64) {
+    let _ = Tensor::full([m, ng], 7, (Kind::Uint8, gpu()));
+    let _ = Tensor::full([m, ng + 4], 7, (Kind::Uint8, gpu()));
 }
 
 fn small() -> Pretrained {

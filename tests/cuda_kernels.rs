@@ -234,9 +234,12 @@ fn run_decode_case(kind: Kind, b: i64, hq: i64, hkv: i64, tcap: i64, d: i64, gh:
         scale,
     );
     let off = msk.logical_not().repeat_interleave_self_int(gh, 1, None::<i64>).unsqueeze(-1).expand([b, hq, d], false);
-    poison(b * hq, d, kind);
-    let y = wide_kernels::attention_decode(&q, &k, &v, &len, &msk, gh, scale).unwrap();
-    check(&y, &r, Some(&off), &format!("attention_decode {kind:?} B={b} HQ={hq} HKV={hkv} T={tcap} D={d} gh={gh} lens={lengths:?} active={p_active}"));
+    // Splits merged by the split kernel's last block of each KV head, and by the second launch.
+    for separate in [false, true] {
+        poison(b * hq, d, kind);
+        let y = wide_kernels::attention_decode_with(&q, &k, &v, &len, &msk, gh, scale, separate).unwrap();
+        check(&y, &r, Some(&off), &format!("attention_decode {kind:?} B={b} HQ={hq} HKV={hkv} T={tcap} D={d} gh={gh} lens={lengths:?} active={p_active} separate={separate}"));
+    }
 }
 
 #[test]

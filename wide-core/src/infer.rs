@@ -118,8 +118,9 @@ struct RouteCtx<'a> {
     counts: Option<&'a mut BTreeMap<RouterKind, (Tensor, Tensor)>>,
     /// Fit per-layer offsets so each router skips this share of the valid tokens' groups.
     fit: Option<f64>,
-    /// The next router's first layer, computed by the norm kernel that produced its input.
-    hidden: Option<(RouterKind, Tensor)>,
+    /// The next router's decision (kind, extra groups, mask, extended mask), computed by the
+    /// norm launch that produced its input.
+    gated: Option<(RouterKind, i64, Tensor, Option<Tensor>)>,
 }
 
 /// An attention or FFN decision for the tokens of one forward.
@@ -297,7 +298,7 @@ impl<'m> Engine<'m> {
         let (valid, pos) = self.prefill_inputs(b, t, lengths);
         let mut dev_counts = BTreeMap::new();
         let want_counts = counts.is_some();
-        let mut rc = RouteCtx { source: masks, cursor: 0, valid: Some(valid), counts: want_counts.then_some(&mut dev_counts), fit: None, hidden: None };
+        let mut rc = RouteCtx { source: masks, cursor: 0, valid: Some(valid), counts: want_counts.then_some(&mut dev_counts), fit: None, gated: None };
         let hn = self.forward_tokens(&ids.to_device(dev), (b, t), &pos, None, cache, &mut rc)?;
         if let Some(c) = counts {
             add_counts(c, &dev_counts);
@@ -322,7 +323,7 @@ impl<'m> Engine<'m> {
         let (valid, pos) = self.prefill_inputs(b, t, lengths);
         let mut src = MaskSource::Routers;
         let mut dev_counts = BTreeMap::new();
-        let mut rc = RouteCtx { source: &mut src, cursor: 0, valid: Some(valid), counts: Some(&mut dev_counts), fit: Some(target), hidden: None };
+        let mut rc = RouteCtx { source: &mut src, cursor: 0, valid: Some(valid), counts: Some(&mut dev_counts), fit: Some(target), gated: None };
         let _ = self.forward_tokens(&ids.to_device(self.model.device), (b, t), &pos, None, &cache, &mut rc)?;
         let mut c = SkipCounts::default();
         add_counts(&mut c, &dev_counts);
@@ -401,7 +402,7 @@ impl<'m> Engine<'m> {
     }
 
     /// Residual add + RMSNorm; for a few tokens whose next router (`kind`, of layer `i`) runs,
-    /// the same launch also computes that router's first layer (left in `rc.hidden`).
+    /// the same launch also runs that router and its gate (the decision is left in `rc.gated`).
     fn norm_and_router(&self, i: usize, kind: RouterKind, x: &Tensor, delta: Option<&Tensor>, w: &Tensor, rc: &mut RouteCtx) -> Result<(Tensor, Tensor)> {
         let eps = self.model.config.rms_norm_eps;
         let layer = self.routing.map(|r| &r.layers[i]);
@@ -413,9 +414,16 @@ impl<'m> Engine<'m> {
         let fuse = rc.fit.is_none() && matches!(rc.source, MaskSource::Routers) && x.size()[0] <= GEMV_MAX_M && is_fast_dtype(x);
         match router.filter(|_| fuse) {
             Some(r) => {
-                let (res, out, h1) = fused::add_rmsnorm_router(x, delta, w, eps, &r.compressor_w, &r.compressor_b)?;
-                rc.hidden = Some((kind, h1));
-                Ok((res, out))
+                // The extra always-on groups the attention gate will ask for (see attention_decision).
+                let extra = match kind {
+                    RouterKind::Attention if rc.valid.is_none() => self.q_extra(self.model.config.num_attention_heads / r.groups),
+                    _ => 0,
+                };
+                let off = self.offsets.borrow()[i][kind_index(kind)];
+                let w2 = RouterWeights { w1: &r.compressor_w, b1: &r.compressor_b, w2: &r.router_w, b2: &r.router_b };
+                let g = fused::add_rmsnorm_router_gate(x, delta, w, eps, &w2, off, extra)?;
+                rc.gated = Some((kind, extra, g.mask, g.ext));
+                Ok((g.res, g.norm))
             }
             None => fused::add_rmsnorm(x, delta, w, eps),
         }
@@ -459,9 +467,9 @@ impl<'m> Engine<'m> {
                 }
                 let off = self.offsets.borrow()[i][k];
                 let extra = if rc.valid.is_none() { extra } else { 0 };
-                // The norm launch computed this router's first layer (not the layer router's).
-                match rc.hidden.take_if(|(hk, _)| *hk == kind) {
-                    Some((_, h1)) => fused::router_gate_from_hidden(&h1, &w, off, extra)?,
+                // The norm launch ran this router and gate (not the layer router's).
+                match rc.gated.take_if(|(gk, ge, _, _)| *gk == kind && *ge == extra) {
+                    Some((_, _, mask, ext)) => (mask, ext),
                     None => fused::router_gate(x, &w, off, extra)?,
                 }
             }
@@ -756,7 +764,7 @@ impl<'e, 'm> Decoder<'e, 'm> {
         let e = self.engine;
         let b = self.cache.batch;
         let mut src = MaskSource::Routers;
-        let mut rc = RouteCtx { source: &mut src, cursor: 0, valid: None, counts: self.counts.as_mut(), fit: None, hidden: None };
+        let mut rc = RouteCtx { source: &mut src, cursor: 0, valid: None, counts: self.counts.as_mut(), fit: None, gated: None };
         let hn = e.forward_tokens(&self.tokens.view([b, 1]), (b, 1), &self.pos, Some(&self.lengths), &self.cache, &mut rc)?;
         let logits = e.timed("lm_head", || Ok(hn.linear::<Tensor>(&e.model.lm_head, None)))?;
         if self.greedy {

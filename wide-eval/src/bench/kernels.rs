@@ -317,20 +317,35 @@ fn bench_attn_decode(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Tens
             }
             for l2mode in &cfg.l2 {
                 let cold = l2mode == "cold";
+                // K/V bytes of one KV head (what a call reads per active head).
+                let head_bytes = t * d * cfg.kind.elt_size_in_bytes() as i64;
                 let mut time = |what: &str| -> Result<f64> {
                     let mut v_ms = vec![];
                     for it in 0..cfg.warmup + cfg.iters {
                         let msk = new_mask();
+                        // Active KV heads of this mask (groups of 4 heads = one KV head each).
+                        let act = if what.starts_with("read_routed") { msk.sum(Kind::Int64).int64_value(&[]) } else { hkv };
                         if cold {
                             let _ = flush.fill_(it as f64);
                         }
                         wide_kernels::ops::gpu_spin(dev, 200)?;
                         timer.start()?;
-                        let _ = match what {
-                            "sdpa" => Tensor::scaled_dot_product_attention(&q.unsqueeze(2), &k, &v, None::<Tensor>, 0.0, false, scale, true),
-                            "own_dense" => wide_kernels::attention_decode(&q, &k, &v, &len, &all, gh, scale)?,
-                            _ => wide_kernels::attention_decode(&q, &k, &v, &len, &msk, gh, scale)?,
-                        };
+                        match what {
+                            "sdpa" => {
+                                let _ = Tensor::scaled_dot_product_attention(&q.unsqueeze(2), &k, &v, None::<Tensor>, 0.0, false, scale, true);
+                            }
+                            "own_dense" => {
+                                let _ = wide_kernels::attention_decode(&q, &k, &v, &len, &all, gh, scale)?;
+                            }
+                            "routed" => {
+                                let _ = wide_kernels::attention_decode(&q, &k, &v, &len, &msk, gh, scale)?;
+                            }
+                            // The read ceiling: one launch reading the same K/V bytes, nothing else.
+                            r => {
+                                let bps = r.rsplit('_').next().and_then(|b| b.parse().ok()).unwrap_or(2);
+                                wide_kernels::ops::attention::stream_read(&k, act * head_bytes, &v, act * head_bytes, bps)?;
+                            }
+                        }
                         let ms = timer.stop_ms()?;
                         if it >= cfg.warmup {
                             v_ms.push(ms);
@@ -342,14 +357,22 @@ fn bench_attn_decode(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Tens
                 let own_ms = time("own_dense")?;
                 let routed_ms = time("routed")?;
                 let dense_ms = sdpa_ms.min(own_ms);
+                // Best of a few grid sizes: the ceiling is the fastest pure read of the bytes.
+                let (mut read_dense_ms, mut read_routed_ms) = (f64::INFINITY, f64::INFINITY);
+                for bps in [2, 4, 8] {
+                    read_dense_ms = read_dense_ms.min(time(&format!("read_dense_{bps}"))?);
+                    read_routed_ms = read_routed_ms.min(time(&format!("read_routed_{bps}"))?);
+                }
                 eprintln!(
-                    "attn_decode T={t:>6} s={s:.2} {l2mode}: sdpa {sdpa_ms:.4} ms  own all-active {own_ms:.4} ms  routed {routed_ms:.4} ms ({:.2}x)  err {err:.1e}",
-                    dense_ms / routed_ms
+                    "attn_decode T={t:>6} s={s:.2} {l2mode}: sdpa {sdpa_ms:.4} ms  own all-active {own_ms:.4} ms  routed {routed_ms:.4} ms ({:.2}x)  err {err:.1e}  read ceiling {read_dense_ms:.4} / {read_routed_ms:.4} ms ({:.2}x)",
+                    dense_ms / routed_ms,
+                    read_dense_ms / read_routed_ms
                 );
                 out.push(json!({
                     "op": "attn_decode", "M": 1, "N": t, "K": d, "G": gh, "sparsity": s, "l2": l2mode,
                     "dense_ms": dense_ms, "routed_ms": routed_ms, "speedup": dense_ms / routed_ms,
                     "sdpa_ms": sdpa_ms, "own_dense_ms": own_ms, "routed_kernel": "attn_decode_split",
+                    "read_dense_ms": read_dense_ms, "read_routed_ms": read_routed_ms, "read_ceiling_speedup": read_dense_ms / read_routed_ms,
                     "dispatch_path": "attn_decode_split", "dispatch_ms": routed_ms, "dispatch_speedup": dense_ms / routed_ms,
                     "max_rel_err": err, "shape": "batch 1, 32 query heads, 8 KV heads, head dim 128; N = context tokens",
                 }));

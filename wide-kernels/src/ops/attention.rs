@@ -61,6 +61,13 @@ pub fn attention_decode_reference(q: &Tensor, k: &Tensor, v: &Tensor, lengths: &
 /// bool/u8 `[B, HQ / group_heads]`; returns `[B, HQ, D]` in q's dtype, skipped heads exactly 0.
 /// CUDA (bf16/f16, D in {64, 128}) runs the split-K kernel; other inputs the reference.
 pub fn attention_decode(q: &Tensor, k: &Tensor, v: &Tensor, lengths: &Tensor, mask: &Tensor, group_heads: i64, scale: f64) -> Result<Tensor> {
+    attention_decode_with(q, k, v, lengths, mask, group_heads, scale, separate_combine())
+}
+
+/// [`attention_decode`] choosing how the splits are merged on CUDA: by the last split block of
+/// each KV head (`separate_combine = false`, one launch) or by a second launch.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_decode_with(q: &Tensor, k: &Tensor, v: &Tensor, lengths: &Tensor, mask: &Tensor, group_heads: i64, scale: f64, separate_combine: bool) -> Result<Tensor> {
     let s = decode_shape(q, k, v, lengths, mask, group_heads)?;
     let device = match q.device() {
         Device::Cuda(dv) if matches!(q.kind(), Kind::BFloat16 | Kind::Half) => dv,
@@ -88,7 +95,10 @@ pub fn attention_decode(q: &Tensor, k: &Tensor, v: &Tensor, lengths: &Tensor, ma
     let part_ml = Tensor::empty([s.b, s.hq, nb, 2], (Kind::Float, q.device()));
     let out = Tensor::empty([s.b, s.hq, s.d], (q.kind(), q.device()));
     let split = routed_kernel(f16, None, &format!("attn_decode_split_{}_{qpk}", s.d), device)?;
-    let combine = routed_kernel(f16, None, &format!("attn_decode_combine_{}_{qpk}", s.d), device)?;
+    // The last split block of each KV head merges that head's splits (one launch), unless the
+    // batch has more (sequence, KV head) pairs than the kernel's arrival counters or
+    // `WIDE_DECODE_COMBINE=separate` asks for the separate combine launch (benchmark A/B).
+    let merged = s.b * s.hkv <= ATTN_TICKETS && !separate_combine;
     unsafe {
         split.launch(
             LaunchConfig { grid: (nb as u32, 1, s.b as u32), block: (128, 1, 1), shared_mem_bytes: 0 },
@@ -100,6 +110,7 @@ pub fn attention_decode(q: &Tensor, k: &Tensor, v: &Tensor, lengths: &Tensor, ma
                 KernelArg::tensor(&mask)?,
                 KernelArg::tensor(&part_o)?,
                 KernelArg::tensor(&part_ml)?,
+                if merged { KernelArg::tensor(&out)? } else { KernelArg::Ptr(0) },
                 KernelArg::I32(s.hq as i32),
                 KernelArg::I32(s.hkv as i32),
                 KernelArg::I32(s.tcap as i32),
@@ -109,15 +120,21 @@ pub fn attention_decode(q: &Tensor, k: &Tensor, v: &Tensor, lengths: &Tensor, ma
                 KernelArg::F32((scale * std::f64::consts::LOG2_E) as f32),
             ],
         )?;
+        if merged {
+            return Ok(out);
+        }
+        let combine = routed_kernel(f16, None, &format!("attn_decode_combine_{}_{qpk}", s.d), device)?;
         combine.launch(
             LaunchConfig { grid: (s.hq as u32, s.b as u32, 1), block: (256, 1, 1), shared_mem_bytes: 4 * nb as u32 },
             &[
                 KernelArg::tensor(&part_o)?,
                 KernelArg::tensor(&part_ml)?,
+                KernelArg::tensor(&lengths)?,
                 KernelArg::tensor(&mask)?,
                 KernelArg::tensor(&out)?,
                 KernelArg::I32(s.hq as i32),
                 KernelArg::I32(s.hkv as i32),
+                KernelArg::I32(s.tcap as i32),
                 KernelArg::I32(nb as i32),
                 KernelArg::I32(s.group_heads as i32),
                 KernelArg::I32(s.ng as i32),
@@ -125,6 +142,39 @@ pub fn attention_decode(q: &Tensor, k: &Tensor, v: &Tensor, lengths: &Tensor, ma
         )?;
     }
     Ok(out)
+}
+
+/// Reads the first `a_bytes` of `a` and `b_bytes` of `b` (contiguous CUDA tensors; byte counts
+/// multiples of 16) in one launch that does nothing else, `blocks_per_sm` blocks of 256 threads
+/// a multiprocessor: the time any kernel needs at least to read those bytes once. The
+/// decode-attention benchmark times it on the K/V bytes a call must read (its ceiling).
+pub fn stream_read(a: &Tensor, a_bytes: i64, b: &Tensor, b_bytes: i64, blocks_per_sm: u32) -> Result<()> {
+    let device = match a.device() {
+        Device::Cuda(d) => d,
+        _ => bail!("stream_read: needs CUDA tensors"),
+    };
+    for (t, n) in [(a, a_bytes), (b, b_bytes)] {
+        ensure!(t.is_contiguous() && t.device() == a.device(), "stream_read: tensors must be contiguous on one device");
+        ensure!(n >= 0 && n % 16 == 0 && n <= t.numel() as i64 * t.kind().elt_size_in_bytes() as i64, "stream_read: {n} bytes is not a multiple of 16 within a tensor of {:?}", t.size());
+    }
+    let k = routed_kernel(false, None, "stream_read", device)?;
+    let blocks = blocks_per_sm.clamp(1, 8) * crate::cuda::multiprocessor_count(device)? as u32;
+    unsafe {
+        k.launch(
+            LaunchConfig { grid: (blocks, 1, 1), block: (256, 1, 1), shared_mem_bytes: 0 },
+            &[KernelArg::tensor(a)?, KernelArg::I64(a_bytes / 16), KernelArg::tensor(b)?, KernelArg::I64(b_bytes / 16), KernelArg::Ptr(0)],
+        )
+    }
+}
+
+/// (sequence, KV head) pairs the split kernel can merge itself (`ATTN_TICKETS` in routed.cu).
+const ATTN_TICKETS: i64 = 65536;
+
+/// `WIDE_DECODE_COMBINE=separate`: merge the splits in a second launch (read once; for A/B
+/// benchmarks of the merged kernel).
+fn separate_combine() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("WIDE_DECODE_COMBINE").map(|v| v == "separate").unwrap_or(false))
 }
 
 /// Decode-kernel blocks a multiprocessor (shared among the sequences of a batch): 2, or

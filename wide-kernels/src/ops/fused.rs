@@ -2,7 +2,8 @@
 //! dtype) and a CUDA kernel (bf16/f16) from `infer.cu`:
 //!
 //! - [`add_rmsnorm`]: residual add and RMSNorm in one pass ([`add_rmsnorm_router`]: and the first
-//!   layer of the router that reads the same residual);
+//!   layer of the router that reads the same residual; [`add_rmsnorm_router_gate`]: and the whole
+//!   router with its gate);
 //! - [`rope_qkv_cache`]: RoPE on the fused q/k/v projection, q out in attention layout, k and v
 //!   written into the KV cache at each token's position;
 //! - [`swiglu`]: `silu(gate) * up` from the fused gate|up projection, zero at skipped groups;
@@ -63,7 +64,7 @@ pub fn rmsnorm_reference(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
 
 /// `x, delta: [M, H]` (delta optional), `w: [H]` -> `(x + delta, rmsnorm(x + delta) * w)`.
 pub fn add_rmsnorm(x: &Tensor, delta: Option<&Tensor>, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
-    let (res, out, _) = add_rmsnorm_impl(x, delta, w, eps, None)?;
+    let (res, out, _, _) = add_rmsnorm_impl(x, delta, w, eps, None, None)?;
     Ok((res, out))
 }
 
@@ -71,7 +72,7 @@ pub fn add_rmsnorm(x: &Tensor, delta: Option<&Tensor>, w: &Tensor, eps: f64) -> 
 /// `b1: [R]`): returns `(res, norm, res W1^T + b1)`. On CUDA one launch does both (decode: a
 /// GEMV launch fewer per router); the hidden `[M, R]` then feeds [`router_gate_from_hidden`].
 pub fn add_rmsnorm_router(x: &Tensor, delta: Option<&Tensor>, w: &Tensor, eps: f64, w1: &Tensor, b1: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
-    let (res, out, h1) = add_rmsnorm_impl(x, delta, w, eps, Some((w1, b1)))?;
+    let (res, out, h1, _) = add_rmsnorm_impl(x, delta, w, eps, Some((w1, b1)), None)?;
     let h1 = match h1 {
         Some(h) => h,
         None => res.linear(w1, Some(b1)),
@@ -79,7 +80,47 @@ pub fn add_rmsnorm_router(x: &Tensor, delta: Option<&Tensor>, w: &Tensor, eps: f
     Ok((res, out, h1))
 }
 
-fn add_rmsnorm_impl(x: &Tensor, delta: Option<&Tensor>, w: &Tensor, eps: f64, router: Option<(&Tensor, &Tensor)>) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+/// Outputs of [`add_rmsnorm_router_gate`].
+pub struct NormRouterGate {
+    pub res: Tensor,
+    pub norm: Tensor,
+    /// The router's first layer on `res`, `[M, R]`.
+    pub hidden: Tensor,
+    /// The execute mask bool `[M, groups]` and, with `extra > 0`, the extended mask.
+    pub mask: Tensor,
+    pub ext: Option<Tensor>,
+}
+
+/// [`add_rmsnorm`], the whole router on the residual and its gate (as
+/// [`router_gate_from_hidden`] with `offset` and `extra`). On CUDA, for up to 65536 tokens, one
+/// launch does all of it: the last block to finish a token's router hidden runs the second
+/// layer and the gate (decode: no router launch at all).
+pub fn add_rmsnorm_router_gate(x: &Tensor, delta: Option<&Tensor>, w: &Tensor, eps: f64, r: &RouterWeights, offset: f64, extra: i64) -> Result<NormRouterGate> {
+    let (res, norm, h1, gated) = add_rmsnorm_impl(x, delta, w, eps, Some((r.w1, r.b1)), Some((r, offset, extra)))?;
+    let hidden = match h1 {
+        Some(h) => h,
+        None => res.linear(r.w1, Some(r.b1)),
+    };
+    let (mask, ext) = match gated {
+        Some(g) => g,
+        None => router_gate_from_hidden(&hidden, r, offset, extra)?,
+    };
+    Ok(NormRouterGate { res, norm, hidden, mask, ext })
+}
+
+/// Tokens the fused gate takes (the kernel's arrival counters, `ROUTER_TICKETS` in infer.cu).
+const ROUTER_TICKETS: i64 = 65536;
+
+type Gated = Option<(Tensor, Option<Tensor>)>;
+
+fn add_rmsnorm_impl(
+    x: &Tensor,
+    delta: Option<&Tensor>,
+    w: &Tensor,
+    eps: f64,
+    router: Option<(&Tensor, &Tensor)>,
+    gate: Option<(&RouterWeights, f64, i64)>,
+) -> Result<(Tensor, Tensor, Option<Tensor>, Gated)> {
     let (m, h) = x.size2()?;
     if let Some(d) = delta {
         ensure!(d.size() == [m, h], "add_rmsnorm: delta {:?} must match x [{m}, {h}]", d.size());
@@ -107,18 +148,43 @@ fn add_rmsnorm_impl(x: &Tensor, delta: Option<&Tensor>, w: &Tensor, eps: f64, ro
                 KernelArg::I32(delta.is_some() as i32),
             ];
             let fused = router.filter(|(w1, _)| h % 8 == 0 && w1.kind() == x.kind());
+            let mut gated = None;
             let (entry, grid, smem, h1) = match fused {
                 Some((w1, b1)) => {
                     let r = w1.size()[0];
                     let h1 = Tensor::empty([m, r], (x.kind(), x.device()));
                     args.extend([KernelArg::tensor(&w1.contiguous())?, KernelArg::tensor(&b1.contiguous())?, KernelArg::tensor(&h1)?, KernelArg::I32(r as i32)]);
+                    let g = gate.filter(|(rw, _, _)| m <= ROUTER_TICKETS && r <= 256.min(h) && rw.w2.kind() == x.kind() && rw.w2.dim() == 2 && rw.w2.size()[1] == r);
+                    match g {
+                        Some((rw, offset, extra)) => {
+                            let ng = rw.w2.size()[0] / 2;
+                            ensure!(rw.b2.size() == [2 * ng], "add_rmsnorm_router_gate: router bias {:?} must be [{}]", rw.b2.size(), 2 * ng);
+                            let mask = Tensor::empty([m, ng], (Kind::Bool, x.device()));
+                            let ext = (extra > 0).then(|| Tensor::empty([m, ng + extra], (Kind::Bool, x.device())));
+                            args.extend([
+                                KernelArg::tensor(&rw.w2.contiguous())?,
+                                KernelArg::tensor(&rw.b2.contiguous())?,
+                                KernelArg::F32(offset as f32),
+                                KernelArg::tensor(&mask)?,
+                                match &ext {
+                                    Some(t) => KernelArg::tensor(t)?,
+                                    None => KernelArg::Ptr(0),
+                                },
+                                KernelArg::I32(ng as i32),
+                                KernelArg::I32(extra as i32),
+                            ]);
+                            gated = Some((mask, ext));
+                        }
+                        None => args.extend([KernelArg::Ptr(0), KernelArg::Ptr(0), KernelArg::F32(0.0), KernelArg::Ptr(0), KernelArg::Ptr(0), KernelArg::I32(0), KernelArg::I32(0)]),
+                    }
+                    // The residual row in shared memory (H floats; the gate reuses it for h1).
                     ("add_rmsnorm_router", (m as u32, 1 + (r as u32).div_ceil(threads / 32), 1), 4 * h as u32, Some(h1))
                 }
                 None => ("add_rmsnorm", (m as u32, 1, 1), 0, None),
             };
             let k = kernel(f16, entry, dev)?;
             unsafe { k.launch(LaunchConfig { grid, block: (threads, 1, 1), shared_mem_bytes: smem }, &args)? };
-            Ok((res, out, h1))
+            Ok((res, out, h1, gated))
         }
         _ => {
             let res = match delta {
@@ -126,7 +192,7 @@ fn add_rmsnorm_impl(x: &Tensor, delta: Option<&Tensor>, w: &Tensor, eps: f64, ro
                 None => x.shallow_clone(),
             };
             let out = rmsnorm_reference(&res, w, eps);
-            Ok((res, out, None))
+            Ok((res, out, None, None))
         }
     }
 }

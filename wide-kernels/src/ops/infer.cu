@@ -70,15 +70,53 @@ extern "C" __global__ void __launch_bounds__(512) add_rmsnorm(const T* x, const 
     add_rmsnorm_row(x, delta, w, res, out, H, eps, has_delta, blockIdx.x);
 }
 
+// Second router layer and deterministic gate of token m on its first layer's output hs[R]
+// (f32 values of the stored h1): logits = h W2^T + b2 viewed [NG, 2] = (execute, skip); group g
+// runs iff skip - execute + offset <= 0. Writes mask u8 [M, NG] and, when ext != null, ext
+// [M, NG + EXTRA] with the EXTRA trailing groups on. Threads of the block share the groups.
+__device__ __forceinline__ void gate_row(const float* hs, const T* __restrict__ w2, const T* __restrict__ b2, float offset,
+                                         unsigned char* __restrict__ mask, unsigned char* __restrict__ ext, int R, int NG,
+                                         int EXTRA, long long m) {
+    for (int g = threadIdx.x; g < NG + EXTRA; g += blockDim.x) {
+        unsigned char on = 1;
+        if (g < NG) {
+            float e = 0.f, s = 0.f;
+            const T* we = w2 + (long long)(2 * g) * R;
+            const T* wsk = we + R;
+            for (int r = 0; r < R; ++r) {
+                e = fmaf(tf(we[r]), hs[r], e);
+                s = fmaf(tf(wsk[r]), hs[r], s);
+            }
+            e = rt(rt(e) + tf(b2[2 * g]));
+            s = rt(rt(s) + tf(b2[2 * g + 1]));
+            on = (s - e + offset) <= 0.f;
+            mask[m * NG + g] = on;
+        }
+        if (ext != nullptr) ext[m * (NG + EXTRA) + g] = on;
+    }
+}
+
+// Arrival counters of the blocks computing one row's router hidden (add_rmsnorm_router with the
+// gate): the last block to arrive runs the gate and puts its counter back to 0, so the array
+// is all zero between launches (launches on one stream do not overlap).
+#define ROUTER_TICKETS 65536
+__device__ unsigned int router_tickets[ROUTER_TICKETS];
+
 // add_rmsnorm and the first layer of the router that reads the same residual, in one launch
 // (decode: saves a GEMV launch per router). Grid (M, 1 + ceil(R / warps)): block (m, 0) is
 // add_rmsnorm of row m; block (m, y > 0) rebuilds the residual row in shared memory (H floats
 // of dynamic shared memory) and gives each warp one output r = (y - 1) * warps + warp:
 // h1[m, r] = res[m] . w1[r] + b1[r], rounded once like cuBLAS's linear with bias. H % 8 == 0.
+// With w2 != null (M <= ROUTER_TICKETS, R <= 256) the last of row m's y > 0 blocks to finish
+// also runs the second layer and the gate on h1[m] (gate_row): the router costs no launch of
+// its own.
 extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router(const T* x, const T* __restrict__ delta, const T* __restrict__ w,
                                                                      T* res, T* __restrict__ out, int H, float eps, int has_delta,
                                                                      const T* __restrict__ w1, const T* __restrict__ b1,
-                                                                     T* __restrict__ h1, int R) {
+                                                                     T* __restrict__ h1, int R, const T* __restrict__ w2,
+                                                                     const T* __restrict__ b2, float offset,
+                                                                     unsigned char* __restrict__ mask, unsigned char* __restrict__ ext,
+                                                                     int NG, int EXTRA) {
     if (blockIdx.y == 0) {
         add_rmsnorm_row(x, delta, w, res, out, H, eps, has_delta, blockIdx.x);
         return;
@@ -93,19 +131,40 @@ extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router(const T* x,
     __syncthreads();
     const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     const int r = (blockIdx.y - 1) * warps + (threadIdx.x >> 5);
-    if (r >= R) return;
-    const T* wr = w1 + (long long)r * H;
-    float acc = 0.f;
+    if (r < R) {
+        const T* wr = w1 + (long long)r * H;
+        float acc = 0.f;
 #pragma unroll 4
-    for (int c = lane; c < H / 8; c += 32) {
-        const uint4 wv = __ldg(reinterpret_cast<const uint4*>(wr + 8 * c));
-        const T* we = reinterpret_cast<const T*>(&wv);
+        for (int c = lane; c < H / 8; c += 32) {
+            const uint4 wv = __ldg(reinterpret_cast<const uint4*>(wr + 8 * c));
+            const T* we = reinterpret_cast<const T*>(&wv);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) acc = fmaf(tf(we[e]), xs[8 * c + e], acc);
+            for (int e = 0; e < 8; ++e) acc = fmaf(tf(we[e]), xs[8 * c + e], acc);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        if (lane == 0) h1[(long long)blockIdx.x * R + r] = ft(acc + tf(b1[r]));
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    if (lane == 0) h1[(long long)blockIdx.x * R + r] = ft(acc + tf(b1[r]));
+    if (w2 == nullptr) return;
+    // Publish this block's outputs, then count the block in; the last one gates the row.
+    __threadfence();
+    __syncthreads();
+    __shared__ int last;
+    if (threadIdx.x == 0) {
+        const unsigned int n = atomicAdd(&router_tickets[blockIdx.x], 1u);
+        last = n == gridDim.y - 2;
+        if (last) router_tickets[blockIdx.x] = 0u;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    // h1 was written by other blocks: read it from L2 (__ldcg), not a stale L1 line.
+    for (int i = threadIdx.x; i < R; i += blockDim.x) {
+        const unsigned short bits = __ldcg(reinterpret_cast<const unsigned short*>(h1 + (long long)blockIdx.x * R + i));
+        xs[i] = tf(*reinterpret_cast<const T*>(&bits));
+    }
+    __syncthreads();
+    gate_row(xs, w2, b2, offset, mask, ext, R, NG, EXTRA, blockIdx.x);
 }
 
 // qkv [M, (HQ + 2 HKV) D] (one row per token; token m = b * T + t). Rotates q and k by the
@@ -172,9 +231,8 @@ extern "C" __global__ void swiglu_masked(const T* __restrict__ gu, const unsigne
 }
 
 // Second router layer and deterministic gate for a few tokens (decode): h [M, R] is the first
-// layer's output (x W1^T + b1, from cuBLAS or add_rmsnorm_router), logits = h W2^T + b2 viewed [NG, 2] = (execute,
-// skip); group g runs iff skip - execute + offset <= 0. Writes mask u8 [M, NG] and, when
-// ext != null, ext [M, NG + EXTRA] with the EXTRA trailing groups on. Grid (M), 128 threads.
+// layer's output (x W1^T + b1, from cuBLAS or add_rmsnorm_router); see gate_row. Grid (M), 128
+// threads.
 extern "C" __global__ void __launch_bounds__(128) router_gate(const T* __restrict__ h, const T* __restrict__ w2, const T* __restrict__ b2,
                                                               float offset, unsigned char* __restrict__ mask,
                                                               unsigned char* __restrict__ ext, int R, int NG, int EXTRA) {
@@ -182,22 +240,6 @@ extern "C" __global__ void __launch_bounds__(128) router_gate(const T* __restric
     const int m = blockIdx.x;
     for (int r = threadIdx.x; r < R; r += blockDim.x) hs[r] = tf(h[(long long)m * R + r]);
     __syncthreads();
-    for (int g = threadIdx.x; g < NG + EXTRA; g += blockDim.x) {
-        unsigned char on = 1;
-        if (g < NG) {
-            float e = 0.f, s = 0.f;
-            const T* we = w2 + (long long)(2 * g) * R;
-            const T* wsk = we + R;
-            for (int r = 0; r < R; ++r) {
-                e = fmaf(tf(we[r]), hs[r], e);
-                s = fmaf(tf(wsk[r]), hs[r], s);
-            }
-            e = rt(rt(e) + tf(b2[2 * g]));
-            s = rt(rt(s) + tf(b2[2 * g + 1]));
-            on = (s - e + offset) <= 0.f;
-            mask[(long long)m * NG + g] = on;
-        }
-        if (ext != nullptr) ext[(long long)m * (NG + EXTRA) + g] = on;
-    }
+    gate_row(hs, w2, b2, offset, mask, ext, R, NG, EXTRA, m);
 }
 

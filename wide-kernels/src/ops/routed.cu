@@ -430,16 +430,29 @@ __device__ __forceinline__ int nth_set_bit(unsigned long long v, int n) {
     return __ffsll((long long)v) - 1;
 }
 
-// Splits a sequence gets per active KV head (NB >= HKV, so every active head gets one), and
-// tokens a split.
-__device__ __forceinline__ int decode_splits(int NB, int n_active) { return max(1, NB / max(n_active, 1)); }
+// Splits a sequence gets per active KV head (NB >= HKV, so every active head gets one; no more
+// than there are 64-token chunks, so a short context does not write and merge empty splits),
+// and tokens a split.
+__device__ __forceinline__ int decode_splits(int NB, int n_active, int len) {
+    return max(1, min(NB / max(n_active, 1), (len + 63) / 64));
+}
 __device__ __forceinline__ int decode_chunk(int len, int splits) { return max(64, ((len + splits - 1) / splits + 63) / 64 * 64); }
+
+// Arrival counters of the split blocks of one (sequence, KV head) when the split kernel merges
+// its own splits (out != null): the last block to arrive merges and puts the counter back to 0,
+// so the array is all zero between launches (launches on one stream do not overlap).
+#define ATTN_TICKETS 65536
+__device__ unsigned int attn_tickets[ATTN_TICKETS];
+
+template <int D, int QPK>
+__device__ __forceinline__ void attn_decode_merge_head(const float* part_o, const float* part_ml, const unsigned char* __restrict__ mask,
+                                                       T* __restrict__ out, int b, int h, int HQ, int NB, int S, int GH, int NG);
 
 template <int D, int QPK>
 __device__ __forceinline__ void attn_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                                   const int* __restrict__ lengths, const unsigned char* __restrict__ mask,
-                                                  float* __restrict__ part_o, float* __restrict__ part_ml, int HQ, int HKV,
-                                                  int TCAP, int NB, int GH, int NG, float scale_log2) {
+                                                  float* __restrict__ part_o, float* __restrict__ part_ml, T* __restrict__ out,
+                                                  int HQ, int HKV, int TCAP, int NB, int GH, int NG, float scale_log2) {
     static_assert(QPK <= 8 && D % 32 == 0, "at most 8 query heads a KV head, head_dim a multiple of 32");
     constexpr int DC = D / 32;     // 32-dim blocks of K (2 mma k-steps each)
     constexpr int CW = D / 16;     // dims a lane holds per V row chunk = PV mmas
@@ -451,12 +464,21 @@ __device__ __forceinline__ void attn_decode_split(const T* __restrict__ q, const
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const unsigned long long heads = active_kv_heads<QPK>(mask, b, HKV, GH, NG);
     const int n_act = __popcll(heads);
-    const int splits = decode_splits(NB, n_act);
+    const int len = min(lengths[b], TCAP);
+    const int splits = decode_splits(NB, n_act, len);
+    if (out != nullptr) {
+        // Merged here: block x writes the zeros of the x-th KV head with no active query head
+        // (NB >= HKV blocks, so each such head has one).
+        const unsigned long long idle = ~heads & (HKV == 64 ? ~0ull : ((1ull << HKV) - 1));
+        if ((int)blockIdx.x < __popcll(idle)) {
+            T* o = out + ((long long)b * HQ + nth_set_bit(idle, blockIdx.x) * QPK) * D;
+            for (int i = threadIdx.x; i < QPK * D; i += blockDim.x) o[i] = (T)0.0f;
+        }
+    }
     if ((int)blockIdx.x >= n_act * splits) return;  // nothing for this block (or no head active)
     const int s = blockIdx.x % splits;
     const int h = nth_set_bit(heads, blockIdx.x / splits);
     const float NEG_INF = -__int_as_float(0x7f800000);
-    const int len = min(lengths[b], TCAP);
     const int chunk = decode_chunk(len, splits);
     const int t0 = s * chunk, t1 = min(len, t0 + chunk);
     // Q A-fragments: row g = query head g (zero past QPK); a1, a3 (rows g + 8) stay zero.
@@ -577,6 +599,64 @@ __device__ __forceinline__ void attn_decode_split(const T* __restrict__ q, const
         part_o[row * D + d] = O;
         if (d == 0) { part_ml[row * 2] = M; part_ml[row * 2 + 1] = L; }
     }
+    if (out == nullptr) return;
+    // Publish this block's partials, then count it in; the last split of the head merges them.
+    __threadfence();
+    __syncthreads();
+    __shared__ int last;
+    const int ticket = b * HKV + h;
+    if (threadIdx.x == 0) {
+        const unsigned int n = atomicAdd(&attn_tickets[ticket], 1u);
+        last = n == (unsigned int)(splits - 1);
+        if (last) attn_tickets[ticket] = 0u;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    attn_decode_merge_head<D, QPK>(part_o, part_ml, mask, out, b, h, HQ, NB, splits, GH, NG);
+}
+
+// The last split block of KV head h merges the S splits of its QPK query heads into out (an
+// inactive query head gets zeros). Each thread owns 4 consecutive dims of one head; the split
+// maxima and sums are read twice (maximum, then weights), the partials once, all from L2
+// (__ldcg: other blocks wrote them, so no L1 line of this multiprocessor may be trusted).
+template <int D, int QPK>
+__device__ __forceinline__ void attn_decode_merge_head(const float* part_o, const float* part_ml, const unsigned char* __restrict__ mask,
+                                                       T* __restrict__ out, int b, int h, int HQ, int NB, int S, int GH, int NG) {
+    const float NEG_INF = -__int_as_float(0x7f800000);
+    for (int idx = threadIdx.x; idx < QPK * D / 4; idx += blockDim.x) {
+        const int hq = h * QPK + (4 * idx) / D, d0 = (4 * idx) % D;
+        T* o = out + ((long long)b * HQ + hq) * D + d0;
+        if (!mask[(long long)b * NG + hq / GH]) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[e] = (T)0.0f;
+            continue;
+        }
+        const long long row0 = ((long long)b * HQ + hq) * NB;
+        float M = NEG_INF;
+#pragma unroll 8
+        for (int s = 0; s < S; ++s) M = fmaxf(M, __ldcg(part_ml + (row0 + s) * 2));
+        float L = 0.f;
+        float4 O = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (M != NEG_INF) {
+#pragma unroll 4
+            for (int s = 0; s < S; ++s) {
+                const float2 ml = __ldcg(reinterpret_cast<const float2*>(part_ml + (row0 + s) * 2));
+                const float c = ml.x == NEG_INF ? 0.f : exp2f(ml.x - M);  // a split past the length: weight 0
+                const float4 os = __ldcg(reinterpret_cast<const float4*>(part_o + (row0 + s) * D + d0));
+                L += c * ml.y;
+                O.x += c * os.x;
+                O.y += c * os.y;
+                O.z += c * os.z;
+                O.w += c * os.w;
+            }
+        }
+        const float inv = L > 0.f ? 1.f / L : 0.f;
+        o[0] = (T)(O.x * inv);
+        o[1] = (T)(O.y * inv);
+        o[2] = (T)(O.z * inv);
+        o[3] = (T)(O.w * inv);
+    }
 }
 
 // out [B, HQ, D]: inactive heads exactly 0, others the merged splits. Grid (HQ, B), 256
@@ -600,8 +680,8 @@ __device__ __forceinline__ float block_reduce(float v, float* sh, bool is_max) {
 
 template <int D, int QPK>
 __device__ __forceinline__ void attn_decode_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
-                                                    const unsigned char* __restrict__ mask, T* __restrict__ out, int HQ, int HKV,
-                                                    int NB, int GH, int NG) {
+                                                    const int* __restrict__ lengths, const unsigned char* __restrict__ mask,
+                                                    T* __restrict__ out, int HQ, int HKV, int TCAP, int NB, int GH, int NG) {
     constexpr int DV = D / 4, NSL = 256 / DV;
     extern __shared__ float sm_c[];  // NB split weights
     __shared__ float sm_o[NSL][D];
@@ -612,7 +692,7 @@ __device__ __forceinline__ void attn_decode_combine(const float* __restrict__ pa
         if (tid < D) o[tid] = (T)0.0f;
         return;
     }
-    const int S = decode_splits(NB, __popcll(active_kv_heads<QPK>(mask, b, HKV, GH, NG)));
+    const int S = decode_splits(NB, __popcll(active_kv_heads<QPK>(mask, b, HKV, GH, NG)), min(lengths[b], TCAP));
     const float NEG_INF = -__int_as_float(0x7f800000);
     const long long row0 = ((long long)b * HQ + hq) * NB;
     float m = NEG_INF;
@@ -648,12 +728,13 @@ __device__ __forceinline__ void attn_decode_combine(const float* __restrict__ pa
 #define ATTN_DECODE(D, QPK)                                                                                         \
     extern "C" __global__ void __launch_bounds__(128) attn_decode_split_##D##_##QPK(                                 \
         const T* q, const T* k, const T* v, const int* lengths, const unsigned char* mask, float* part_o, float* part_ml, \
-        int HQ, int HKV, int TCAP, int NB, int GH, int NG, float scale_log2) {                                        \
-        attn_decode_split<D, QPK>(q, k, v, lengths, mask, part_o, part_ml, HQ, HKV, TCAP, NB, GH, NG, scale_log2);   \
+        T* out, int HQ, int HKV, int TCAP, int NB, int GH, int NG, float scale_log2) {                                \
+        attn_decode_split<D, QPK>(q, k, v, lengths, mask, part_o, part_ml, out, HQ, HKV, TCAP, NB, GH, NG, scale_log2); \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(256) attn_decode_combine_##D##_##QPK(                               \
-        const float* part_o, const float* part_ml, const unsigned char* mask, T* out, int HQ, int HKV, int NB, int GH, int NG) { \
-        attn_decode_combine<D, QPK>(part_o, part_ml, mask, out, HQ, HKV, NB, GH, NG);                                 \
+        const float* part_o, const float* part_ml, const int* lengths, const unsigned char* mask, T* out, int HQ, int HKV,     \
+        int TCAP, int NB, int GH, int NG) {                                                                           \
+        attn_decode_combine<D, QPK>(part_o, part_ml, lengths, mask, out, HQ, HKV, TCAP, NB, GH, NG);                  \
     }
 ATTN_DECODE(64, 1)
 ATTN_DECODE(64, 2)
@@ -672,6 +753,32 @@ extern "C" __global__ void gpu_spin(long long ns) {
     do {
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     } while (t - t0 < (unsigned long long)ns);
+}
+
+// Reads na 16-byte words at a and nb at b once each (streamed past L1), 8 loads in flight a
+// thread, and stores nothing unless an impossible value comes out (so no load is dropped):
+// the time one launch needs to read those bytes, the ceiling of the decode-attention benchmark.
+extern "C" __global__ void __launch_bounds__(256) stream_read(const uint4* __restrict__ a, long long na, const uint4* __restrict__ b,
+                                                              long long nb, unsigned* __restrict__ sink) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    unsigned acc = 0;
+    for (int part = 0; part < 2; ++part) {
+        const uint4* p = part ? b : a;
+        const long long n = part ? nb : na;
+        long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+        for (; i + 7 * stride < n; i += 8 * stride) {
+            uint4 v[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) v[u] = ld_stream(p + i + u * stride);
+#pragma unroll
+            for (int u = 0; u < 8; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+        }
+        for (; i < n; i += stride) {
+            const uint4 v = ld_stream(p + i);
+            acc ^= v.x ^ v.y ^ v.z ^ v.w;
+        }
+    }
+    if (acc == 0x9e3779b9u && sink != nullptr) sink[blockIdx.x] = acc;
 }
 #endif
 
