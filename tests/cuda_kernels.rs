@@ -1,6 +1,7 @@
 //! GPU tests of the routed kernels (feature `cuda-tests`; run on the GPU machine through the
 //! device tool): the routing layout, gemm_mn (plain and fused SwiGLU) and gemm_k on every
-//! path (GEMV, each mma.sync tile, dispatch), against the tch reference computed in f32.
+//! path (GEMV, each mma.sync tile, the sm_90a wgmma kernel on Hopper, dispatch), against the
+//! tch reference computed in f32.
 //!
 //! Outputs are poisoned: before each call a NaN-filled block of the output's size is freed
 //! back to libtorch's caching allocator, which hands that block to the op's output, so an
@@ -8,7 +9,7 @@
 #![cfg(feature = "cuda-tests")]
 
 use tch::{Device, Kind, Tensor};
-use wide_kernels::ops::dispatch::{feasible_tiles, GemmPath, GemmShape, RoutedOp, TILES};
+use wide_kernels::ops::dispatch::{feasible_tiles, wgmma_feasible, GemmPath, GemmShape, RoutedOp, TILES};
 use wide_kernels::ops::gemm::{gemm_k_reference, gemm_mn_reference, routed_gemm};
 use wide_kernels::ops::layout::{route_layout, route_layout_reference};
 use wide_kernels::CudaGraph;
@@ -53,6 +54,9 @@ fn paths_for(s: &GemmShape) -> Vec<GemmPath> {
         p.push(GemmPath::Gemv);
     }
     p.extend(feasible_tiles(s).into_iter().map(GemmPath::Tiled));
+    if wgmma_feasible(s) && wide_kernels::ops::wgmma::supported(0) {
+        p.push(GemmPath::Wgmma);
+    }
     p
 }
 
@@ -137,6 +141,28 @@ fn gemm_mn_swiglu_all_paths_match_reference() {
     }
 }
 
+/// The wgmma kernel at prefill-like sizes (long K pipelines, 112 groups of 128, M not a
+/// multiple of the 128-token tile, all-active and all-inactive masks). Hopper only.
+#[test]
+fn gemm_mn_wgmma_matches_reference() {
+    if !wide_kernels::ops::wgmma::supported(0) {
+        eprintln!("skipped: the wgmma kernel needs a compute capability 9.0 GPU");
+        return;
+    }
+    tch::manual_seed(18);
+    for fused in [false, true] {
+        for (m, p) in [(2500, 0.5), (1000, 0.3), (300, 1.0), (257, 0.0), (4096, 0.5)] {
+            run_mn_case(Kind::BFloat16, m, 14336, 4096, 128, p, fused);
+        }
+        run_mn_case(Kind::Half, 777, 14336, 4096, 128, 0.5, fused);
+        // k steps of 64: one, two (the producer's hand-over lag) and three.
+        for k in [64, 128, 192] {
+            run_mn_case(Kind::BFloat16, 515, 1024, k, 128, 0.5, fused);
+        }
+        run_mn_case(Kind::BFloat16, 300, 2048, 512, 256, 0.6, fused);
+    }
+}
+
 #[test]
 fn gemm_k_all_paths_match_reference() {
     tch::manual_seed(14);
@@ -206,6 +232,9 @@ fn sanitizer_small_all_ops() {
         run_k_case(Kind::BFloat16, m, 128, 1024, 128, p);
     }
     run_mn_case(Kind::Half, 65, 512, 96, 32, 0.5, true);
+    // The wgmma kernel (Hopper): k loops of 2 and 3 steps, a partial token tile.
+    run_mn_case(Kind::BFloat16, 200, 512, 128, 128, 0.5, false);
+    run_mn_case(Kind::Half, 200, 512, 192, 128, 0.5, true);
     run_k_case(Kind::Half, 65, 256, 512, 32, 0.5);
     run_decode_case(Kind::BFloat16, 2, 8, 2, 300, 128, 2, &[1, 300], 0.5);
     run_decode_case(Kind::BFloat16, 1, 16, 2, 200, 64, 4, &[150], 0.5);

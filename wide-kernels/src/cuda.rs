@@ -99,7 +99,13 @@ impl CudaKernel {
     /// Compiles (or takes from cache) `src` for `device` and loads entry point `entry`.
     pub fn get(src: &KernelSource, entry: &str, device: usize) -> Result<Self> {
         static LOADED: OnceLock<Mutex<HashMap<(u64, String, usize), usize>>> = OnceLock::new();
-        let arch = compute_arch(device)?;
+        let dev_arch = compute_arch(device)?;
+        let arch = match src.target {
+            None => dev_arch,
+            // `compute_90a` code runs on compute capability 9.0 devices only.
+            Some(t) if t.trim_end_matches('a') == dev_arch => t.to_string(),
+            Some(t) => bail!("kernel `{}` is built for {t} only, but device {device} is {dev_arch}", src.name),
+        };
         let compiled = nvrtc::compile(src, &arch)?;
         let loaded = LOADED.get_or_init(Default::default);
         let mut loaded = loaded.lock().unwrap();

@@ -20,11 +20,19 @@ pub struct KernelSource {
     pub source: &'static str,
     /// `-D NAME=VALUE` specialisations.
     pub defines: Vec<(String, String)>,
+    /// A fixed NVRTC target (e.g. `compute_90a` for Hopper-only instructions) instead of the
+    /// device's own `compute_XY`; such a module loads only on devices of that compute capability.
+    pub target: Option<&'static str>,
 }
 
 impl KernelSource {
     pub fn new(name: &'static str, source: &'static str) -> Self {
-        Self { name, source, defines: Vec::new() }
+        Self { name, source, defines: Vec::new(), target: None }
+    }
+    /// Compiles for `arch` only (an architecture-specific target such as `compute_90a`).
+    pub fn target(mut self, arch: &'static str) -> Self {
+        self.target = Some(arch);
+        self
     }
     pub fn define(mut self, key: &str, value: impl ToString) -> Self {
         self.defines.push((key.to_string(), value.to_string()));

@@ -6,7 +6,7 @@
 //! Every timed iteration draws a fresh random mask (outside the timed region) and times, with
 //! CUDA events: dense = the cuBLAS product(s) alone (plus SiLU-multiply for gate+up); routed =
 //! building the routing layout + the routed kernel (GEMV for M <= 16, else the autotuned best
-//! tile); dispatch = layout + whatever the policy picks. Outputs are checked against the f32
+//! of the mma.sync tiles and, on Hopper, the wgmma kernel); dispatch = layout + whatever the policy picks. Outputs are checked against the f32
 //! tch reference before timing. A 200 us device spin precedes each timed region so the host
 //! has queued its launches before it starts: the events time device work (as under CUDA-graph
 //! replay), not launch overhead.
@@ -149,8 +149,8 @@ pub fn run(cfg: &KernelBenchConfig) -> Result<serde_json::Value> {
                     let routed_path = if m <= GEMV_MAX_M {
                         GemmPath::Gemv
                     } else {
-                        match tuned_for(sp.op, &xin, &w, w2.as_ref(), &lay, g)?.best() {
-                            Some((t, _)) => GemmPath::Tiled(t),
+                        match tuned_for(sp.op, &xin, &w, w2.as_ref(), &lay, g)?.best_path() {
+                            Some((p, _)) => p,
                             None => GemmPath::DenseMasked,
                         }
                     };
@@ -239,7 +239,8 @@ pub fn run(cfg: &KernelBenchConfig) -> Result<serde_json::Value> {
         .map(|(k, t)| {
             json!({"op": format!("{:?}", k.op), "N": k.n, "K": k.k, "G": k.group, "m_bucket": k.m_bucket,
                    "sparsity": k.sparsity_eighths as f64 / 8.0, "dense_ms": t.dense_ms,
-                   "tiles": t.tiles.iter().map(|(c, ms)| json!({"tile": c.label(), "ms": ms})).collect::<Vec<_>>()})
+                   "tiles": t.tiles.iter().map(|(c, ms)| json!({"tile": c.label(), "ms": ms})).collect::<Vec<_>>(),
+                   "wgmma_ms": t.wgmma_ms})
         })
         .collect();
     let prov = Provenance::new(&cfg.commit, &device_label(device));

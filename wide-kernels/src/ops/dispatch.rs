@@ -77,6 +77,9 @@ pub enum GemmPath {
     Gemv,
     /// `mma.sync` tiled kernel with block-level skipping.
     Tiled(TileConfig),
+    /// Hopper (sm_90a) `wgmma` kernel for gemm_mn / SwiGLU, tile 128 x 128 x 64
+    /// ([`super::wgmma`]); compute capability 9.0 only.
+    Wgmma,
 }
 
 impl GemmPath {
@@ -85,6 +88,7 @@ impl GemmPath {
             GemmPath::DenseMasked => "dense+mask".into(),
             GemmPath::Gemv => "gemv".into(),
             GemmPath::Tiled(t) => t.label(),
+            GemmPath::Wgmma => "wgmma128x128x64".into(),
         }
     }
 }
@@ -112,12 +116,40 @@ pub struct Tuned {
     pub dense_ms: f64,
     /// Each feasible tile with its time.
     pub tiles: Vec<(TileConfig, f64)>,
+    /// The wgmma kernel's time, where it can run (sm_90 and a feasible shape).
+    pub wgmma_ms: Option<f64>,
 }
 
 impl Tuned {
+    /// The fastest `mma.sync` tile.
     pub fn best(&self) -> Option<(TileConfig, f64)> {
         self.tiles.iter().copied().min_by(|a, b| a.1.partial_cmp(&b.1).unwrap_or(std::cmp::Ordering::Equal))
     }
+    /// The fastest routed kernel measured: a tile or the wgmma kernel.
+    pub fn best_path(&self) -> Option<(GemmPath, f64)> {
+        let tile = self.best().map(|(t, ms)| (GemmPath::Tiled(t), ms));
+        let wgmma = self.wgmma_ms.map(|ms| (GemmPath::Wgmma, ms));
+        match (tile, wgmma) {
+            (Some(t), Some(w)) => Some(if w.1 <= t.1 { w } else { t }),
+            (t, w) => t.or(w),
+        }
+    }
+}
+
+/// Tile of the wgmma kernel: 128 tokens x 128 output channels, k steps of 64.
+pub const WGMMA_BM: i64 = 128;
+pub const WGMMA_BN: i64 = 128;
+pub const WGMMA_BK: i64 = 64;
+
+/// Shapes the wgmma kernel takes (the device must also be compute capability 9.0): gemm_mn
+/// and its SwiGLU variant, the tile width dividing the group, K a multiple of the k step.
+pub fn wgmma_feasible(s: &GemmShape) -> bool {
+    matches!(s.op, RoutedOp::Mn | RoutedOp::MnSwiglu)
+        && s.group % WGMMA_BN == 0
+        && s.n % WGMMA_BN == 0
+        && s.n / WGMMA_BN <= 65535
+        && s.k % WGMMA_BK == 0
+        && s.k > 0
 }
 
 /// Tiles the tiled kernel can run for this shape: `bn` must divide the routed group (gemm_mn)
@@ -162,8 +194,9 @@ pub fn choose(s: &GemmShape, sparsity: f64, tuned: Option<&Tuned>) -> GemmPath {
     if s.m <= GEMV_MAX_M {
         return GemmPath::DenseMasked;
     }
-    match tuned.and_then(|t| t.best().map(|b| (t.dense_ms, b))) {
-        Some((dense, (tile, ms))) if ms < MARGIN * dense && feasible_tiles(s).contains(&tile) => GemmPath::Tiled(tile),
+    match tuned.and_then(|t| t.best_path().map(|b| (t.dense_ms, b))) {
+        Some((dense, (GemmPath::Tiled(tile), ms))) if ms < MARGIN * dense && feasible_tiles(s).contains(&tile) => GemmPath::Tiled(tile),
+        Some((dense, (GemmPath::Wgmma, ms))) if ms < MARGIN * dense && wgmma_feasible(s) => GemmPath::Wgmma,
         _ => GemmPath::DenseMasked,
     }
 }
@@ -248,10 +281,38 @@ mod tests {
     fn large_m_follows_the_measured_timings() {
         let s = shape(RoutedOp::Mn, 4096, 128);
         assert_eq!(choose(&s, 0.5, None), GemmPath::DenseMasked, "untuned large M stays dense");
-        let t = Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], 0.6), (TILES[1], 0.7)] };
+        let t = Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], 0.6), (TILES[1], 0.7)], wgmma_ms: None };
         assert_eq!(choose(&s, 0.5, Some(&t)), GemmPath::Tiled(TILES[0]));
-        let slow = Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], 0.98)] };
+        let slow = Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], 0.98)], wgmma_ms: None };
         assert_eq!(choose(&s, 0.5, Some(&slow)), GemmPath::DenseMasked, "within the margin stays dense");
+    }
+
+    #[test]
+    fn wgmma_is_chosen_only_where_it_measured_fastest() {
+        let s = shape(RoutedOp::Mn, 4096, 128);
+        let t = Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], 0.8)], wgmma_ms: Some(0.55) };
+        assert_eq!(choose(&s, 0.5, Some(&t)), GemmPath::Wgmma);
+        assert_eq!(choose(&shape(RoutedOp::MnSwiglu, 4096, 128), 0.5, Some(&t)), GemmPath::Wgmma);
+        let tile_wins = Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], 0.5)], wgmma_ms: Some(0.55) };
+        assert_eq!(choose(&s, 0.5, Some(&tile_wins)), GemmPath::Tiled(TILES[0]));
+        let slow = Tuned { dense_ms: 1.0, tiles: vec![], wgmma_ms: Some(0.99) };
+        assert_eq!(choose(&s, 0.5, Some(&slow)), GemmPath::DenseMasked, "within the margin stays dense");
+        // Not measured (not sm_90) or a shape it cannot run: never chosen.
+        let none = Tuned { dense_ms: 1.0, tiles: vec![], wgmma_ms: None };
+        assert_eq!(choose(&s, 0.5, Some(&none)), GemmPath::DenseMasked);
+        assert_eq!(choose(&shape(RoutedOp::Mn, 4096, 64), 0.5, Some(&t)), GemmPath::DenseMasked, "G = 64 < the 128-wide tile");
+        assert_eq!(choose(&shape(RoutedOp::K, 4096, 128), 0.5, Some(&t)), GemmPath::DenseMasked, "gemm_k has no wgmma kernel");
+        // Small M never autotunes.
+        assert_eq!(choose(&shape(RoutedOp::Mn, 16, 128), 0.5, Some(&t)), GemmPath::DenseMasked);
+    }
+
+    #[test]
+    fn wgmma_shapes() {
+        assert!(wgmma_feasible(&shape(RoutedOp::Mn, 4096, 128)));
+        assert!(wgmma_feasible(&shape(RoutedOp::MnSwiglu, 5, 256)));
+        assert!(!wgmma_feasible(&shape(RoutedOp::Mn, 4096, 32)));
+        assert!(!wgmma_feasible(&GemmShape { op: RoutedOp::Mn, m: 4096, n: 14336, k: 4000, group: 128 }), "K not a multiple of 64");
+        assert!(!wgmma_feasible(&shape(RoutedOp::KPremasked, 4096, 128)));
     }
 
     #[test]
@@ -262,7 +323,7 @@ mod tests {
         let k32 = feasible_tiles(&GemmShape { op: RoutedOp::K, m: 4096, n: 4096, k: 14336, group: 32 });
         assert!(!k32.is_empty() && k32.iter().all(|t| t.bk == 32), "a 64-deep k step cannot tile a group of 32");
         // A tuned tile that cannot run this group is never chosen.
-        let t = Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], 0.1)] };
+        let t = Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], 0.1)], wgmma_ms: None };
         assert_eq!(choose(&s, 0.5, Some(&t)), GemmPath::DenseMasked);
         let odd = GemmShape { op: RoutedOp::Mn, m: 4096, n: 14336 / 7 * 7, k: 4100, group: 128 };
         assert!(feasible_tiles(&odd).is_empty(), "K not a multiple of 32");

@@ -10,6 +10,7 @@
 //! On CUDA (bf16, f16; fp32 accumulation) the op picks a path with [`super::dispatch::choose`];
 //! elsewhere, and for other dtypes, the tch reference runs.
 use super::dispatch::{self, GemmPath, GemmShape, RoutedOp, TileConfig, Tuned, TuneKey, GEMV_K_MAX_GROUPS, GEMV_MAX_M};
+use super::wgmma;
 use super::layout::RouteLayout;
 use super::routed_kernel;
 use crate::cuda::{GpuTimer, KernelArg, LaunchConfig};
@@ -121,6 +122,7 @@ pub fn routed_gemm(
                 Some((t, _)) => GemmPath::Tiled(t),
                 None => GemmPath::DenseMasked,
             },
+            Some("wgmma") if wgmma_usable(&s, x) => GemmPath::Wgmma,
             _ => {
                 let sp = layout.sparsity();
                 let t = if s.m > GEMV_MAX_M { Some(tuned(&s, x, w, w2, layout)?) } else { None };
@@ -137,10 +139,21 @@ fn run_path(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: 
         GemmPath::DenseMasked => dense_masked(s, x, w, w2, layout),
         GemmPath::Gemv => launch_gemv(s, x, w, w2, layout),
         GemmPath::Tiled(t) => launch_tiled(s, x, w, w2, layout, t),
+        GemmPath::Wgmma => wgmma::launch(s, x, w, w2, layout),
     }
 }
 
-fn cuda_inputs(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>) -> Result<(usize, bool, Tensor, Tensor, Option<Tensor>)> {
+/// The wgmma kernel can run this call: a feasible shape, bf16/f16 on a compute capability 9.0
+/// device.
+fn wgmma_usable(s: &GemmShape, x: &Tensor) -> bool {
+    let dev = match x.device() {
+        Device::Cuda(d) if matches!(x.kind(), Kind::BFloat16 | Kind::Half) => d,
+        _ => return false,
+    };
+    dispatch::wgmma_feasible(s) && wgmma::supported(dev)
+}
+
+pub(super) fn cuda_inputs(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>) -> Result<(usize, bool, Tensor, Tensor, Option<Tensor>)> {
     let device = match x.device() {
         Device::Cuda(d) => d,
         d => bail!("routed CUDA kernels need CUDA tensors, got {d:?}"),
@@ -342,7 +355,7 @@ fn launch_tiled(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layo
 }
 
 /// The autotuner's record for this shape's bucket, measuring it on these inputs on first use:
-/// dense+mask and every feasible tile, median of 3 event-timed runs after one warm-up. It
+/// dense+mask, every feasible tile and (on sm_90) the wgmma kernel, median of 3 event-timed runs after one warm-up. It
 /// synchronises the device, so run a first (un-captured) call before capturing a CUDA graph.
 fn tuned(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: &RouteLayout) -> Result<Tuned> {
     let device = match x.device() {
@@ -380,7 +393,8 @@ fn autotune(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: 
     for t in dispatch::feasible_tiles(s) {
         tiles.push((t, time(GemmPath::Tiled(t))?));
     }
-    Ok(Tuned { dense_ms, tiles })
+    let wgmma_ms = if wgmma_usable(s, x) { Some(time(GemmPath::Wgmma)?) } else { None };
+    Ok(Tuned { dense_ms, tiles, wgmma_ms })
 }
 
 /// The autotuner's record for a routed projection on these inputs (measured on first use per

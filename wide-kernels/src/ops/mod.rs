@@ -9,6 +9,7 @@ pub mod fused;
 pub mod gemm;
 pub mod layout;
 pub mod scale_shift;
+pub mod wgmma;
 
 use crate::cuda::{CudaKernel, KernelArg, LaunchConfig};
 use crate::nvrtc::KernelSource;
@@ -67,6 +68,7 @@ pub fn all_kernel_variants() -> Vec<KernelSource> {
     let mut v = Vec::new();
     v.extend(scale_shift::kernel_variants());
     v.extend(fused::kernel_variants());
+    v.extend(wgmma::kernel_variants());
     for f16 in [false, true] {
         v.push(routed_source(f16, None));
         for t in TILES {
@@ -91,12 +93,19 @@ mod tests {
         std::env::set_var("WIDE_KERNEL_CACHE", std::env::temp_dir().join(format!("wide-kcache-{}", std::process::id())));
         for arch in ["compute_80", "compute_90"] {
             for k in super::all_kernel_variants() {
+                // Architecture-specific modules (sm_90a wgmma) compile for their own target only.
+                let arch = k.target.unwrap_or(arch);
                 let c = crate::nvrtc::compile(&k, arch).unwrap_or_else(|e| panic!("{e:#}"));
                 let text = String::from_utf8_lossy(&c.ptx);
                 assert!(text.contains(".entry"), "{}: no kernel entry in PTX", k.name);
                 if k.defines.iter().any(|(d, _)| d == "BM") {
                     assert!(text.contains("mma.sync.aligned.m16n8k16"), "tiled variant without tensor-core MMA: {:?}", k.defines);
                     assert!(!text.contains(".local"), "tiled variant spills to local memory: {:?}", k.defines);
+                }
+                if k.name == "wgmma" {
+                    assert!(text.contains(".target sm_90a"), "wgmma variant not built for sm_90a: {:?}", k.defines);
+                    assert!(text.contains("wgmma.mma_async.sync.aligned.m64n128k16.f32"), "wgmma variant without wgmma: {:?}", k.defines);
+                    assert!(!text.contains(".local"), "wgmma variant spills to local memory: {:?}", k.defines);
                 }
             }
         }

@@ -1,0 +1,269 @@
+// Hopper (sm_90a) routed GEMM for large M: gemm_mn (output-width routed), plain or with the
+// fused gate+up SwiGLU epilogue, on the warpgroup tensor-core instruction wgmma.mma_async.
+// Compiled by NVRTC for compute_90a only (wgmma exists on sm_90a alone), with defines:
+//   WIDE_F16   1 for f16 operands, 0 for bf16 (fp32 accumulation either way)
+//   FUSED      1: two weight tiles (gate, up) and out = silu(x.w_gate) * (x.w_up)
+//   STAGES     shared-memory pipeline depth
+//
+// Same contract as gemm_mn_tiled in routed.cu: grid (ceil(M/BM), N/BN); block (mt, nt) works on
+// list entries [mt*BM, mt*BM+BM) of group g = nt*BN/G (BN | G): entries below count[g] are
+// active tokens, gathered through perm and computed; the inactive tokens listed after them get
+// exact zeros, so every output element is written once. The M tile runs fastest in the grid so
+// the blocks in flight share a few groups' weight tiles (read from DRAM about once) while x
+// stays in L2.
+//
+// Block: 3 warpgroups. Warpgroup 0 is the producer: it gathers the A rows (16-byte cp.async
+// chunks, zero-filled past the active rows) and copies the weight tile(s), both into the
+// 128-byte-swizzled K-major layout, and hands a stage to the consumers through an mbarrier
+// once its copies have landed (cp.async.wait_group, then fence.proxy.async so that the async
+// proxy of wgmma sees them). Warpgroups 1 and 2 each own 64 of the BM = 128 rows and run
+// m64n128k16 wgmma (one per weight tile) with both operands read from shared memory, keep one
+// wgmma group in flight, and release a stage through a second mbarrier when its wgmma group
+// has completed.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#ifndef WIDE_F16
+#define WIDE_F16 0
+#endif
+#ifndef FUSED
+#define FUSED 0
+#endif
+#ifndef STAGES
+#define STAGES 4
+#endif
+#if WIDE_F16
+typedef __half T;
+typedef __half2 T2;
+#define WG_TYPE "f16"
+__device__ __forceinline__ unsigned pack2(float a, float b) { T2 h = __floats2half2_rn(a, b); return *reinterpret_cast<unsigned*>(&h); }
+#else
+typedef __nv_bfloat16 T;
+typedef __nv_bfloat162 T2;
+#define WG_TYPE "bf16"
+__device__ __forceinline__ unsigned pack2(float a, float b) { T2 h = __floats2bfloat162_rn(a, b); return *reinterpret_cast<unsigned*>(&h); }
+#endif
+
+#define BM 128
+#define BN 128
+#define BK 64  // one 128-byte swizzle row of 2-byte elements
+#define NB (FUSED ? 2 : 1)
+#define A_BYTES (BM * BK * 2)
+#define B_BYTES (BN * BK * 2)
+#define STAGE_BYTES (A_BYTES + NB * B_BYTES)
+#define THREADS 384
+#define LAG (STAGES - 2)  // the producer hands stage kt over after issuing stage kt + LAG
+#if STAGES < 3
+#error "STAGES must be at least 3"
+#endif
+
+__device__ __forceinline__ float silu(float a) { return a / (1.0f + __expf(-a)); }
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N_>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N_) : "memory"); }
+// Orders this thread's generic-proxy writes to shared memory (the landed cp.async data) before
+// later async-proxy reads (wgmma operands).
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}" ::"r"(bar) : "memory");
+}
+// Waits until the barrier's phase of this parity has completed.
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+    asm volatile(
+        "{\n.reg .pred p;\nWIDE_WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        "@!p bra WIDE_WAIT;\n}" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+
+// Shared-memory matrix descriptor of a K-major operand in the 128-byte swizzle layout: start
+// address >> 4 (bits 0-13), leading byte offset >> 4 (bits 16-29; unused for swizzled K-major
+// operands whose k extent fits the swizzle row, set to 1), stride byte offset >> 4 (bits 32-45:
+// 1024 bytes between 8-row groups), base offset 0 (bits 49-51; the pattern starts 1024-aligned),
+// swizzle mode 1 = 128B (bits 62-63).
+__device__ __forceinline__ unsigned long long sw128_desc(unsigned addr) {
+    return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
+}
+// Byte offset of 16-byte chunk c (k / 8) of row r inside a [rows x 64] 2-byte block whose base is
+// 1024-aligned: the chunk index is XORed with r % 8.
+__device__ __forceinline__ unsigned sw128_off(int r, int c) { return (unsigned)(r * 128 + ((c ^ (r & 7)) << 4)); }
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N_>
+__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N_) : "memory"); }
+// Keeps the compiler from touching accumulator registers while a wgmma may still write them.
+__device__ __forceinline__ void fence_acc(float (&d)[64]) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// D[64 x 128] (f32) += A[64 x 16] * B[16 x 128], A and B K-major in shared memory (descriptors).
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], unsigned long long da, unsigned long long db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32." WG_TYPE "." WG_TYPE " "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(1));
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
+                                                                      const T* __restrict__ w2, const int* __restrict__ perm,
+                                                                      const int* __restrict__ count, T* __restrict__ out,
+                                                                      int M, int N, int K, int G) {
+    extern __shared__ unsigned char smem_raw[];
+    __shared__ int rows[BM];
+    __shared__ __align__(8) unsigned long long full_bar[STAGES], empty_bar[STAGES];
+    // Stages start 1024-aligned (the swizzle pattern is defined on absolute address bits); the
+    // launch asks for 1024 bytes of slack.
+    const unsigned base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    const int tid = threadIdx.x;
+    const int m0 = blockIdx.x * BM;
+    const int n0 = blockIdx.y * BN;
+    const int g = n0 / G;
+    const int* pg = perm + (long long)g * M;
+    for (int i = tid; i < BM; i += THREADS) rows[i] = (m0 + i < M) ? pg[m0 + i] : -1;
+    const int nact = min(BM, count[g] - m0);
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(smem_u32(&full_bar[s]), 128);  // every producer thread
+            mbar_init(smem_u32(&empty_bar[s]), 8);   // every consumer warp
+        }
+    }
+    __syncthreads();
+    const int wg = tid >> 7;
+    if (nact > 0) {
+        const int KT = K / BK;
+        if (wg == 0) {
+            // Producer: thread t copies chunk c = t % 8 of rows t / 8 + 16 i, i < 8.
+            const int c = tid & 7, r0 = tid >> 3;
+            const T* asrc[8];
+            bool aval[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const int r = r0 + 16 * i;
+                aval[i] = r < nact;
+                asrc[i] = aval[i] ? x + (long long)rows[r] * K + c * 8 : x;
+            }
+            const T* bsrc = w + (long long)(n0 + r0) * K + c * 8;
+            const T* bsrc2 = w2 + (long long)(n0 + r0) * K + c * 8;
+            int s = 0;
+            unsigned ph = 0;  // (kt / STAGES) & 1
+            for (int kt = 0; kt < KT; ++kt) {
+                if (kt >= STAGES) mbar_wait(smem_u32(&empty_bar[s]), ph ^ 1u);
+                const unsigned sa = base + s * STAGE_BYTES;
+                const int k0 = kt * BK;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) cp_async16(sa + sw128_off(r0 + 16 * i, c), asrc[i] + (aval[i] ? k0 : 0), aval[i]);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    const unsigned off = sw128_off(r0 + 16 * i, c);
+                    cp_async16(sa + A_BYTES + off, bsrc + (long long)16 * i * K + k0, true);
+                    if (FUSED) cp_async16(sa + A_BYTES + B_BYTES + off, bsrc2 + (long long)16 * i * K + k0, true);
+                }
+                cp_commit();
+                if (kt >= LAG) {
+                    cp_wait<LAG>();
+                    fence_proxy_async();
+                    const int done = s >= LAG ? s - LAG : s + STAGES - LAG;  // (kt - LAG) % STAGES
+                    mbar_arrive(smem_u32(&full_bar[done]));
+                }
+                if (++s == STAGES) {
+                    s = 0;
+                    ph ^= 1u;
+                }
+            }
+            cp_wait<0>();
+            fence_proxy_async();
+            for (int j = max(KT - LAG, 0); j < KT; ++j) mbar_arrive(smem_u32(&full_bar[j % STAGES]));
+        } else {
+            // Consumers: warpgroup cw owns rows [64 cw, 64 cw + 64) of the tile.
+            const int cw = wg - 1, ct = tid & 127, warp = ct >> 5, lane = tid & 31;
+            const bool busy = cw * 64 < nact;  // a warpgroup with no active row issues no wgmma
+            float acc[NB][64];
+#pragma unroll
+            for (int b = 0; b < NB; ++b)
+#pragma unroll
+                for (int i = 0; i < 64; ++i) acc[b][i] = 0.f;
+            int s = 0, prev = STAGES - 1;
+            unsigned ph = 0;
+            for (int kt = 0; kt < KT; ++kt) {
+                mbar_wait(smem_u32(&full_bar[s]), ph);
+                if (busy) {
+                    const unsigned sa = base + s * STAGE_BYTES + cw * 64 * 128;
+                    const unsigned sb = base + s * STAGE_BYTES + A_BYTES;
+                    wg_fence();
+#pragma unroll
+                    for (int b = 0; b < NB; ++b) fence_acc(acc[b]);
+#pragma unroll
+                    for (int kk = 0; kk < BK / 16; ++kk) {
+                        // k advances 16 elements = 32 bytes inside the swizzle row.
+                        const unsigned long long da = sw128_desc(sa + kk * 32);
+                        wgmma_m64n128k16(acc[0], da, sw128_desc(sb + kk * 32));
+#if FUSED
+                        wgmma_m64n128k16(acc[1], da, sw128_desc(sb + B_BYTES + kk * 32));
+#endif
+                    }
+                    wg_commit();
+                    wg_wait<1>();  // the group of stage kt - 1 has completed
+#pragma unroll
+                    for (int b = 0; b < NB; ++b) fence_acc(acc[b]);
+                }
+                __syncwarp();
+                if (kt > 0 && lane == 0) mbar_arrive(smem_u32(&empty_bar[prev]));
+                prev = s;
+                if (++s == STAGES) {
+                    s = 0;
+                    ph ^= 1u;
+                }
+            }
+            if (busy) {
+                wg_wait<0>();
+#pragma unroll
+                for (int b = 0; b < NB; ++b) fence_acc(acc[b]);
+                // Accumulator fragment: register 4j + e holds row 16 warp + lane / 4 (+8 for
+                // e >= 2), column 8 j + 2 (lane % 4) + (e % 2).
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int r = cw * 64 + warp * 16 + (lane >> 2) + 8 * h;
+                    if (r < nact) {
+                        T* orow = out + (long long)rows[r] * N + n0 + (lane & 3) * 2;
+#pragma unroll
+                        for (int j = 0; j < 16; ++j) {
+                            float v0 = acc[0][4 * j + 2 * h], v1 = acc[0][4 * j + 2 * h + 1];
+#if FUSED
+                            v0 = silu(v0) * acc[NB - 1][4 * j + 2 * h];
+                            v1 = silu(v1) * acc[NB - 1][4 * j + 2 * h + 1];
+#endif
+                            *reinterpret_cast<unsigned*>(orow + 8 * j) = pack2(v0, v1);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    // Zeros for the inactive tokens listed in this tile (all of it when the tile has none active).
+    const int first = max(nact, 0);
+    for (int i = tid; i < (BM - first) * (BN / 8); i += THREADS) {
+        const int r = first + i / (BN / 8), c = i % (BN / 8);
+        if (rows[r] >= 0) *reinterpret_cast<uint4*>(out + (long long)rows[r] * N + n0 + c * 8) = make_uint4(0, 0, 0, 0);
+    }
+}
