@@ -5,12 +5,17 @@
 //   FUSED      1: two weight tiles (gate, up) and out = silu(x.w_gate) * (x.w_up)
 //   STAGES     shared-memory pipeline depth
 //
-// Same contract as gemm_mn_tiled in routed.cu: grid (ceil(M/BM), N/BN); block (mt, nt) works on
-// list entries [mt*BM, mt*BM+BM) of group g = nt*BN/G (BN | G): entries below count[g] are
-// active tokens, gathered through perm and computed; the inactive tokens listed after them get
-// exact zeros, so every output element is written once. The M tile runs fastest in the grid so
-// the blocks in flight share a few groups' weight tiles (read from DRAM about once) while x
-// stays in L2.
+// Same contract as gemm_mn_tiled in routed.cu: tile (mt, nt) works on list entries
+// [mt*BM, mt*BM+BM) of group g = nt*BN/G (BN | G): entries below count[g] are active tokens,
+// gathered through perm and computed; the inactive tokens listed after them get exact zeros, so
+// every output element is written once.
+//
+// Tile order (1-D grid of ceil(M/BM) * N/BN blocks): bands of BAND token tiles; inside a band
+// the token tile runs fastest, then the channel tile. The blocks in flight then cover BAND
+// token tiles of a few groups: list entry p of a group is about token p / (1 - sparsity) in
+// every group (the active tokens are listed in ascending order), so the band's x rows (about
+// BAND * BM / (1 - sparsity) tokens) stay in L2 across all groups, and each weight tile is read
+// from DRAM about once a band.
 //
 // Block: 3 warpgroups. Warpgroup 0 is the producer: it gathers the A rows (16-byte cp.async
 // chunks, zero-filled past the active rows) and copies the weight tile(s), both into the
@@ -52,6 +57,9 @@ __device__ __forceinline__ unsigned pack2(float a, float b) { T2 h = __floats2bf
 #define B_BYTES (BN * BK * 2)
 #define STAGE_BYTES (A_BYTES + NB * B_BYTES)
 #define THREADS 384
+#ifndef BAND
+#define BAND 16
+#endif
 #define LAG (STAGES - 2)  // the producer hands stage kt over after issuing stage kt + LAG
 #if STAGES < 3
 #error "STAGES must be at least 3"
@@ -136,12 +144,24 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_mn_wgmma(const T* 
     // launch asks for 1024 bytes of slack.
     const unsigned base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     const int tid = threadIdx.x;
-    const int m0 = blockIdx.x * BM;
-    const int n0 = blockIdx.y * BN;
+    int mt, nt;
+    {
+        const int MT = (M + BM - 1) / BM;
+        const int per_band = BAND * (N / BN);
+        const int band = blockIdx.x / per_band, idx = blockIdx.x % per_band;
+        const int bm = min(BAND, MT - band * BAND);  // token tiles in this band
+        mt = band * BAND + idx % bm;
+        nt = idx / bm;
+    }
+    const int m0 = mt * BM;
+    const int n0 = nt * BN;
     const int g = n0 / G;
     const int* pg = perm + (long long)g * M;
     for (int i = tid; i < BM; i += THREADS) rows[i] = (m0 + i < M) ? pg[m0 + i] : -1;
-    const int nact = min(BM, count[g] - m0);
+    // Block-uniform values broadcast from lane 0, so that the compiler sees the branches around
+    // the wgmma instructions as warp-uniform (in a path it thinks divergent, ptxas serialises
+    // every wgmma: warning C7518).
+    const int nact = __shfl_sync(0xffffffffu, min(BM, count[g] - m0), 0);
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(smem_u32(&full_bar[s]), 128);  // every producer thread
@@ -149,7 +169,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_mn_wgmma(const T* 
         }
     }
     __syncthreads();
-    const int wg = tid >> 7;
+    const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
     if (nact > 0) {
         const int KT = K / BK;
         if (wg == 0) {
@@ -195,24 +215,35 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_mn_wgmma(const T* 
             fence_proxy_async();
             for (int j = max(KT - LAG, 0); j < KT; ++j) mbar_arrive(smem_u32(&full_bar[j % STAGES]));
         } else {
-            // Consumers: warpgroup cw owns rows [64 cw, 64 cw + 64) of the tile.
+            // Consumers: warpgroup cw owns rows [64 cw, 64 cw + 64) of the tile. A warpgroup with
+            // no active row only passes the stages along; the two loops are separate so that the
+            // wgmma path has no branch the compiler could see as divergent.
             const int cw = wg - 1, ct = tid & 127, warp = ct >> 5, lane = tid & 31;
-            const bool busy = cw * 64 < nact;  // a warpgroup with no active row issues no wgmma
-            float acc[NB][64];
-#pragma unroll
-            for (int b = 0; b < NB; ++b)
-#pragma unroll
-                for (int i = 0; i < 64; ++i) acc[b][i] = 0.f;
             int s = 0, prev = STAGES - 1;
             unsigned ph = 0;
-            for (int kt = 0; kt < KT; ++kt) {
-                mbar_wait(smem_u32(&full_bar[s]), ph);
-                if (busy) {
+            if (cw * 64 >= nact) {
+                for (int kt = 0; kt < KT; ++kt) {
+                    mbar_wait(smem_u32(&full_bar[s]), ph);
+                    __syncwarp();
+                    if (lane == 0) mbar_arrive(smem_u32(&empty_bar[s]));
+                    if (++s == STAGES) {
+                        s = 0;
+                        ph ^= 1u;
+                    }
+                }
+            } else {
+                float acc[NB][64];
+#pragma unroll
+                for (int b = 0; b < NB; ++b)
+#pragma unroll
+                    for (int i = 0; i < 64; ++i) acc[b][i] = 0.f;
+                for (int kt = 0; kt < KT; ++kt) {
+                    mbar_wait(smem_u32(&full_bar[s]), ph);
                     const unsigned sa = base + s * STAGE_BYTES + cw * 64 * 128;
                     const unsigned sb = base + s * STAGE_BYTES + A_BYTES;
-                    wg_fence();
 #pragma unroll
                     for (int b = 0; b < NB; ++b) fence_acc(acc[b]);
+                    wg_fence();
 #pragma unroll
                     for (int kk = 0; kk < BK / 16; ++kk) {
                         // k advances 16 elements = 32 bytes inside the swizzle row.
@@ -223,19 +254,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_mn_wgmma(const T* 
 #endif
                     }
                     wg_commit();
+#pragma unroll
+                    for (int b = 0; b < NB; ++b) fence_acc(acc[b]);
                     wg_wait<1>();  // the group of stage kt - 1 has completed
 #pragma unroll
                     for (int b = 0; b < NB; ++b) fence_acc(acc[b]);
+                    __syncwarp();
+                    if (kt > 0 && lane == 0) mbar_arrive(smem_u32(&empty_bar[prev]));
+                    prev = s;
+                    if (++s == STAGES) {
+                        s = 0;
+                        ph ^= 1u;
+                    }
                 }
-                __syncwarp();
-                if (kt > 0 && lane == 0) mbar_arrive(smem_u32(&empty_bar[prev]));
-                prev = s;
-                if (++s == STAGES) {
-                    s = 0;
-                    ph ^= 1u;
-                }
-            }
-            if (busy) {
                 wg_wait<0>();
 #pragma unroll
                 for (int b = 0; b < NB; ++b) fence_acc(acc[b]);

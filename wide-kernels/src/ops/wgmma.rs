@@ -95,9 +95,10 @@ pub(crate) fn launch(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>,
     let k = kernel(f16, fused, device)?;
     let (perm, count) = layout.lists()?;
     let out = Tensor::empty([s.m, s.n], (x.kind(), x.device()));
-    let mt = (s.m as u64).div_ceil(WGMMA_BM as u64);
-    ensure!(mt <= i32::MAX as u64, "too many tokens ({}) for one wgmma launch", s.m);
-    let cfg = LaunchConfig { grid: (mt as u32, (s.n / WGMMA_BN) as u32, 1), block: (THREADS, 1, 1), shared_mem_bytes: smem_bytes(fused) };
+    // A 1-D grid of tiles in banded order (see wgmma.cu); BAND * (N / 128) must fit an i32 too.
+    let blocks = (s.m as u64).div_ceil(WGMMA_BM as u64) * (s.n / WGMMA_BN) as u64;
+    ensure!(blocks <= i32::MAX as u64 && 16 * s.n / WGMMA_BN <= i32::MAX as i64, "too many tiles (M {} x N {}) for one wgmma launch", s.m, s.n);
+    let cfg = LaunchConfig { grid: (blocks as u32, 1, 1), block: (THREADS, 1, 1), shared_mem_bytes: smem_bytes(fused) };
     let w_up = w2.as_ref().unwrap_or(&w);
     let args = [
         KernelArg::tensor(&x)?,
@@ -113,7 +114,7 @@ pub(crate) fn launch(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>,
     ];
     // SAFETY: the arguments follow gemm_mn_wgmma's signature; x is [M, K], w and w_up [N, K]
     // (contiguous, 16-byte aligned), perm [N / G, M] and count [N / G] come from this layout,
-    // out is [M, N]; the grid covers ceil(M / 128) token tiles and N / 128 channel tiles.
+    // out is [M, N]; the grid has one block for each of ceil(M / 128) x N / 128 tiles.
     unsafe { k.launch(cfg, &args)? };
     Ok(out)
 }
