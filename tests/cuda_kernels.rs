@@ -279,6 +279,10 @@ fn attention_decode_matches_reference() {
         run_decode_case(kind, 1, 32, 8, 32768, 128, 4, &[32768], 0.5);
         run_decode_case(kind, 1, 32, 8, 2048, 128, 4, &[2048], 1.0);
         run_decode_case(kind, 1, 32, 8, 2048, 128, 4, &[2048], 0.0);
+        // Short caches (the decode of a generation): splits merged in the split kernel.
+        run_decode_case(kind, 1, 32, 8, 256, 128, 4, &[200], 0.5);
+        let lens16: Vec<i32> = (0..16).map(|i| 129 + 8 * i).collect();
+        run_decode_case(kind, 16, 32, 8, 256, 128, 4, &lens16, 0.5);
         // Groups that straddle KV heads, ragged lengths (one token; not a multiple of the split).
         run_decode_case(kind, 3, 8, 2, 1000, 64, 2, &[1, 513, 1000], 0.5);
         run_decode_case(kind, 2, 16, 2, 777, 64, 4, &[700, 5], 0.5);

@@ -153,7 +153,10 @@ fn add_rmsnorm_impl(
                 Some((w1, b1)) => {
                     let r = w1.size()[0];
                     let h1 = Tensor::empty([m, r], (x.kind(), x.device()));
-                    args.extend([KernelArg::tensor(&w1.contiguous())?, KernelArg::tensor(&b1.contiguous())?, KernelArg::tensor(&h1)?, KernelArg::I32(r as i32)]);
+                    // Router outputs a block: its warps split each output's row four ways (at
+                    // H = 4096: 8 warps, 2 outputs a block, 1024 elements a warp).
+                    let rpb = ((threads / 32) / 4).max(1);
+                    args.extend([KernelArg::tensor(&w1.contiguous())?, KernelArg::tensor(&b1.contiguous())?, KernelArg::tensor(&h1)?, KernelArg::I32(r as i32), KernelArg::I32(rpb as i32)]);
                     let g = gate.filter(|(rw, _, _)| m <= ROUTER_TICKETS && r <= 256.min(h) && rw.w2.kind() == x.kind() && rw.w2.dim() == 2 && rw.w2.size()[1] == r);
                     match g {
                         Some((rw, offset, extra)) => {
@@ -178,7 +181,7 @@ fn add_rmsnorm_impl(
                         None => args.extend([KernelArg::Ptr(0), KernelArg::Ptr(0), KernelArg::F32(0.0), KernelArg::Ptr(0), KernelArg::Ptr(0), KernelArg::I32(0), KernelArg::I32(0)]),
                     }
                     // The residual row in shared memory (H floats; the gate reuses it for h1).
-                    ("add_rmsnorm_router", (m as u32, 1 + (r as u32).div_ceil(threads / 32), 1), 4 * h as u32, Some(h1))
+                    ("add_rmsnorm_router", (m as u32, 1 + (r as u32).div_ceil(rpb), 1), 4 * h as u32, Some(h1))
                 }
                 None => ("add_rmsnorm", (m as u32, 1, 1), 0, None),
             };

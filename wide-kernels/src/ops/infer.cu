@@ -83,9 +83,26 @@ __device__ __forceinline__ void gate_row(const float* hs, const T* __restrict__ 
             float e = 0.f, s = 0.f;
             const T* we = w2 + (long long)(2 * g) * R;
             const T* wsk = we + R;
-            for (int r = 0; r < R; ++r) {
-                e = fmaf(tf(we[r]), hs[r], e);
-                s = fmaf(tf(wsk[r]), hs[r], s);
+            if ((R & 7) == 0) {
+                // 16-byte loads (the two rows are contiguous), a few in flight; the same
+                // sequential accumulation order as the scalar loop.
+#pragma unroll 4
+                for (int c = 0; c < R; c += 8) {
+                    const uint4 ev = __ldg(reinterpret_cast<const uint4*>(we + c));
+                    const uint4 sv = __ldg(reinterpret_cast<const uint4*>(wsk + c));
+                    const T* ee = reinterpret_cast<const T*>(&ev);
+                    const T* ss = reinterpret_cast<const T*>(&sv);
+#pragma unroll
+                    for (int u = 0; u < 8; ++u) {
+                        e = fmaf(tf(ee[u]), hs[c + u], e);
+                        s = fmaf(tf(ss[u]), hs[c + u], s);
+                    }
+                }
+            } else {
+                for (int r = 0; r < R; ++r) {
+                    e = fmaf(tf(we[r]), hs[r], e);
+                    s = fmaf(tf(wsk[r]), hs[r], s);
+                }
             }
             e = rt(rt(e) + tf(b2[2 * g]));
             s = rt(rt(s) + tf(b2[2 * g + 1]));
@@ -103,17 +120,20 @@ __device__ __forceinline__ void gate_row(const float* hs, const T* __restrict__ 
 __device__ unsigned int router_tickets[ROUTER_TICKETS];
 
 // add_rmsnorm and the first layer of the router that reads the same residual, in one launch
-// (decode: saves a GEMV launch per router). Grid (M, 1 + ceil(R / warps)): block (m, 0) is
+// (decode: saves a GEMV launch per router). Grid (M, 1 + ceil(R / RPB)): block (m, 0) is
 // add_rmsnorm of row m; block (m, y > 0) rebuilds the residual row in shared memory (H floats
-// of dynamic shared memory) and gives each warp one output r = (y - 1) * warps + warp:
-// h1[m, r] = res[m] . w1[r] + b1[r], rounded once like cuBLAS's linear with bias. H % 8 == 0.
-// With w2 != null (M <= ROUTER_TICKETS, R <= 256) the last of row m's y > 0 blocks to finish
-// also runs the second layer and the gate on h1[m] (gate_row): the router costs no launch of
-// its own.
+// of dynamic shared memory) and computes RPB outputs r = (y - 1) * RPB + j, each by
+// WPR = warps / RPB warps that split the row's 16-byte chunks (so the 2 x R x H bytes of W1
+// are pulled by many multiprocessors, a few loads in flight a lane):
+// h1[m, r] = res[m] . w1[r] + b1[r], the WPR partial sums added in a fixed order and rounded once
+// like cuBLAS's linear with bias. H % 8 == 0.
+// With w2 != null (M <= ROUTER_TICKETS, R <= min(256, H)) the last of row m's y > 0 blocks to
+// finish also runs the second layer and the gate on h1[m] (gate_row): the router costs no
+// launch of its own.
 extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router(const T* x, const T* __restrict__ delta, const T* __restrict__ w,
                                                                      T* res, T* __restrict__ out, int H, float eps, int has_delta,
                                                                      const T* __restrict__ w1, const T* __restrict__ b1,
-                                                                     T* __restrict__ h1, int R, const T* __restrict__ w2,
+                                                                     T* __restrict__ h1, int R, int RPB, const T* __restrict__ w2,
                                                                      const T* __restrict__ b2, float offset,
                                                                      unsigned char* __restrict__ mask, unsigned char* __restrict__ ext,
                                                                      int NG, int EXTRA) {
@@ -122,6 +142,7 @@ extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router(const T* x,
         return;
     }
     extern __shared__ float xs[];
+    __shared__ float part[16];
     const long long row = (long long)blockIdx.x * H;
     for (int i = threadIdx.x; i < H; i += blockDim.x) {
         float a = tf(x[row + i]);
@@ -129,13 +150,14 @@ extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router(const T* x,
         xs[i] = a;
     }
     __syncthreads();
-    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-    const int r = (blockIdx.y - 1) * warps + (threadIdx.x >> 5);
-    if (r < R) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int wpr = warps / RPB, j = warp / wpr, piece = warp % wpr;
+    const int r = (blockIdx.y - 1) * RPB + j;
+    if (j < RPB && r < R) {
         const T* wr = w1 + (long long)r * H;
         float acc = 0.f;
 #pragma unroll 4
-        for (int c = lane; c < H / 8; c += 32) {
+        for (int c = piece * 32 + lane; c < H / 8; c += 32 * wpr) {
             const uint4 wv = __ldg(reinterpret_cast<const uint4*>(wr + 8 * c));
             const T* we = reinterpret_cast<const T*>(&wv);
 #pragma unroll
@@ -143,7 +165,16 @@ extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router(const T* x,
         }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-        if (lane == 0) h1[(long long)blockIdx.x * R + r] = ft(acc + tf(b1[r]));
+        if (lane == 0) part[warp] = acc;
+    }
+    __syncthreads();
+    if (threadIdx.x < RPB) {
+        const int rr = (blockIdx.y - 1) * RPB + threadIdx.x;
+        if (rr < R) {
+            float acc = 0.f;
+            for (int p = 0; p < wpr; ++p) acc += part[threadIdx.x * wpr + p];
+            h1[(long long)blockIdx.x * R + rr] = ft(acc + tf(b1[rr]));
+        }
     }
     if (w2 == nullptr) return;
     // Publish this block's outputs, then count the block in; the last one gates the row.
