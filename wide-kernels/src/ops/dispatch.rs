@@ -77,8 +77,8 @@ pub enum GemmPath {
     Gemv,
     /// `mma.sync` tiled kernel with block-level skipping.
     Tiled(TileConfig),
-    /// Hopper (sm_90a) `wgmma` kernel for gemm_mn / SwiGLU, tile 128 x 128 x 64
-    /// ([`super::wgmma`]); compute capability 9.0 only.
+    /// Hopper (sm_90a) `wgmma` kernel for gemm_mn / SwiGLU, tiles of 128 channels x 256 (plain)
+    /// or 128 (SwiGLU) tokens, k steps of 64 ([`super::wgmma`]); compute capability 9.0 only.
     Wgmma,
 }
 
@@ -88,7 +88,7 @@ impl GemmPath {
             GemmPath::DenseMasked => "dense+mask".into(),
             GemmPath::Gemv => "gemv".into(),
             GemmPath::Tiled(t) => t.label(),
-            GemmPath::Wgmma => "wgmma128x128x64".into(),
+            GemmPath::Wgmma => "wgmma".into(),
         }
     }
 }
@@ -136,7 +136,8 @@ impl Tuned {
     }
 }
 
-/// Tile of the wgmma kernel: 128 tokens x 128 output channels, k steps of 64.
+/// Tile units of the wgmma kernel: 128 output channels (so 128 | G), k steps of 64, token tiles
+/// a multiple of 128.
 pub const WGMMA_BM: i64 = 128;
 pub const WGMMA_BN: i64 = 128;
 pub const WGMMA_BK: i64 = 64;

@@ -1,30 +1,35 @@
 // Hopper (sm_90a) routed GEMM for large M: gemm_mn (output-width routed), plain or with the
 // fused gate+up SwiGLU epilogue, on the warpgroup tensor-core instruction wgmma.mma_async.
 // Compiled by NVRTC for compute_90a only (wgmma exists on sm_90a alone), with defines:
-//   WIDE_F16   1 for f16 operands, 0 for bf16 (fp32 accumulation either way)
-//   FUSED      1: two weight tiles (gate, up) and out = silu(x.w_gate) * (x.w_up)
-//   STAGES     shared-memory pipeline depth
+//   WIDE_F16      1 for f16 operands, 0 for bf16 (fp32 accumulation either way)
+//   FUSED         1: two weight tiles (gate, up) and out = silu(x.w_gate) * (x.w_up)
+//   MI            64-row sub-tiles a consumer warpgroup computes (tile height BM = 128 MI)
+//   STAGES        shared-memory pipeline depth
+//   ASYNC_ARRIVE  1: each producer thread's copies arrive on the stage's barrier by themselves
+//                 (cp.async.mbarrier.arrive.noinc) and the consumers fence the async proxy after
+//                 waiting; 0: the producer waits for its copies (cp.async.wait_group, STAGES - 2
+//                 stages behind), fences, then arrives
 //
 // Same contract as gemm_mn_tiled in routed.cu: tile (mt, nt) works on list entries
 // [mt*BM, mt*BM+BM) of group g = nt*BN/G (BN | G): entries below count[g] are active tokens,
 // gathered through perm and computed; the inactive tokens listed after them get exact zeros, so
 // every output element is written once.
 //
-// Tile order (1-D grid of ceil(M/BM) * N/BN blocks): bands of BAND token tiles; inside a band
-// the token tile runs fastest, then the channel tile. The blocks in flight then cover BAND
-// token tiles of a few groups: list entry p of a group is about token p / (1 - sparsity) in
-// every group (the active tokens are listed in ascending order), so the band's x rows (about
-// BAND * BM / (1 - sparsity) tokens) stay in L2 across all groups, and each weight tile is read
-// from DRAM about once a band.
+// Tile order (1-D grid of ceil(M/BM) * N/BN blocks): bands of BAND token tiles (2048 list
+// entries); inside a band the token tile runs fastest, then the channel tile. The blocks in
+// flight then cover one band of a few groups: list entry p of a group is about token
+// p / (1 - sparsity) in every group (the active tokens are listed in ascending order), so the
+// band's x rows stay in L2 across all groups, and each weight tile is read from DRAM about once
+// a band.
 //
 // Block: 3 warpgroups. Warpgroup 0 is the producer: it gathers the A rows (16-byte cp.async
 // chunks, zero-filled past the active rows) and copies the weight tile(s), both into the
-// 128-byte-swizzled K-major layout, and hands a stage to the consumers through an mbarrier
-// once its copies have landed (cp.async.wait_group, then fence.proxy.async so that the async
-// proxy of wgmma sees them). Warpgroups 1 and 2 each own 64 of the BM = 128 rows and run
-// m64n128k16 wgmma (one per weight tile) with both operands read from shared memory, keep one
-// wgmma group in flight, and release a stage through a second mbarrier when its wgmma group
-// has completed.
+// 128-byte-swizzled K-major layout, and hands each stage to the consumers through an mbarrier.
+// Warpgroups 1 and 2 (cw = 0, 1) compute the 64-row sub-tiles cw, cw + 2, ... of the tile with
+// m64n128k16 wgmma (one per weight tile), both operands read from shared memory, keep one wgmma
+// group in flight, and release a stage through a second mbarrier when its group has completed.
+// A consumer computes only its sub-tiles that hold active rows (a separate instantiation of
+// its loop for each count, so no branch around a wgmma looks divergent to the compiler).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -34,8 +39,14 @@
 #ifndef FUSED
 #define FUSED 0
 #endif
+#ifndef MI
+#define MI 1
+#endif
 #ifndef STAGES
 #define STAGES 4
+#endif
+#ifndef ASYNC_ARRIVE
+#define ASYNC_ARRIVE 1
 #endif
 #if WIDE_F16
 typedef __half T;
@@ -49,7 +60,7 @@ typedef __nv_bfloat162 T2;
 __device__ __forceinline__ unsigned pack2(float a, float b) { T2 h = __floats2bfloat162_rn(a, b); return *reinterpret_cast<unsigned*>(&h); }
 #endif
 
-#define BM 128
+#define BM (128 * MI)
 #define BN 128
 #define BK 64  // one 128-byte swizzle row of 2-byte elements
 #define NB (FUSED ? 2 : 1)
@@ -57,10 +68,8 @@ __device__ __forceinline__ unsigned pack2(float a, float b) { T2 h = __floats2bf
 #define B_BYTES (BN * BK * 2)
 #define STAGE_BYTES (A_BYTES + NB * B_BYTES)
 #define THREADS 384
-#ifndef BAND
-#define BAND 16
-#endif
-#define LAG (STAGES - 2)  // the producer hands stage kt over after issuing stage kt + LAG
+#define BAND (2048 / BM)
+#define LAG (STAGES - 2)  // ASYNC_ARRIVE 0: stage kt is handed over after issuing stage kt + LAG
 #if STAGES < 3
 #error "STAGES must be at least 3"
 #endif
@@ -74,8 +83,13 @@ __device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool v
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N_>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N_) : "memory"); }
-// Orders this thread's generic-proxy writes to shared memory (the landed cp.async data) before
-// later async-proxy reads (wgmma operands).
+// One arrival on the barrier once all of this thread's earlier cp.async copies have completed
+// (counted in the barrier's expected arrivals: .noinc).
+__device__ __forceinline__ void cp_async_arrive(unsigned bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+// Orders shared-memory data written through the generic proxy (cp.async) and observed by this
+// thread before its later async-proxy reads (wgmma operands).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
@@ -133,6 +147,88 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], unsigned long l
         : "l"(da), "l"(db), "r"(1));
 }
 
+// One consumer warpgroup's k loop over its first NS sub-tiles (rows (cw + 2 i) * 64, i < NS),
+// then the scatter of its results to the token rows.
+template <int NS>
+__device__ __forceinline__ void consume(unsigned base, const unsigned long long* full_bar, const unsigned long long* empty_bar,
+                                        const int* rows, int nact, int cw, int KT, T* __restrict__ out, int N, int n0) {
+    const int ct = threadIdx.x & 127, warp = ct >> 5, lane = threadIdx.x & 31;
+    float acc[NS][NB][64];
+#pragma unroll
+    for (int i = 0; i < NS; ++i)
+#pragma unroll
+        for (int b = 0; b < NB; ++b)
+#pragma unroll
+            for (int e = 0; e < 64; ++e) acc[i][b][e] = 0.f;
+    int s = 0, prev = STAGES - 1;
+    unsigned ph = 0;
+    for (int kt = 0; kt < KT; ++kt) {
+        mbar_wait(smem_u32(&full_bar[s]), ph);
+#if ASYNC_ARRIVE
+        fence_proxy_async();
+#endif
+        const unsigned sa = base + s * STAGE_BYTES + cw * 64 * 128;
+        const unsigned sb = base + s * STAGE_BYTES + A_BYTES;
+#pragma unroll
+        for (int i = 0; i < NS; ++i)
+#pragma unroll
+            for (int b = 0; b < NB; ++b) fence_acc(acc[i][b]);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) {
+            // k advances 16 elements = 32 bytes inside the swizzle row.
+#pragma unroll
+            for (int i = 0; i < NS; ++i) {
+                const unsigned long long da = sw128_desc(sa + i * 128 * 128 + kk * 32);
+#pragma unroll
+                for (int b = 0; b < NB; ++b) wgmma_m64n128k16(acc[i][b], da, sw128_desc(sb + b * B_BYTES + kk * 32));
+            }
+        }
+        wg_commit();
+#pragma unroll
+        for (int i = 0; i < NS; ++i)
+#pragma unroll
+            for (int b = 0; b < NB; ++b) fence_acc(acc[i][b]);
+        wg_wait<1>();  // the group of stage kt - 1 has completed
+#pragma unroll
+        for (int i = 0; i < NS; ++i)
+#pragma unroll
+            for (int b = 0; b < NB; ++b) fence_acc(acc[i][b]);
+        __syncwarp();
+        if (kt > 0 && lane == 0) mbar_arrive(smem_u32(&empty_bar[prev]));
+        prev = s;
+        if (++s == STAGES) {
+            s = 0;
+            ph ^= 1u;
+        }
+    }
+    wg_wait<0>();
+#pragma unroll
+    for (int i = 0; i < NS; ++i)
+#pragma unroll
+        for (int b = 0; b < NB; ++b) fence_acc(acc[i][b]);
+    // Accumulator fragment: register 4j + e holds row 16 warp + lane / 4 (+8 for e >= 2),
+    // column 8 j + 2 (lane % 4) + (e % 2).
+#pragma unroll
+    for (int i = 0; i < NS; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = (cw + 2 * i) * 64 + warp * 16 + (lane >> 2) + 8 * h;
+            if (r < nact) {
+                T* orow = out + (long long)rows[r] * N + n0 + (lane & 3) * 2;
+#pragma unroll
+                for (int j = 0; j < 16; ++j) {
+                    float v0 = acc[i][0][4 * j + 2 * h], v1 = acc[i][0][4 * j + 2 * h + 1];
+#if FUSED
+                    v0 = silu(v0) * acc[i][NB - 1][4 * j + 2 * h];
+                    v1 = silu(v1) * acc[i][NB - 1][4 * j + 2 * h + 1];
+#endif
+                    *reinterpret_cast<unsigned*>(orow + 8 * j) = pack2(v0, v1);
+                }
+            }
+        }
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
                                                                       const T* __restrict__ w2, const int* __restrict__ perm,
                                                                       const int* __restrict__ count, T* __restrict__ out,
@@ -173,15 +269,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_mn_wgmma(const T* 
     if (nact > 0) {
         const int KT = K / BK;
         if (wg == 0) {
-            // Producer: thread t copies chunk c = t % 8 of rows t / 8 + 16 i, i < 8.
+            // Producer: thread t copies chunk c = t % 8 of rows t / 8 + 16 i.
             const int c = tid & 7, r0 = tid >> 3;
-            const T* asrc[8];
-            bool aval[8];
+            const T* asrc[BM / 16];
+            unsigned aval = 0;  // bit i: row r0 + 16 i is active
 #pragma unroll
-            for (int i = 0; i < 8; ++i) {
+            for (int i = 0; i < BM / 16; ++i) {
                 const int r = r0 + 16 * i;
-                aval[i] = r < nact;
-                asrc[i] = aval[i] ? x + (long long)rows[r] * K + c * 8 : x;
+                const bool v = r < nact;
+                aval |= (unsigned)v << i;
+                asrc[i] = v ? x + (long long)rows[r] * K + c * 8 : x;
             }
             const T* bsrc = w + (long long)(n0 + r0) * K + c * 8;
             const T* bsrc2 = w2 + (long long)(n0 + r0) * K + c * 8;
@@ -192,13 +289,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_mn_wgmma(const T* 
                 const unsigned sa = base + s * STAGE_BYTES;
                 const int k0 = kt * BK;
 #pragma unroll
-                for (int i = 0; i < 8; ++i) cp_async16(sa + sw128_off(r0 + 16 * i, c), asrc[i] + (aval[i] ? k0 : 0), aval[i]);
+                for (int i = 0; i < BM / 16; ++i) {
+                    const bool v = (aval >> i) & 1u;
+                    cp_async16(sa + sw128_off(r0 + 16 * i, c), asrc[i] + (v ? k0 : 0), v);
+                }
 #pragma unroll
                 for (int i = 0; i < 8; ++i) {
                     const unsigned off = sw128_off(r0 + 16 * i, c);
                     cp_async16(sa + A_BYTES + off, bsrc + (long long)16 * i * K + k0, true);
                     if (FUSED) cp_async16(sa + A_BYTES + B_BYTES + off, bsrc2 + (long long)16 * i * K + k0, true);
                 }
+#if ASYNC_ARRIVE
+                cp_async_arrive(smem_u32(&full_bar[s]));
+#else
                 cp_commit();
                 if (kt >= LAG) {
                     cp_wait<LAG>();
@@ -206,22 +309,30 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_mn_wgmma(const T* 
                     const int done = s >= LAG ? s - LAG : s + STAGES - LAG;  // (kt - LAG) % STAGES
                     mbar_arrive(smem_u32(&full_bar[done]));
                 }
+#endif
                 if (++s == STAGES) {
                     s = 0;
                     ph ^= 1u;
                 }
             }
+#if ASYNC_ARRIVE
+            cp_wait<0>();
+#else
             cp_wait<0>();
             fence_proxy_async();
             for (int j = max(KT - LAG, 0); j < KT; ++j) mbar_arrive(smem_u32(&full_bar[j % STAGES]));
+#endif
         } else {
-            // Consumers: warpgroup cw owns rows [64 cw, 64 cw + 64) of the tile. A warpgroup with
-            // no active row only passes the stages along; the two loops are separate so that the
-            // wgmma path has no branch the compiler could see as divergent.
-            const int cw = wg - 1, ct = tid & 127, warp = ct >> 5, lane = tid & 31;
-            int s = 0, prev = STAGES - 1;
-            unsigned ph = 0;
-            if (cw * 64 >= nact) {
+            const int cw = wg - 1;
+            const int lane = tid & 31;
+            // Sub-tiles of this warpgroup that hold active rows.
+            int ns = 0;
+#pragma unroll
+            for (int i = 0; i < MI; ++i) ns += (cw + 2 * i) * 64 < nact;
+            if (ns == 0) {
+                // No active row: only pass the stages along.
+                int s = 0;
+                unsigned ph = 0;
                 for (int kt = 0; kt < KT; ++kt) {
                     mbar_wait(smem_u32(&full_bar[s]), ph);
                     __syncwarp();
@@ -231,63 +342,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_mn_wgmma(const T* 
                         ph ^= 1u;
                     }
                 }
-            } else {
-                float acc[NB][64];
-#pragma unroll
-                for (int b = 0; b < NB; ++b)
-#pragma unroll
-                    for (int i = 0; i < 64; ++i) acc[b][i] = 0.f;
-                for (int kt = 0; kt < KT; ++kt) {
-                    mbar_wait(smem_u32(&full_bar[s]), ph);
-                    const unsigned sa = base + s * STAGE_BYTES + cw * 64 * 128;
-                    const unsigned sb = base + s * STAGE_BYTES + A_BYTES;
-#pragma unroll
-                    for (int b = 0; b < NB; ++b) fence_acc(acc[b]);
-                    wg_fence();
-#pragma unroll
-                    for (int kk = 0; kk < BK / 16; ++kk) {
-                        // k advances 16 elements = 32 bytes inside the swizzle row.
-                        const unsigned long long da = sw128_desc(sa + kk * 32);
-                        wgmma_m64n128k16(acc[0], da, sw128_desc(sb + kk * 32));
-#if FUSED
-                        wgmma_m64n128k16(acc[1], da, sw128_desc(sb + B_BYTES + kk * 32));
+            }
+#if MI >= 2
+            else if (ns == 2) {
+                consume<2>(base, full_bar, empty_bar, rows, nact, cw, KT, out, N, n0);
+            }
 #endif
-                    }
-                    wg_commit();
-#pragma unroll
-                    for (int b = 0; b < NB; ++b) fence_acc(acc[b]);
-                    wg_wait<1>();  // the group of stage kt - 1 has completed
-#pragma unroll
-                    for (int b = 0; b < NB; ++b) fence_acc(acc[b]);
-                    __syncwarp();
-                    if (kt > 0 && lane == 0) mbar_arrive(smem_u32(&empty_bar[prev]));
-                    prev = s;
-                    if (++s == STAGES) {
-                        s = 0;
-                        ph ^= 1u;
-                    }
-                }
-                wg_wait<0>();
-#pragma unroll
-                for (int b = 0; b < NB; ++b) fence_acc(acc[b]);
-                // Accumulator fragment: register 4j + e holds row 16 warp + lane / 4 (+8 for
-                // e >= 2), column 8 j + 2 (lane % 4) + (e % 2).
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int r = cw * 64 + warp * 16 + (lane >> 2) + 8 * h;
-                    if (r < nact) {
-                        T* orow = out + (long long)rows[r] * N + n0 + (lane & 3) * 2;
-#pragma unroll
-                        for (int j = 0; j < 16; ++j) {
-                            float v0 = acc[0][4 * j + 2 * h], v1 = acc[0][4 * j + 2 * h + 1];
-#if FUSED
-                            v0 = silu(v0) * acc[NB - 1][4 * j + 2 * h];
-                            v1 = silu(v1) * acc[NB - 1][4 * j + 2 * h + 1];
-#endif
-                            *reinterpret_cast<unsigned*>(orow + 8 * j) = pack2(v0, v1);
-                        }
-                    }
-                }
+            else {
+                consume<1>(base, full_bar, empty_bar, rows, nact, cw, KT, out, N, n0);
             }
         }
     }

@@ -3,12 +3,12 @@
 //!
 //! Per group of G output channels the work is a dense product of the group's active token rows
 //! of x (gathered through the layout's `perm`) with the group's G contiguous weight rows. One
-//! block computes a 128-token x 128-channel tile: a producer warpgroup gathers x rows and copies
-//! the weight tile(s) with 16-byte `cp.async` into the 128-byte-swizzled K-major shared layout
-//! (k steps of 64, a multi-stage mbarrier pipeline), two consumer warpgroups run m64n128k16
-//! `wgmma` on them and scatter the results to the token rows; the inactive tokens listed after
-//! the active ones get exact zeros. Compiled with NVRTC for `compute_90a`, so it runs on compute
-//! capability 9.0 devices only ([`supported`]).
+//! block computes a (128 * mi)-token x 128-channel tile: a producer warpgroup gathers x rows and
+//! copies the weight tile(s) with 16-byte `cp.async` into the 128-byte-swizzled K-major shared
+//! layout (k steps of 64, a multi-stage mbarrier pipeline), two consumer warpgroups run
+//! m64n128k16 `wgmma` on them and scatter the results to the token rows; the inactive tokens
+//! listed after the active ones get exact zeros. Compiled with NVRTC for `compute_90a`, so it
+//! runs on compute capability 9.0 devices only ([`supported`]).
 use super::dispatch::{wgmma_feasible, GemmShape, RoutedOp, WGMMA_BK, WGMMA_BM, WGMMA_BN};
 use super::gemm::cuda_inputs;
 use super::layout::RouteLayout;
@@ -26,33 +26,102 @@ pub const TARGET: &str = "compute_90a";
 /// Threads a block: one producer and two consumer warpgroups.
 pub const THREADS: u32 = 384;
 
-/// Pipeline stages: 5 of 32 KiB (x tile + weight tile), or 4 of 48 KiB with the up tile.
-pub fn stages(fused: bool) -> u32 {
-    if fused {
-        4
-    } else {
-        5
+/// One specialisation of the kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct WgmmaConfig {
+    /// 64-row sub-tiles a consumer warpgroup computes: the tile is 128 * mi tokens.
+    pub mi: u32,
+    /// Shared-memory pipeline stages.
+    pub stages: u32,
+    /// Copies arrive on the stage barrier by themselves (`cp.async.mbarrier.arrive.noinc`);
+    /// else the producer waits for them `stages - 2` stages behind.
+    pub async_arrive: bool,
+}
+
+impl WgmmaConfig {
+    /// Plain: 256 x 128 tiles, 4 stages of 48 KiB (x 32 KiB, weight 16 KiB). Fused: 128 x 128
+    /// tiles with the gate and up weight tiles, 4 stages of 48 KiB. Both keep 128 accumulators
+    /// a consumer thread.
+    pub fn default_for(fused: bool) -> Self {
+        Self { mi: if fused { 1 } else { 2 }, stages: 4, async_arrive: true }
+    }
+    /// Token rows of a tile.
+    pub fn bm(&self) -> i64 {
+        WGMMA_BM * self.mi as i64
+    }
+    /// Dynamic shared memory of a launch: the stages plus 1 KiB so that they start 1024-aligned.
+    pub fn smem_bytes(&self, fused: bool) -> u32 {
+        let b_tiles = if fused { 2 } else { 1 };
+        ((self.bm() + b_tiles * WGMMA_BN) * WGMMA_BK * 2) as u32 * self.stages + 1024
+    }
+    /// Can this configuration run (registers: at most 128 accumulators a consumer thread;
+    /// shared memory: 227 KiB a block; the producer hand-over needs 3 stages)?
+    pub fn valid(&self, fused: bool) -> bool {
+        let accs = self.mi * if fused { 2 } else { 1 } * 64;
+        (1..=2).contains(&self.mi) && accs <= 128 && self.stages >= 3 && self.smem_bytes(fused) <= 227 * 1024
+    }
+    pub fn label(&self) -> String {
+        format!("wgmma{}x128x64s{}{}", self.bm(), self.stages, if self.async_arrive { "" } else { "w" })
     }
 }
 
-/// Dynamic shared memory of a launch: the stages plus 1 KiB so that they start 1024-aligned.
-pub fn smem_bytes(fused: bool) -> u32 {
-    let tiles = if fused { 3 } else { 2 };
-    (tiles * WGMMA_BM * WGMMA_BK * 2) as u32 * stages(fused) + 1024
+/// The configurations a benchmark sweep can force with `WIDE_WGMMA` (see [`config`]); each is
+/// compiled by the NVRTC test.
+pub fn sweep(fused: bool) -> Vec<WgmmaConfig> {
+    let mut v = vec![WgmmaConfig::default_for(fused)];
+    for mi in [1, 2] {
+        for (stages, async_arrive) in [(4, true), (4, false), (5, true)] {
+            let c = WgmmaConfig { mi, stages, async_arrive };
+            if c.valid(fused) && !v.contains(&c) {
+                v.push(c);
+            }
+        }
+    }
+    v
 }
 
-/// The module for a dtype and fusion flag.
-pub fn source(f16: bool, fused: bool) -> KernelSource {
+/// The configuration used: the default, or the one `WIDE_WGMMA` names for benchmark sweeps
+/// (`mi=1,stages=5,arrive=wait`; read once; ignored unless valid for this op).
+pub fn config(fused: bool) -> WgmmaConfig {
+    static V: OnceLock<Option<String>> = OnceLock::new();
+    let d = WgmmaConfig::default_for(fused);
+    let Some(spec) = V.get_or_init(|| std::env::var("WIDE_WGMMA").ok()) else { return d };
+    let mut c = d;
+    for kv in spec.split(',') {
+        match kv.split_once('=') {
+            Some(("mi", v)) => c.mi = v.parse().unwrap_or(c.mi),
+            Some(("stages", v)) => c.stages = v.parse().unwrap_or(c.stages),
+            Some(("arrive", v)) => c.async_arrive = v != "wait",
+            _ => {}
+        }
+    }
+    if c.valid(fused) {
+        c
+    } else {
+        d
+    }
+}
+
+/// The module for a dtype, fusion flag and configuration.
+pub fn source(f16: bool, fused: bool, c: WgmmaConfig) -> KernelSource {
     KernelSource::new("wgmma", SOURCE)
         .target(TARGET)
         .define("WIDE_F16", f16 as u32)
         .define("FUSED", fused as u32)
-        .define("STAGES", stages(fused))
+        .define("MI", c.mi)
+        .define("STAGES", c.stages)
+        .define("ASYNC_ARRIVE", c.async_arrive as u32)
 }
 
-/// Every variant shipped, for the compile-everything test.
+/// Every variant shipped (the defaults and the sweep), for the compile-everything test.
 pub fn kernel_variants() -> Vec<KernelSource> {
-    [false, true].into_iter().flat_map(|f16| [false, true].into_iter().map(move |fused| source(f16, fused))).collect()
+    let mut v = vec![];
+    for f16 in [false, true] {
+        for fused in [false, true] {
+            v.extend(sweep(fused).into_iter().map(|c| source(f16, fused, c)));
+        }
+    }
+    v
 }
 
 /// Can this device run the wgmma kernel (compute capability 9.0)?
@@ -67,14 +136,14 @@ pub fn supported(device: usize) -> bool {
     v
 }
 
-fn kernel(f16: bool, fused: bool, device: usize) -> Result<CudaKernel> {
-    static K: OnceLock<Mutex<HashMap<(bool, bool, usize), CudaKernel>>> = OnceLock::new();
-    let key = (f16, fused, device);
+fn kernel(f16: bool, fused: bool, c: WgmmaConfig, device: usize) -> Result<CudaKernel> {
+    static K: OnceLock<Mutex<HashMap<(bool, bool, WgmmaConfig, usize), CudaKernel>>> = OnceLock::new();
+    let key = (f16, fused, c, device);
     if let Some(k) = K.get_or_init(Default::default).lock().unwrap().get(&key) {
         return Ok(*k);
     }
-    let k = CudaKernel::get(&source(f16, fused), "gemm_mn_wgmma", device)?;
-    k.set_max_dynamic_shared_mem(smem_bytes(fused))?;
+    let k = CudaKernel::get(&source(f16, fused, c), "gemm_mn_wgmma", device)?;
+    k.set_max_dynamic_shared_mem(c.smem_bytes(fused))?;
     K.get_or_init(Default::default).lock().unwrap().insert(key, k);
     Ok(k)
 }
@@ -92,13 +161,15 @@ pub(crate) fn launch(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>,
     let (device, f16, x, w, w2) = cuda_inputs(s, x, w, w2)?;
     ensure!(supported(device), "the wgmma kernel needs a compute capability 9.0 (Hopper) GPU; device {device} is not one");
     let fused = s.op == RoutedOp::MnSwiglu;
-    let k = kernel(f16, fused, device)?;
+    let c = config(fused);
+    let k = kernel(f16, fused, c, device)?;
     let (perm, count) = layout.lists()?;
     let out = Tensor::empty([s.m, s.n], (x.kind(), x.device()));
-    // A 1-D grid of tiles in banded order (see wgmma.cu); BAND * (N / 128) must fit an i32 too.
-    let blocks = (s.m as u64).div_ceil(WGMMA_BM as u64) * (s.n / WGMMA_BN) as u64;
+    // A 1-D grid of tiles in banded order (see wgmma.cu); a band of (N / 128) * 16 tiles at
+    // most must fit an i32 too.
+    let blocks = (s.m as u64).div_ceil(c.bm() as u64) * (s.n / WGMMA_BN) as u64;
     ensure!(blocks <= i32::MAX as u64 && 16 * s.n / WGMMA_BN <= i32::MAX as i64, "too many tiles (M {} x N {}) for one wgmma launch", s.m, s.n);
-    let cfg = LaunchConfig { grid: (blocks as u32, 1, 1), block: (THREADS, 1, 1), shared_mem_bytes: smem_bytes(fused) };
+    let cfg = LaunchConfig { grid: (blocks as u32, 1, 1), block: (THREADS, 1, 1), shared_mem_bytes: c.smem_bytes(fused) };
     let w_up = w2.as_ref().unwrap_or(&w);
     let args = [
         KernelArg::tensor(&x)?,
@@ -114,7 +185,7 @@ pub(crate) fn launch(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>,
     ];
     // SAFETY: the arguments follow gemm_mn_wgmma's signature; x is [M, K], w and w_up [N, K]
     // (contiguous, 16-byte aligned), perm [N / G, M] and count [N / G] come from this layout,
-    // out is [M, N]; the grid has one block for each of ceil(M / 128) x N / 128 tiles.
+    // out is [M, N]; the grid has one block for each of ceil(M / bm) x N / 128 tiles.
     unsafe { k.launch(cfg, &args)? };
     Ok(out)
 }
@@ -124,20 +195,27 @@ mod tests {
     use super::*;
 
     #[test]
-    fn shared_memory_fits_one_block_a_multiprocessor() {
+    fn configurations_fit_the_multiprocessor() {
         // H100/H200: 227 KiB of dynamic shared memory a block at most.
         for fused in [false, true] {
-            assert!(smem_bytes(fused) <= 227 * 1024, "{}", smem_bytes(fused));
-            assert!(stages(fused) >= 3, "the producer hands a stage over STAGES - 2 stages later");
+            let d = WgmmaConfig::default_for(fused);
+            assert!(d.valid(fused), "{d:?}");
+            assert!(sweep(fused).iter().all(|c| c.valid(fused)));
+            assert_eq!(sweep(fused)[0], d);
         }
-        assert_eq!(smem_bytes(false), 5 * 32768 + 1024);
-        assert_eq!(smem_bytes(true), 4 * 49152 + 1024);
+        assert_eq!(WgmmaConfig::default_for(false).smem_bytes(false), 4 * (32768 + 16384) + 1024);
+        assert_eq!(WgmmaConfig::default_for(true).smem_bytes(true), 4 * (16384 + 32768) + 1024);
+        assert_eq!(WgmmaConfig::default_for(false).bm(), 256);
+        // Fused with 256-token tiles would need 256 accumulators a thread.
+        assert!(!WgmmaConfig { mi: 2, stages: 3, async_arrive: true }.valid(true));
+        assert!(!WgmmaConfig { mi: 1, stages: 2, async_arrive: true }.valid(false));
+        assert!(!WgmmaConfig { mi: 2, stages: 5, async_arrive: true }.valid(false), "240 KiB");
     }
 
     #[test]
     fn variants_target_sm90a() {
         let v = kernel_variants();
-        assert_eq!(v.len(), 4);
+        assert_eq!(v.len(), 2 * (sweep(false).len() + sweep(true).len()));
         assert!(v.iter().all(|k| k.target == Some("compute_90a")));
     }
 }
