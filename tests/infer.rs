@@ -193,3 +193,31 @@ fn generate_cli_runs_routed_with_a_searched_sparsity_and_dense() {
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("--sparsity needs --routing"));
 }
+
+/// The trained testbed-small routers committed under `testbed/testbed-small-wide` (stage 1 of
+/// `configs/calibrate-testbed-small.toml`, the end-to-end benchmark's second row) load with
+/// their model and route a generation at about their calibrated skip rates.
+#[test]
+fn committed_testbed_small_routers_route_a_generation() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let (m, rd) = (root.join("testbed/testbed-small"), root.join("testbed/testbed-small-wide"));
+    let out = common::run_wide(&[
+        "generate",
+        m.to_str().unwrap(),
+        "--routing",
+        rd.to_str().unwrap(),
+        "--prompt",
+        "The package manager installs the files of a package and runs its scripts",
+        "--max-new-tokens",
+        "16",
+        "--device",
+        "cpu",
+        "--ignore-eos",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let line = err.lines().find(|l| l.contains("skip rates: prefill")).unwrap_or_else(|| panic!("no skip rates in: {err}"));
+    // Every rate printed lies well inside (0, 1): the routers skip some groups and run others.
+    let rates: Vec<f64> = line.split_whitespace().filter_map(|w| w.trim_end_matches([',', ';']).parse::<f64>().ok()).collect();
+    assert!(rates.len() >= 2 && rates.iter().all(|r| (0.2..0.8).contains(r)), "{line}");
+}

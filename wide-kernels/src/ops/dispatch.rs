@@ -178,11 +178,12 @@ pub fn gemv_weight_fraction(m: i64, sparsity: f64) -> f64 {
 /// (1.24-1.28x, fraction 0.75); at M = 4 only at 75% skip (1.13-1.17x, fraction 0.68).
 pub const GEMV_MAX_FRACTION: f64 = 0.8;
 
-/// The reduction-width GEMV (one token only): measured (H200, 2026-11-30, down and O, every G)
-/// 0.94-1.06x at 25% skip (fraction 0.75) and 1.22-1.46x at 50%, while at M = 4 it lost
-/// everywhere (0.29-0.90x): each token's own group slices make the x reads and the per-chunk
-/// group lookups dominate.
-pub const GEMV_K_MAX_FRACTION: f64 = 0.6;
+/// The reduction-width GEMV (one token only): with the rows shared by the warps of a block,
+/// measured (H200, 2026-11-30, M = 1, cold L2, every G) 1.34-1.43x (down) and 1.39x (O) at 25%
+/// skip (fraction 0.75) and 1.70-1.95x / 1.71x at 50% (the warp-per-row version: 0.94-1.06x
+/// and 1.22-1.46x), while at M = 4 it lost everywhere (0.29-0.90x): each token's own group
+/// slices make the x reads and the per-chunk group lookups dominate.
+pub const GEMV_K_MAX_FRACTION: f64 = 0.8;
 
 /// The policy. `tuned` is the autotuner's record for this shape's M bucket, if any.
 pub fn choose(s: &GemmShape, sparsity: f64, tuned: Option<&Tuned>) -> GemmPath {
@@ -271,10 +272,11 @@ mod tests {
             assert_eq!(choose(&shape(op, 4, 128), 0.75, None), GemmPath::Gemv);
         }
         for op in [RoutedOp::K, RoutedOp::KPremasked] {
-            // gemm_k's GEMV pays for one token only, and not at 25% skip.
+            // gemm_k's GEMV pays for one token only, from 25% skip on (not at 12.5%).
             assert_eq!(choose(&shape(op, 2, 128), 0.75, None), GemmPath::DenseMasked);
             assert_eq!(choose(&shape(op, 4, 128), 0.75, None), GemmPath::DenseMasked);
-            assert_eq!(choose(&shape(op, 1, 128), 0.25, None), GemmPath::DenseMasked);
+            assert_eq!(choose(&shape(op, 1, 128), 0.25, None), GemmPath::Gemv);
+            assert_eq!(choose(&shape(op, 1, 128), 0.125, None), GemmPath::DenseMasked);
         }
     }
 
