@@ -5,32 +5,31 @@
 //   FUSED         1: two weight tiles (gate, up) and out = silu(x.w_gate) * (x.w_up)
 //   MI            64-row sub-tiles a consumer warpgroup computes (tile height BM = 128 MI)
 //   STAGES        shared-memory pipeline depth
+//   ASYNC_ARRIVE  1: each producer thread's copies arrive on the stage's barrier by themselves
+//                 (cp.async.mbarrier.arrive.noinc) and the consumers fence the async proxy after
+//                 waiting; 0: the producer waits for its copies (cp.async.wait_group, STAGES - 2
+//                 stages behind), fences, then arrives
 //
 // Same contract as gemm_mn_tiled in routed.cu: tile (mt, nt) works on list entries
 // [mt*BM, mt*BM+BM) of group g = nt*BN/G (BN | G): entries below count[g] are active tokens,
 // gathered through perm and computed; the inactive tokens listed after them get exact zeros, so
 // every output element is written once.
 //
-// Persistent: one block a multiprocessor walks the tiles blockIdx.x, blockIdx.x + gridDim.x, ...
-// so that its producer loads the next tile's first stages while the consumers still finish and
-// store the last one. Tile order: bands of BAND token tiles (2048 list entries); inside a band
-// the token tile runs fastest, then the channel tile. The tiles in flight then cover one band of
-// a few groups: list entry p of a group is about token
+// Tile order (1-D grid of ceil(M/BM) * N/BN blocks): bands of BAND token tiles (2048 list
+// entries); inside a band the token tile runs fastest, then the channel tile. The blocks in
+// flight then cover one band of a few groups: list entry p of a group is about token
 // p / (1 - sparsity) in every group (the active tokens are listed in ascending order), so the
 // band's x rows stay in L2 across all groups, and each weight tile is read from DRAM about once
 // a band.
 //
 // Block: 3 warpgroups. Warpgroup 0 is the producer: it gathers the A rows (16-byte cp.async
 // chunks, zero-filled past the active rows) and copies the weight tile(s), both into the
-// 128-byte-swizzled K-major layout; each thread's copies arrive on the stage's mbarrier by
-// themselves (cp.async.mbarrier.arrive.noinc), and the consumers fence the async proxy after
-// waiting (the copies are generic-proxy writes, wgmma reads through the async proxy).
+// 128-byte-swizzled K-major layout, and hands each stage to the consumers through an mbarrier.
 // Warpgroups 1 and 2 (cw = 0, 1) compute the 64-row sub-tiles cw, cw + 2, ... of the tile with
 // m64n128k16 wgmma (one per weight tile), both operands read from shared memory, keep one wgmma
 // group in flight, and release a stage through a second mbarrier when its group has completed.
 // A consumer computes only its sub-tiles that hold active rows (a separate instantiation of
-// its loop for each count, so no branch around a wgmma looks divergent to the compiler), then
-// scatters its results and writes the zeros of the tile's inactive tokens.
+// its loop for each count, so no branch around a wgmma looks divergent to the compiler).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -45,6 +44,9 @@
 #endif
 #ifndef STAGES
 #define STAGES 4
+#endif
+#ifndef ASYNC_ARRIVE
+#define ASYNC_ARRIVE 1
 #endif
 #if WIDE_F16
 typedef __half T;
@@ -67,6 +69,7 @@ __device__ __forceinline__ unsigned pack2(float a, float b) { T2 h = __floats2bf
 #define STAGE_BYTES (A_BYTES + NB * B_BYTES)
 #define THREADS 384
 #define BAND (2048 / BM)
+#define LAG (STAGES - 2)  // ASYNC_ARRIVE 0: stage kt is handed over after issuing stage kt + LAG
 #if STAGES < 3
 #error "STAGES must be at least 3"
 #endif
@@ -77,7 +80,9 @@ __device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)_
 __device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
 }
-__device__ __forceinline__ void cp_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N_>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N_) : "memory"); }
 // One arrival on the barrier once all of this thread's earlier cp.async copies have completed
 // (counted in the barrier's expected arrivals: .noinc).
 __device__ __forceinline__ void cp_async_arrive(unsigned bar) {
@@ -142,13 +147,11 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], unsigned long l
         : "l"(da), "l"(db), "r"(1));
 }
 
-// One consumer warpgroup's k loop over its first NS sub-tiles (rows (cw + 2 i) * 64, i < NS) of
-// one tile, then the scatter of its results to the token rows (rows[r] = token of list entry r).
-// s / ph: the stage and its phase parity, carried from tile to tile.
+// One consumer warpgroup's k loop over its first NS sub-tiles (rows (cw + 2 i) * 64, i < NS),
+// then the scatter of its results to the token rows.
 template <int NS>
 __device__ __forceinline__ void consume(unsigned base, const unsigned long long* full_bar, const unsigned long long* empty_bar,
-                                        const int* __restrict__ rows, int nact, int cw, int KT, T* __restrict__ out, int N, int n0,
-                                        int& s, unsigned& ph) {
+                                        const int* rows, int nact, int cw, int KT, T* __restrict__ out, int N, int n0) {
     const int ct = threadIdx.x & 127, warp = ct >> 5, lane = threadIdx.x & 31;
     float acc[NS][NB][64];
 #pragma unroll
@@ -157,10 +160,13 @@ __device__ __forceinline__ void consume(unsigned base, const unsigned long long*
         for (int b = 0; b < NB; ++b)
 #pragma unroll
             for (int e = 0; e < 64; ++e) acc[i][b][e] = 0.f;
-    int prev = 0;
+    int s = 0, prev = STAGES - 1;
+    unsigned ph = 0;
     for (int kt = 0; kt < KT; ++kt) {
         mbar_wait(smem_u32(&full_bar[s]), ph);
+#if ASYNC_ARRIVE
         fence_proxy_async();
+#endif
         const unsigned sa = base + s * STAGE_BYTES + cw * 64 * 128;
         const unsigned sb = base + s * STAGE_BYTES + A_BYTES;
 #pragma unroll
@@ -201,8 +207,6 @@ __device__ __forceinline__ void consume(unsigned base, const unsigned long long*
     for (int i = 0; i < NS; ++i)
 #pragma unroll
         for (int b = 0; b < NB; ++b) fence_acc(acc[i][b]);
-    __syncwarp();
-    if (lane == 0) mbar_arrive(smem_u32(&empty_bar[prev]));  // the tile's last stage
     // Accumulator fragment: register 4j + e holds row 16 warp + lane / 4 (+8 for e >= 2),
     // column 8 j + 2 (lane % 4) + (e % 2).
 #pragma unroll
@@ -225,28 +229,35 @@ __device__ __forceinline__ void consume(unsigned base, const unsigned long long*
         }
 }
 
-// Tile t of the banded order: token tile mt, channel tile nt.
-__device__ __forceinline__ void tile_of(int t, int M, int N, int& m0, int& n0) {
-    const int MT = (M + BM - 1) / BM;
-    const int per_band = BAND * (N / BN);
-    const int band = t / per_band, idx = t % per_band;
-    const int bm = min(BAND, MT - band * BAND);  // token tiles in this band
-    m0 = (band * BAND + idx % bm) * BM;
-    n0 = (idx / bm) * BN;
-}
-
 extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
                                                                       const T* __restrict__ w2, const int* __restrict__ perm,
                                                                       const int* __restrict__ count, T* __restrict__ out,
                                                                       int M, int N, int K, int G) {
     extern __shared__ unsigned char smem_raw[];
+    __shared__ int rows[BM];
     __shared__ __align__(8) unsigned long long full_bar[STAGES], empty_bar[STAGES];
     // Stages start 1024-aligned (the swizzle pattern is defined on absolute address bits); the
     // launch asks for 1024 bytes of slack.
     const unsigned base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     const int tid = threadIdx.x;
-    const int tiles = (M + BM - 1) / BM * (N / BN);
-    const int KT = K / BK;
+    int mt, nt;
+    {
+        const int MT = (M + BM - 1) / BM;
+        const int per_band = BAND * (N / BN);
+        const int band = blockIdx.x / per_band, idx = blockIdx.x % per_band;
+        const int bm = min(BAND, MT - band * BAND);  // token tiles in this band
+        mt = band * BAND + idx % bm;
+        nt = idx / bm;
+    }
+    const int m0 = mt * BM;
+    const int n0 = nt * BN;
+    const int g = n0 / G;
+    const int* pg = perm + (long long)g * M;
+    for (int i = tid; i < BM; i += THREADS) rows[i] = (m0 + i < M) ? pg[m0 + i] : -1;
+    // Block-uniform values broadcast from lane 0, so that the compiler sees the branches around
+    // the wgmma instructions as warp-uniform (in a path it thinks divergent, ptxas serialises
+    // every wgmma: warning C7518).
+    const int nact = __shfl_sync(0xffffffffu, min(BM, count[g] - m0), 0);
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(smem_u32(&full_bar[s]), 128);  // every producer thread
@@ -254,23 +265,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_mn_wgmma(const T* 
         }
     }
     __syncthreads();
-    // Block-uniform values are broadcast from lane 0, so that the compiler sees the branches
-    // around the wgmma instructions as warp-uniform (in a path it thinks divergent, ptxas
-    // serialises every wgmma: warning C7518).
     const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
-    int s = 0;
-    unsigned ph = 0;  // parity of the current use of stage s
-    if (wg == 0) {
-        // Producer: thread t copies chunk c = t % 8 of rows t / 8 + 16 i.
-        const int c = tid & 7, r0 = tid >> 3;
-        int used = 0;  // stages filled so far (the first STAGES need no wait)
-        for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-            int m0, n0;
-            tile_of(t, M, N, m0, n0);
-            const int g = n0 / G;
-            const int nact = min(BM, count[g] - m0);
-            if (nact <= 0) continue;
-            const int* pg = perm + (long long)g * M + m0;
+    if (nact > 0) {
+        const int KT = K / BK;
+        if (wg == 0) {
+            // Producer: thread t copies chunk c = t % 8 of rows t / 8 + 16 i.
+            const int c = tid & 7, r0 = tid >> 3;
             const T* asrc[BM / 16];
             unsigned aval = 0;  // bit i: row r0 + 16 i is active
 #pragma unroll
@@ -278,12 +278,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_mn_wgmma(const T* 
                 const int r = r0 + 16 * i;
                 const bool v = r < nact;
                 aval |= (unsigned)v << i;
-                asrc[i] = v ? x + (long long)pg[r] * K + c * 8 : x;
+                asrc[i] = v ? x + (long long)rows[r] * K + c * 8 : x;
             }
             const T* bsrc = w + (long long)(n0 + r0) * K + c * 8;
             const T* bsrc2 = w2 + (long long)(n0 + r0) * K + c * 8;
-            for (int kt = 0; kt < KT; ++kt, ++used) {
-                if (used >= STAGES) mbar_wait(smem_u32(&empty_bar[s]), ph ^ 1u);
+            int s = 0;
+            unsigned ph = 0;  // (kt / STAGES) & 1
+            for (int kt = 0; kt < KT; ++kt) {
+                if (kt >= STAGES) mbar_wait(smem_u32(&empty_bar[s]), ph ^ 1u);
                 const unsigned sa = base + s * STAGE_BYTES;
                 const int k0 = kt * BK;
 #pragma unroll
@@ -297,56 +299,64 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_mn_wgmma(const T* 
                     cp_async16(sa + A_BYTES + off, bsrc + (long long)16 * i * K + k0, true);
                     if (FUSED) cp_async16(sa + A_BYTES + B_BYTES + off, bsrc2 + (long long)16 * i * K + k0, true);
                 }
+#if ASYNC_ARRIVE
                 cp_async_arrive(smem_u32(&full_bar[s]));
+#else
+                cp_commit();
+                if (kt >= LAG) {
+                    cp_wait<LAG>();
+                    fence_proxy_async();
+                    const int done = s >= LAG ? s - LAG : s + STAGES - LAG;  // (kt - LAG) % STAGES
+                    mbar_arrive(smem_u32(&full_bar[done]));
+                }
+#endif
                 if (++s == STAGES) {
                     s = 0;
                     ph ^= 1u;
                 }
             }
-        }
-        cp_wait_all();
-    } else {
-        const int cw = wg - 1;
-        const int lane = tid & 31;
-        for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-            int m0, n0;
-            tile_of(t, M, N, m0, n0);
-            const int g = n0 / G;
-            const int nact = __shfl_sync(0xffffffffu, min(BM, count[g] - m0), 0);
-            const int* pg = perm + (long long)g * M + m0;
-            if (nact > 0) {
-                // Sub-tiles of this warpgroup that hold active rows.
-                int ns = 0;
+#if ASYNC_ARRIVE
+            cp_wait<0>();
+#else
+            cp_wait<0>();
+            fence_proxy_async();
+            for (int j = max(KT - LAG, 0); j < KT; ++j) mbar_arrive(smem_u32(&full_bar[j % STAGES]));
+#endif
+        } else {
+            const int cw = wg - 1;
+            const int lane = tid & 31;
+            // Sub-tiles of this warpgroup that hold active rows.
+            int ns = 0;
 #pragma unroll
-                for (int i = 0; i < MI; ++i) ns += (cw + 2 * i) * 64 < nact;
-                if (ns == 0) {
-                    // No active row: only pass the stages along.
-                    for (int kt = 0; kt < KT; ++kt) {
-                        mbar_wait(smem_u32(&full_bar[s]), ph);
-                        __syncwarp();
-                        if (lane == 0) mbar_arrive(smem_u32(&empty_bar[s]));
-                        if (++s == STAGES) {
-                            s = 0;
-                            ph ^= 1u;
-                        }
+            for (int i = 0; i < MI; ++i) ns += (cw + 2 * i) * 64 < nact;
+            if (ns == 0) {
+                // No active row: only pass the stages along.
+                int s = 0;
+                unsigned ph = 0;
+                for (int kt = 0; kt < KT; ++kt) {
+                    mbar_wait(smem_u32(&full_bar[s]), ph);
+                    __syncwarp();
+                    if (lane == 0) mbar_arrive(smem_u32(&empty_bar[s]));
+                    if (++s == STAGES) {
+                        s = 0;
+                        ph ^= 1u;
                     }
                 }
-#if MI >= 2
-                else if (ns == 2) {
-                    consume<2>(base, full_bar, empty_bar, pg, nact, cw, KT, out, N, n0, s, ph);
-                }
-#endif
-                else {
-                    consume<1>(base, full_bar, empty_bar, pg, nact, cw, KT, out, N, n0, s, ph);
-                }
             }
-            // Zeros for the inactive tokens listed in this tile (all of it when none is active),
-            // shared by the two consumer warpgroups.
-            const int first = max(nact, 0), last = min(BM, M - m0);
-            for (int i = tid - 128; i < (last - first) * (BN / 8); i += 256) {
-                const int r = first + i / (BN / 8), cc = i % (BN / 8);
-                *reinterpret_cast<uint4*>(out + (long long)pg[r] * N + n0 + cc * 8) = make_uint4(0, 0, 0, 0);
+#if MI >= 2
+            else if (ns == 2) {
+                consume<2>(base, full_bar, empty_bar, rows, nact, cw, KT, out, N, n0);
+            }
+#endif
+            else {
+                consume<1>(base, full_bar, empty_bar, rows, nact, cw, KT, out, N, n0);
             }
         }
+    }
+    // Zeros for the inactive tokens listed in this tile (all of it when the tile has none active).
+    const int first = max(nact, 0);
+    for (int i = tid; i < (BM - first) * (BN / 8); i += THREADS) {
+        const int r = first + i / (BN / 8), c = i % (BN / 8);
+        if (rows[r] >= 0) *reinterpret_cast<uint4*>(out + (long long)rows[r] * N + n0 + c * 8) = make_uint4(0, 0, 0, 0);
     }
 }

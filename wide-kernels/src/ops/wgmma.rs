@@ -2,13 +2,12 @@
 //! `wgmma.mma_async` (sm_90a), source `wgmma.cu`.
 //!
 //! Per group of G output channels the work is a dense product of the group's active token rows
-//! of x (gathered through the layout's `perm`) with the group's G contiguous weight rows. A
-//! persistent block (one a multiprocessor) walks (128 * mi)-token x 128-channel tiles: a
-//! producer warpgroup gathers x rows and copies the weight tile(s) with 16-byte `cp.async` into
-//! the 128-byte-swizzled K-major shared layout (k steps of 64, a multi-stage mbarrier pipeline
-//! that runs on into the next tile), two consumer warpgroups run m64n128k16 `wgmma` on them and
-//! scatter the results to the token rows; the inactive tokens listed after the active ones get
-//! exact zeros. Compiled with NVRTC for `compute_90a`, so it
+//! of x (gathered through the layout's `perm`) with the group's G contiguous weight rows. One
+//! block computes a (128 * mi)-token x 128-channel tile: a producer warpgroup gathers x rows and
+//! copies the weight tile(s) with 16-byte `cp.async` into the 128-byte-swizzled K-major shared
+//! layout (k steps of 64, a multi-stage mbarrier pipeline), two consumer warpgroups run
+//! m64n128k16 `wgmma` on them and scatter the results to the token rows; the inactive tokens
+//! listed after the active ones get exact zeros. Compiled with NVRTC for `compute_90a`, so it
 //! runs on compute capability 9.0 devices only ([`supported`]).
 use super::dispatch::{wgmma_feasible, GemmShape, RoutedOp, WGMMA_BK, WGMMA_BM, WGMMA_BN};
 use super::gemm::cuda_inputs;
@@ -34,6 +33,9 @@ pub struct WgmmaConfig {
     pub mi: u32,
     /// Shared-memory pipeline stages.
     pub stages: u32,
+    /// Copies arrive on the stage barrier by themselves (`cp.async.mbarrier.arrive.noinc`);
+    /// else the producer waits for them `stages - 2` stages behind.
+    pub async_arrive: bool,
 }
 
 impl WgmmaConfig {
@@ -41,7 +43,7 @@ impl WgmmaConfig {
     /// tiles with the gate and up weight tiles, 4 stages of 48 KiB. Both keep 128 accumulators
     /// a consumer thread.
     pub fn default_for(fused: bool) -> Self {
-        Self { mi: if fused { 1 } else { 2 }, stages: 4 }
+        Self { mi: if fused { 1 } else { 2 }, stages: 4, async_arrive: true }
     }
     /// Token rows of a tile.
     pub fn bm(&self) -> i64 {
@@ -53,13 +55,13 @@ impl WgmmaConfig {
         ((self.bm() + b_tiles * WGMMA_BN) * WGMMA_BK * 2) as u32 * self.stages + 1024
     }
     /// Can this configuration run (registers: at most 128 accumulators a consumer thread;
-    /// shared memory: 227 KiB a block; at least 3 stages)?
+    /// shared memory: 227 KiB a block; the producer hand-over needs 3 stages)?
     pub fn valid(&self, fused: bool) -> bool {
         let accs = self.mi * if fused { 2 } else { 1 } * 64;
         (1..=2).contains(&self.mi) && accs <= 128 && self.stages >= 3 && self.smem_bytes(fused) <= 227 * 1024
     }
     pub fn label(&self) -> String {
-        format!("wgmma{}x128x64s{}", self.bm(), self.stages)
+        format!("wgmma{}x128x64s{}{}", self.bm(), self.stages, if self.async_arrive { "" } else { "w" })
     }
 }
 
@@ -68,8 +70,8 @@ impl WgmmaConfig {
 pub fn sweep(fused: bool) -> Vec<WgmmaConfig> {
     let mut v = vec![WgmmaConfig::default_for(fused)];
     for mi in [1, 2] {
-        for stages in [3, 4, 5] {
-            let c = WgmmaConfig { mi, stages };
+        for (stages, async_arrive) in [(4, true), (4, false), (5, true)] {
+            let c = WgmmaConfig { mi, stages, async_arrive };
             if c.valid(fused) && !v.contains(&c) {
                 v.push(c);
             }
@@ -79,7 +81,7 @@ pub fn sweep(fused: bool) -> Vec<WgmmaConfig> {
 }
 
 /// The configuration used: the default, or the one `WIDE_WGMMA` names for benchmark sweeps
-/// (`mi=1,stages=5`; read once; ignored unless valid for this op).
+/// (`mi=1,stages=5,arrive=wait`; read once; ignored unless valid for this op).
 pub fn config(fused: bool) -> WgmmaConfig {
     static V: OnceLock<Option<String>> = OnceLock::new();
     let d = WgmmaConfig::default_for(fused);
@@ -89,6 +91,7 @@ pub fn config(fused: bool) -> WgmmaConfig {
         match kv.split_once('=') {
             Some(("mi", v)) => c.mi = v.parse().unwrap_or(c.mi),
             Some(("stages", v)) => c.stages = v.parse().unwrap_or(c.stages),
+            Some(("arrive", v)) => c.async_arrive = v != "wait",
             _ => {}
         }
     }
@@ -107,6 +110,7 @@ pub fn source(f16: bool, fused: bool, c: WgmmaConfig) -> KernelSource {
         .define("FUSED", fused as u32)
         .define("MI", c.mi)
         .define("STAGES", c.stages)
+        .define("ASYNC_ARRIVE", c.async_arrive as u32)
 }
 
 /// Every variant shipped (the defaults and the sweep), for the compile-everything test.
@@ -161,12 +165,11 @@ pub(crate) fn launch(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>,
     let k = kernel(f16, fused, c, device)?;
     let (perm, count) = layout.lists()?;
     let out = Tensor::empty([s.m, s.n], (x.kind(), x.device()));
-    // Tiles are numbered in an i32 (banded order, see wgmma.cu); one persistent block a
-    // multiprocessor walks them.
-    let tiles = (s.m as u64).div_ceil(c.bm() as u64) * (s.n / WGMMA_BN) as u64;
-    ensure!(tiles <= i32::MAX as u64 && 16 * s.n / WGMMA_BN <= i32::MAX as i64, "too many tiles (M {} x N {}) for one wgmma launch", s.m, s.n);
-    let blocks = tiles.min(crate::cuda::multiprocessor_count(device)? as u64) as u32;
-    let cfg = LaunchConfig { grid: (blocks, 1, 1), block: (THREADS, 1, 1), shared_mem_bytes: c.smem_bytes(fused) };
+    // A 1-D grid of tiles in banded order (see wgmma.cu); a band of (N / 128) * 16 tiles at
+    // most must fit an i32 too.
+    let blocks = (s.m as u64).div_ceil(c.bm() as u64) * (s.n / WGMMA_BN) as u64;
+    ensure!(blocks <= i32::MAX as u64 && 16 * s.n / WGMMA_BN <= i32::MAX as i64, "too many tiles (M {} x N {}) for one wgmma launch", s.m, s.n);
+    let cfg = LaunchConfig { grid: (blocks as u32, 1, 1), block: (THREADS, 1, 1), shared_mem_bytes: c.smem_bytes(fused) };
     let w_up = w2.as_ref().unwrap_or(&w);
     let args = [
         KernelArg::tensor(&x)?,
@@ -182,7 +185,7 @@ pub(crate) fn launch(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>,
     ];
     // SAFETY: the arguments follow gemm_mn_wgmma's signature; x is [M, K], w and w_up [N, K]
     // (contiguous, 16-byte aligned), perm [N / G, M] and count [N / G] come from this layout,
-    // out is [M, N]; the blocks cover the ceil(M / bm) x N / 128 tiles between them.
+    // out is [M, N]; the grid has one block for each of ceil(M / bm) x N / 128 tiles.
     unsafe { k.launch(cfg, &args)? };
     Ok(out)
 }
@@ -204,9 +207,9 @@ mod tests {
         assert_eq!(WgmmaConfig::default_for(true).smem_bytes(true), 4 * (16384 + 32768) + 1024);
         assert_eq!(WgmmaConfig::default_for(false).bm(), 256);
         // Fused with 256-token tiles would need 256 accumulators a thread.
-        assert!(!WgmmaConfig { mi: 2, stages: 3 }.valid(true));
-        assert!(!WgmmaConfig { mi: 1, stages: 2 }.valid(false));
-        assert!(!WgmmaConfig { mi: 2, stages: 5 }.valid(false), "240 KiB");
+        assert!(!WgmmaConfig { mi: 2, stages: 3, async_arrive: true }.valid(true));
+        assert!(!WgmmaConfig { mi: 1, stages: 2, async_arrive: true }.valid(false));
+        assert!(!WgmmaConfig { mi: 2, stages: 5, async_arrive: true }.valid(false), "240 KiB");
     }
 
     #[test]
