@@ -33,6 +33,8 @@ pub enum KernelArg {
     U32(u32),
     I64(i64),
     F32(f32),
+    /// A 128-byte `CUtensorMap`, for a `const __grid_constant__` tensor-map parameter.
+    TensorMap([u64; 16]),
 }
 
 impl KernelArg {
@@ -147,18 +149,21 @@ impl CudaKernel {
     pub unsafe fn launch(&self, cfg: LaunchConfig, args: &[KernelArg]) -> Result<()> {
         ensure_context(self.device)?;
         let stream = shim::current_stream(self.device)? as sys::CUstream;
-        let mut storage: Vec<[u8; 8]> = args
+        // One 128-byte slot an argument (the driver copies each parameter's own size).
+        let mut storage: Vec<[u64; 16]> = args
             .iter()
             .map(|a| {
-                let mut b = [0u8; 8];
+                let mut slot = [0u64; 16];
+                let b = &mut bytemuck_bytes(&mut slot)[..];
                 match *a {
-                    KernelArg::Ptr(p) => b.copy_from_slice(&p.to_ne_bytes()),
-                    KernelArg::I64(v) => b.copy_from_slice(&v.to_ne_bytes()),
+                    KernelArg::Ptr(p) => b[..8].copy_from_slice(&p.to_ne_bytes()),
+                    KernelArg::I64(v) => b[..8].copy_from_slice(&v.to_ne_bytes()),
                     KernelArg::I32(v) => b[..4].copy_from_slice(&v.to_ne_bytes()),
                     KernelArg::U32(v) => b[..4].copy_from_slice(&v.to_ne_bytes()),
                     KernelArg::F32(v) => b[..4].copy_from_slice(&v.to_ne_bytes()),
+                    KernelArg::TensorMap(m) => slot = m,
                 }
-                b
+                slot
             })
             .collect();
         let mut params: Vec<*mut c_void> = storage.iter_mut().map(|b| b.as_mut_ptr() as *mut c_void).collect();
@@ -168,6 +173,55 @@ impl CudaKernel {
         // the next synchronising call.
         Ok(())
     }
+}
+
+fn bytemuck_bytes(slot: &mut [u64; 16]) -> &mut [u8; 128] {
+    // SAFETY: [u64; 16] and [u8; 128] have the same size, and u8 has no alignment or validity
+    // requirement.
+    unsafe { &mut *(slot as *mut [u64; 16] as *mut [u8; 128]) }
+}
+
+/// A 2-D tiled tensor map (`cuTensorMapEncodeTiled`) of a contiguous 2-byte-element CUDA
+/// tensor `[rows, cols]` (cols innermost), boxes of `box_rows x box_cols` elements, 128-byte
+/// swizzle (so `box_cols * 2` must be at most 128), for `cp.async.bulk.tensor` loads.
+pub fn tensor_map_2d(t: &Tensor, f16: bool, box_rows: u32, box_cols: u32) -> Result<KernelArg> {
+    let size = t.size();
+    if size.len() != 2 || !t.is_contiguous() || t.kind().elt_size_in_bytes() != 2 {
+        bail!("tensor_map_2d: needs a contiguous 2-D tensor of 2-byte elements, got {size:?} {:?}", t.kind());
+    }
+    let device = match t.device() {
+        Device::Cuda(d) => d,
+        d => bail!("tensor_map_2d: needs a CUDA tensor, got one on {d:?}"),
+    };
+    ensure_context(device)?;
+    let (rows, cols) = (size[0] as u64, size[1] as u64);
+    let dims = [cols, rows];
+    let strides = [cols * 2];
+    let boxes = [box_cols, box_rows];
+    let elem = [1u32, 1];
+    let dtype = if f16 { sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16 } else { sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 };
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
+    let r = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            dtype,
+            2,
+            t.data_ptr(),
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            elem.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        bail!("CUDA driver error while encoding a tensor map of a [{rows}, {cols}] tensor: {r:?}");
+    }
+    // SAFETY: initialised by the successful call above.
+    Ok(KernelArg::TensorMap(unsafe { map.assume_init() }.opaque))
 }
 
 /// The device's marketing name (e.g. "NVIDIA H200").

@@ -9,6 +9,10 @@
 //                 (cp.async.mbarrier.arrive.noinc) and the consumers fence the async proxy after
 //                 waiting; 0: the producer waits for its copies (cp.async.wait_group, STAGES - 2
 //                 stages behind), fences, then arrives
+//   CLUSTER       1, or 2: clusters of two blocks on consecutive token tiles of one group; each
+//                 block loads half of the weight tile(s) with the tensor copy engine (TMA) and
+//                 multicasts it to both, so each weight byte crosses from L2 once for two tiles
+//                 (needs ASYNC_ARRIVE 1)
 //
 // Same contract as gemm_mn_tiled in routed.cu: tile (mt, nt) works on list entries
 // [mt*BM, mt*BM+BM) of group g = nt*BN/G (BN | G): entries below count[g] are active tokens,
@@ -47,6 +51,12 @@
 #endif
 #ifndef ASYNC_ARRIVE
 #define ASYNC_ARRIVE 1
+#endif
+#ifndef CLUSTER
+#define CLUSTER 1
+#endif
+#if CLUSTER != 1 && (CLUSTER != 2 || !ASYNC_ARRIVE)
+#error "CLUSTER is 1, or 2 with ASYNC_ARRIVE"
 #endif
 #if WIDE_F16
 typedef __half T;
@@ -98,6 +108,52 @@ __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
 __device__ __forceinline__ void mbar_arrive(unsigned bar) {
     asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}" ::"r"(bar) : "memory");
 }
+// A tensor map (CUtensorMap) passed by value as a __grid_constant__ kernel parameter.
+struct __align__(128) TmaDesc {
+    unsigned long long v[16];
+};
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// The same shared-memory offset in block `rank` of the cluster.
+__device__ __forceinline__ unsigned map_rank(unsigned addr, unsigned rank) {
+    unsigned r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
+    return r;
+}
+// Arrival on a barrier of another block of the cluster. Default semantics: the stage's readers
+// were wgmma, complete (wgmma.wait_group) before this in program order; no data written here
+// needs a cluster-scope release.
+__device__ __forceinline__ void mbar_arrive_remote(unsigned cluster_addr) {
+    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(cluster_addr) : "memory");
+}
+// One arrival that also expects `bytes` of transactions (the multicast tensor copies) this phase.
+__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned bar, unsigned bytes) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Box {64 k, 64 rows} at (k0, row0) of the 2-D tensor map, written 128B-swizzled at `dst` in both
+// blocks of the cluster, completing `bytes` on the barrier at `bar` in each.
+__device__ __forceinline__ void tma_load_multicast(unsigned dst, const TmaDesc* map, int k0, int row0, unsigned bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+        " [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(dst),
+        "l"(reinterpret_cast<unsigned long long>(map)), "r"(k0), "r"(row0), "r"(bar), "h"((unsigned short)3)
+        : "memory");
+}
+// A consumer warp's release of a stage: to its own block's producer and, with clusters, to the
+// other block's (whose multicast also writes this block's stage).
+__device__ __forceinline__ void release_stage(unsigned bar) {
+    mbar_arrive(bar);
+#if CLUSTER == 2
+    mbar_arrive_remote(map_rank(bar, cluster_rank() ^ 1u));
+#endif
+}
+
 // Waits until the barrier's phase of this parity has completed.
 __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
     asm volatile(
@@ -195,7 +251,7 @@ __device__ __forceinline__ void consume(unsigned base, const unsigned long long*
 #pragma unroll
             for (int b = 0; b < NB; ++b) fence_acc(acc[i][b]);
         __syncwarp();
-        if (kt > 0 && lane == 0) mbar_arrive(smem_u32(&empty_bar[prev]));
+        if (kt > 0 && lane == 0) release_stage(smem_u32(&empty_bar[prev]));
         prev = s;
         if (++s == STAGES) {
             s = 0;
@@ -229,10 +285,17 @@ __device__ __forceinline__ void consume(unsigned base, const unsigned long long*
         }
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+#if CLUSTER == 2
+__cluster_dims__(2, 1, 1)
+#endif
+gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
                                                                       const T* __restrict__ w2, const int* __restrict__ perm,
                                                                       const int* __restrict__ count, T* __restrict__ out,
-                                                                      int M, int N, int K, int G) {
+                                                                      int M, int N, int K, int G,
+                                                                      // CLUSTER 2: maps of w and w2, boxes of 64 k x 64 rows
+                                                                      const __grid_constant__ TmaDesc tmap_w,
+                                                                      const __grid_constant__ TmaDesc tmap_w2) {
     extern __shared__ unsigned char smem_raw[];
     __shared__ int rows[BM];
     __shared__ __align__(8) unsigned long long full_bar[STAGES], empty_bar[STAGES];
@@ -240,14 +303,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_mn_wgmma(const T* 
     // launch asks for 1024 bytes of slack.
     const unsigned base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     const int tid = threadIdx.x;
-    int mt, nt;
+    // Units of CLUSTER consecutive token tiles (one cluster) in banded order; block `rank` of the
+    // unit takes its rank-th token tile.
+    int mt, nt, mu;
+    const int rank = CLUSTER == 1 ? 0 : (int)cluster_rank();
     {
-        const int MT = (M + BM - 1) / BM;
-        const int per_band = BAND * (N / BN);
-        const int band = blockIdx.x / per_band, idx = blockIdx.x % per_band;
-        const int bm = min(BAND, MT - band * BAND);  // token tiles in this band
-        mt = band * BAND + idx % bm;
+        const int MU = ((M + BM - 1) / BM + CLUSTER - 1) / CLUSTER;
+        const int BU = BAND / CLUSTER;
+        const int per_band = BU * (N / BN);
+        const int unit = blockIdx.x / CLUSTER;
+        const int band = unit / per_band, idx = unit % per_band;
+        const int bm = min(BU, MU - band * BU);  // units in this band
+        mu = band * BU + idx % bm;
         nt = idx / bm;
+        mt = mu * CLUSTER + rank;
     }
     const int m0 = mt * BM;
     const int n0 = nt * BN;
@@ -257,16 +326,26 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_mn_wgmma(const T* 
     // Block-uniform values broadcast from lane 0, so that the compiler sees the branches around
     // the wgmma instructions as warp-uniform (in a path it thinks divergent, ptxas serialises
     // every wgmma: warning C7518).
-    const int nact = __shfl_sync(0xffffffffu, min(BM, count[g] - m0), 0);
+    const int cnt = __shfl_sync(0xffffffffu, count[g], 0);
+    const int nact = min(BM, cnt - m0);
+    // The blocks of a cluster run the k loop together (each loads half of the shared weight
+    // tiles) if any of them has an active row; a block without one computes nothing.
+    const bool run = cnt - mu * CLUSTER * BM > 0;
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(smem_u32(&full_bar[s]), 128);  // every producer thread
-            mbar_init(smem_u32(&empty_bar[s]), 8);   // every consumer warp
+            mbar_init(smem_u32(&full_bar[s]), 128 + (CLUSTER == 2));  // every producer thread (+ the expect_tx)
+            mbar_init(smem_u32(&empty_bar[s]), 8 * CLUSTER);          // every consumer warp of the cluster
         }
+#if CLUSTER == 2
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
     }
     __syncthreads();
+#if CLUSTER == 2
+    cluster_sync();
+#endif
     const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
-    if (nact > 0) {
+    if (run) {
         const int KT = K / BK;
         if (wg == 0) {
             // Producer: thread t copies chunk c = t % 8 of rows t / 8 + 16 i.
@@ -280,8 +359,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_mn_wgmma(const T* 
                 aval |= (unsigned)v << i;
                 asrc[i] = v ? x + (long long)rows[r] * K + c * 8 : x;
             }
+#if CLUSTER == 1
             const T* bsrc = w + (long long)(n0 + r0) * K + c * 8;
             const T* bsrc2 = w2 + (long long)(n0 + r0) * K + c * 8;
+#endif
             int s = 0;
             unsigned ph = 0;  // (kt / STAGES) & 1
             for (int kt = 0; kt < KT; ++kt) {
@@ -293,12 +374,22 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_mn_wgmma(const T* 
                     const bool v = (aval >> i) & 1u;
                     cp_async16(sa + sw128_off(r0 + 16 * i, c), asrc[i] + (v ? k0 : 0), v);
                 }
+#if CLUSTER == 2
+                // Rows [64 rank, 64 rank + 64) of each weight tile, to both blocks.
+                if (tid == 0) {
+                    const unsigned fb = smem_u32(&full_bar[s]);
+                    mbar_arrive_expect_tx(fb, NB * B_BYTES);
+                    tma_load_multicast(sa + A_BYTES + rank * (B_BYTES / 2), &tmap_w, k0, n0 + 64 * rank, fb);
+                    if (FUSED) tma_load_multicast(sa + A_BYTES + B_BYTES + rank * (B_BYTES / 2), &tmap_w2, k0, n0 + 64 * rank, fb);
+                }
+#else
 #pragma unroll
                 for (int i = 0; i < 8; ++i) {
                     const unsigned off = sw128_off(r0 + 16 * i, c);
                     cp_async16(sa + A_BYTES + off, bsrc + (long long)16 * i * K + k0, true);
                     if (FUSED) cp_async16(sa + A_BYTES + B_BYTES + off, bsrc2 + (long long)16 * i * K + k0, true);
                 }
+#endif
 #if ASYNC_ARRIVE
                 cp_async_arrive(smem_u32(&full_bar[s]));
 #else
@@ -336,7 +427,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_mn_wgmma(const T* 
                 for (int kt = 0; kt < KT; ++kt) {
                     mbar_wait(smem_u32(&full_bar[s]), ph);
                     __syncwarp();
-                    if (lane == 0) mbar_arrive(smem_u32(&empty_bar[s]));
+                    if (lane == 0) release_stage(smem_u32(&empty_bar[s]));
                     if (++s == STAGES) {
                         s = 0;
                         ph ^= 1u;
@@ -359,4 +450,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_mn_wgmma(const T* 
         const int r = first + i / (BN / 8), c = i % (BN / 8);
         if (rows[r] >= 0) *reinterpret_cast<uint4*>(out + (long long)rows[r] * N + n0 + c * 8) = make_uint4(0, 0, 0, 0);
     }
+#if CLUSTER == 2
+    // The other block may still arrive on this block's barriers: leave together.
+    cluster_sync();
+#endif
 }

@@ -36,6 +36,9 @@ pub struct WgmmaConfig {
     /// Copies arrive on the stage barrier by themselves (`cp.async.mbarrier.arrive.noinc`);
     /// else the producer waits for them `stages - 2` stages behind.
     pub async_arrive: bool,
+    /// 1, or 2: clusters of two blocks on consecutive token tiles of a group share the weight
+    /// tiles (each loads half with TMA and multicasts it to both).
+    pub cluster: u32,
 }
 
 impl WgmmaConfig {
@@ -43,7 +46,7 @@ impl WgmmaConfig {
     /// tiles with the gate and up weight tiles, 4 stages of 48 KiB. Both keep 128 accumulators
     /// a consumer thread.
     pub fn default_for(fused: bool) -> Self {
-        Self { mi: if fused { 1 } else { 2 }, stages: 4, async_arrive: true }
+        Self { mi: if fused { 1 } else { 2 }, stages: 4, async_arrive: true, cluster: 1 }
     }
     /// Token rows of a tile.
     pub fn bm(&self) -> i64 {
@@ -58,10 +61,14 @@ impl WgmmaConfig {
     /// shared memory: 227 KiB a block; the producer hand-over needs 3 stages)?
     pub fn valid(&self, fused: bool) -> bool {
         let accs = self.mi * if fused { 2 } else { 1 } * 64;
-        (1..=2).contains(&self.mi) && accs <= 128 && self.stages >= 3 && self.smem_bytes(fused) <= 227 * 1024
+        (1..=2).contains(&self.mi)
+            && accs <= 128
+            && self.stages >= 3
+            && self.smem_bytes(fused) <= 227 * 1024
+            && (self.cluster == 1 || (self.cluster == 2 && self.async_arrive))
     }
     pub fn label(&self) -> String {
-        format!("wgmma{}x128x64s{}{}", self.bm(), self.stages, if self.async_arrive { "" } else { "w" })
+        format!("wgmma{}x128x64s{}{}{}", self.bm(), self.stages, if self.async_arrive { "" } else { "w" }, if self.cluster == 2 { "c2" } else { "" })
     }
 }
 
@@ -70,8 +77,8 @@ impl WgmmaConfig {
 pub fn sweep(fused: bool) -> Vec<WgmmaConfig> {
     let mut v = vec![WgmmaConfig::default_for(fused)];
     for mi in [1, 2] {
-        for (stages, async_arrive) in [(4, true), (4, false), (5, true)] {
-            let c = WgmmaConfig { mi, stages, async_arrive };
+        for (stages, async_arrive, cluster) in [(4, true, 1), (4, false, 1), (5, true, 1), (4, true, 2), (5, true, 2)] {
+            let c = WgmmaConfig { mi, stages, async_arrive, cluster };
             if c.valid(fused) && !v.contains(&c) {
                 v.push(c);
             }
@@ -81,7 +88,7 @@ pub fn sweep(fused: bool) -> Vec<WgmmaConfig> {
 }
 
 /// The configuration used: the default, or the one `WIDE_WGMMA` names for benchmark sweeps
-/// (`mi=1,stages=5,arrive=wait`; read once; ignored unless valid for this op).
+/// (`mi=1,stages=5,arrive=wait,cluster=2`; read once; ignored unless valid for this op).
 pub fn config(fused: bool) -> WgmmaConfig {
     static V: OnceLock<Option<String>> = OnceLock::new();
     let d = WgmmaConfig::default_for(fused);
@@ -92,6 +99,7 @@ pub fn config(fused: bool) -> WgmmaConfig {
             Some(("mi", v)) => c.mi = v.parse().unwrap_or(c.mi),
             Some(("stages", v)) => c.stages = v.parse().unwrap_or(c.stages),
             Some(("arrive", v)) => c.async_arrive = v != "wait",
+            Some(("cluster", v)) => c.cluster = v.parse().unwrap_or(c.cluster),
             _ => {}
         }
     }
@@ -111,6 +119,7 @@ pub fn source(f16: bool, fused: bool, c: WgmmaConfig) -> KernelSource {
         .define("MI", c.mi)
         .define("STAGES", c.stages)
         .define("ASYNC_ARRIVE", c.async_arrive as u32)
+        .define("CLUSTER", c.cluster)
 }
 
 /// Every variant shipped (the defaults and the sweep), for the compile-everything test.
@@ -165,12 +174,19 @@ pub(crate) fn launch(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>,
     let k = kernel(f16, fused, c, device)?;
     let (perm, count) = layout.lists()?;
     let out = Tensor::empty([s.m, s.n], (x.kind(), x.device()));
-    // A 1-D grid of tiles in banded order (see wgmma.cu); a band of (N / 128) * 16 tiles at
-    // most must fit an i32 too.
-    let blocks = (s.m as u64).div_ceil(c.bm() as u64) * (s.n / WGMMA_BN) as u64;
+    // A 1-D grid of tiles (units of `cluster` token tiles) in banded order (see wgmma.cu); a band
+    // of (N / 128) * 16 tiles at most must fit an i32 too.
+    let units = (s.m as u64).div_ceil(c.bm() as u64).div_ceil(c.cluster as u64);
+    let blocks = units * c.cluster as u64 * (s.n / WGMMA_BN) as u64;
     ensure!(blocks <= i32::MAX as u64 && 16 * s.n / WGMMA_BN <= i32::MAX as i64, "too many tiles (M {} x N {}) for one wgmma launch", s.m, s.n);
     let cfg = LaunchConfig { grid: (blocks as u32, 1, 1), block: (THREADS, 1, 1), shared_mem_bytes: c.smem_bytes(fused) };
     let w_up = w2.as_ref().unwrap_or(&w);
+    // Clusters load the weight tiles with TMA: half a tile (64 rows x 64 k) a block.
+    let (map_w, map_up) = if c.cluster == 2 {
+        (crate::cuda::tensor_map_2d(&w, f16, 64, 64)?, crate::cuda::tensor_map_2d(w_up, f16, 64, 64)?)
+    } else {
+        (KernelArg::TensorMap([0; 16]), KernelArg::TensorMap([0; 16]))
+    };
     let args = [
         KernelArg::tensor(&x)?,
         KernelArg::tensor(&w)?,
@@ -182,10 +198,13 @@ pub(crate) fn launch(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>,
         KernelArg::I32(s.n as i32),
         KernelArg::I32(s.k as i32),
         KernelArg::I32(s.group as i32),
+        map_w,
+        map_up,
     ];
     // SAFETY: the arguments follow gemm_mn_wgmma's signature; x is [M, K], w and w_up [N, K]
     // (contiguous, 16-byte aligned), perm [N / G, M] and count [N / G] come from this layout,
-    // out is [M, N]; the grid has one block for each of ceil(M / bm) x N / 128 tiles.
+    // out is [M, N]; the grid has one block for each of ceil(M / bm) x N / 128 tiles (rounded
+    // up to whole clusters); the tensor maps describe w and w_up.
     unsafe { k.launch(cfg, &args)? };
     Ok(out)
 }
@@ -207,9 +226,11 @@ mod tests {
         assert_eq!(WgmmaConfig::default_for(true).smem_bytes(true), 4 * (16384 + 32768) + 1024);
         assert_eq!(WgmmaConfig::default_for(false).bm(), 256);
         // Fused with 256-token tiles would need 256 accumulators a thread.
-        assert!(!WgmmaConfig { mi: 2, stages: 3, async_arrive: true }.valid(true));
-        assert!(!WgmmaConfig { mi: 1, stages: 2, async_arrive: true }.valid(false));
-        assert!(!WgmmaConfig { mi: 2, stages: 5, async_arrive: true }.valid(false), "240 KiB");
+        assert!(!WgmmaConfig { mi: 2, stages: 3, async_arrive: true, cluster: 1 }.valid(true));
+        assert!(!WgmmaConfig { mi: 1, stages: 2, async_arrive: true, cluster: 1 }.valid(false));
+        assert!(!WgmmaConfig { mi: 2, stages: 5, async_arrive: true, cluster: 1 }.valid(false), "240 KiB");
+        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 2 }.valid(false), "clusters need the async arrive");
+        assert!(sweep(false).iter().any(|c| c.cluster == 2) && sweep(true).iter().any(|c| c.cluster == 2));
     }
 
     #[test]
