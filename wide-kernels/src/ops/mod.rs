@@ -105,6 +105,8 @@ mod tests {
                 if k.name == "wgmma" {
                     assert!(text.contains(".target sm_90a"), "wgmma variant not built for sm_90a: {:?}", k.defines);
                     assert!(text.contains("wgmma.mma_async.sync.aligned.m64n128k16.f32"), "wgmma variant without wgmma: {:?}", k.defines);
+                    let desc = super::wgmma::sw128_desc(0).to_string();
+                    assert!(text.contains(&desc), "wgmma descriptor constant {desc} (wgmma::sw128_desc) not in the PTX: {:?}", k.defines);
                     assert!(!text.contains(".local"), "wgmma variant spills to local memory: {:?}", k.defines);
                 }
             }

@@ -26,6 +26,23 @@ pub const TARGET: &str = "compute_90a";
 /// Threads a block: one producer and two consumer warpgroups.
 pub const THREADS: u32 = 384;
 
+/// Shared-memory matrix descriptor of a K-major wgmma operand in the 128-byte swizzle layout, as
+/// `sw128_desc` in wgmma.cu builds it (PTX ISA, "matrix descriptor"): start address >> 4 in bits
+/// 0-13, leading byte offset >> 4 in bits 16-29 (unused for this layout, 1), stride byte offset
+/// >> 4 in bits 32-45 (1024 bytes between 8-row groups), base offset 0 in bits 49-51, swizzle mode
+/// 1 (128B) in bits 62-63. The NVRTC test checks that the compiled kernel carries
+/// `sw128_desc(0)` as its descriptor constant.
+pub const fn sw128_desc(addr: u32) -> u64 {
+    ((addr & 0x3FFFF) >> 4) as u64 | (1 << 16) | ((1024u64 >> 4) << 32) | (1 << 62)
+}
+
+/// Byte offset of element (r, k) of a `[rows x 64]` 2-byte block in the 128-byte swizzle layout
+/// (block base 1024-aligned): row r at r * 128, its 16-byte chunk k / 8 at position
+/// (k / 8) ^ (r % 8). The producer writes chunk c of row r at `sw128_off(r, c)` in wgmma.cu.
+pub const fn sw128_offset(r: u32, k: u32) -> u32 {
+    r * 128 + (((k / 8) ^ (r % 8)) * 16) + (k % 8) * 2
+}
+
 /// One specialisation of the kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct WgmmaConfig {
@@ -231,6 +248,41 @@ mod tests {
         assert!(!WgmmaConfig { mi: 2, stages: 5, async_arrive: true, cluster: 1 }.valid(false), "240 KiB");
         assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 2 }.valid(false), "clusters need the async arrive");
         assert!(sweep(false).iter().any(|c| c.cluster == 2) && sweep(true).iter().any(|c| c.cluster == 2));
+    }
+
+    #[test]
+    fn descriptor_fields() {
+        let d = sw128_desc(0);
+        assert_eq!(d, 0x4000_0040_0001_0000);
+        assert_eq!(d >> 62, 1, "128-byte swizzle");
+        assert_eq!((d >> 32) & 0x3FFF, 64, "stride byte offset 1024 >> 4");
+        assert_eq!((d >> 16) & 0x3FFF, 1);
+        assert_eq!((d >> 49) & 7, 0, "base offset");
+        // Start address: 16-byte units, 18-bit shared window; k + 16 elements = +32 bytes = +2.
+        assert_eq!(sw128_desc(1024 * 5) & 0x3FFF, 320);
+        assert_eq!(sw128_desc(1024 + 32) - sw128_desc(1024), 2);
+        assert_eq!(sw128_desc(0x3FFF0) & 0x3FFF, 0x3FFF);
+    }
+
+    #[test]
+    fn swizzle_permutes_chunks_within_each_row() {
+        // Each 8-row, 1024-byte group holds every (r, k) once; 8 consecutive k share a 16-byte
+        // chunk; chunk c of row r sits at chunk position c ^ (r % 8) of the row.
+        let mut seen = vec![false; 1024];
+        for r in 0..8 {
+            for k in 0..64 {
+                let o = sw128_offset(r, k) as usize;
+                assert!(o < 1024 && o % 2 == 0 && !seen[o], "r {r} k {k}");
+                seen[o] = true;
+                assert_eq!(o / 128, r as usize);
+                assert_eq!(o % 128 / 16, ((k / 8) ^ r) as usize);
+            }
+        }
+        assert!(seen.iter().step_by(2).all(|&b| b));
+        assert_eq!(sw128_offset(9, 0), 9 * 128 + 16, "row 9 is row 1 of the next group");
+        // The same column of rows 0..8 spreads over 8 distinct 16-byte bank groups.
+        let banks: std::collections::HashSet<u32> = (0..8).map(|r| sw128_offset(r, 0) % 128 / 16).collect();
+        assert_eq!(banks.len(), 8);
     }
 
     #[test]
