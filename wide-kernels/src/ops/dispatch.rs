@@ -237,8 +237,8 @@ pub(crate) fn tune_cache() -> &'static Mutex<HashMap<TuneKey, Tuned>> {
     C.get_or_init(Default::default)
 }
 
-/// Forced path from `WIDE_ROUTED` (read once): `dense`, `gemv`, `tiled` (the tuned best tile)
-/// or unset/`auto` for the policy.
+/// Forced path from `WIDE_ROUTED` (read once): `dense`, `gemv`, `tiled` (the tuned best tile),
+/// `wgmma` (where it can run, else the policy) or unset/`auto` for the policy.
 pub fn env_override() -> Option<&'static str> {
     static V: OnceLock<Option<String>> = OnceLock::new();
     V.get_or_init(|| std::env::var("WIDE_ROUTED").ok().filter(|v| v != "auto")).as_deref()
