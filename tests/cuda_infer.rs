@@ -160,6 +160,49 @@ fn engine_prefill_matches_training_path_on_gpu() {
     assert!(e < 2e-2, "dense engine vs backbone (bf16): rel {e}");
 }
 
+/// Prefill long enough for the fused gate+up to take a routed large-M kernel when the
+/// autotuner measures it faster (with `WIDE_ROUTED=wgmma`: always the Hopper kernel), on a
+/// random model whose FFN groups (128 channels) fit the wgmma tiles; the engine must still
+/// equal the training path for the same masks.
+#[test]
+fn engine_prefill_with_large_m_routed_gate_up_matches_training_path() {
+    let _g = tch::no_grad_guard();
+    tch::manual_seed(5);
+    let mut mc = wide_core::presets::preset("tiny").unwrap();
+    mc.hidden_size = 1024;
+    mc.intermediate_size = 4096;
+    mc.num_attention_heads = 8;
+    mc.num_key_value_heads = 2;
+    mc.head_dim = 128;
+    mc.num_hidden_layers = 2;
+    mc.max_position_embeddings = 2048;
+    let mvs = nn::VarStore::new(gpu());
+    let model = wide_core::LlamaModel::new(&mvs.root(), &mc, &mut wide_core::RandomWeights { std: 0.02 }, Kind::BFloat16, false).unwrap();
+    let vs = nn::VarStore::new(gpu());
+    let mut c = RoutingConfig::new(Variant::Wide);
+    c.attn_group_size = 2;
+    c.ffn_group_size = 128;
+    c.target_sparsity = Some(0.5);
+    let r = Routing::new(&vs.root(), &mc, &c, Kind::BFloat16).unwrap();
+    let t = 1024;
+    let ids = Tensor::randint(mc.vocab_size, [1, t], (Kind::Int64, gpu()));
+    let mut masks = vec![];
+    for l in &r.layers {
+        for rt in [&l.attention, &l.ffn].into_iter().flatten() {
+            masks.push(Tensor::rand([1, t, rt.groups], (Kind::Float, gpu())).lt(0.5).to_kind(Kind::Float));
+        }
+    }
+    let mut run = RoutingRun::new(&r, GateMode::Forced(masks.iter().map(|m| m.shallow_clone()).collect()), Tensor::ones([1, t], (Kind::Float, gpu())));
+    let want = model.forward_routed(&ids, ForwardOptions { logits: Some(Logits::All), ..Default::default() }, &mut run).unwrap();
+    let mut engine = Engine::new(&model, Some(&r)).unwrap();
+    engine.sparsity_hint = [0.5, 0.5];
+    let cache = EngineCache::new(&model, 1, t);
+    let got = engine.prefill(&ids, &[t], &cache, &mut MaskSource::Forced(masks), None, true).unwrap();
+    let e = rel(&got, &want);
+    eprintln!("tuned large-M records: {:?}", wide_kernels::ops::gemm::tuned_records());
+    assert!(e < 2e-2, "engine (large-M routed gate+up) vs training path (bf16): rel {e}");
+}
+
 #[test]
 fn graph_decode_matches_eager_decode_and_full_forwards() {
     let _g = tch::no_grad_guard();

@@ -26,6 +26,7 @@ use std::collections::BTreeMap;
 use tch::{Device, Kind, Tensor};
 use wide_kernels::ops::dispatch::{choose, GemmPath, GemmShape, RoutedOp, GEMV_MAX_M};
 use wide_kernels::ops::fused::{self, QkvShape, RouterWeights};
+use wide_kernels::ops::gemm::tuned_for;
 use wide_kernels::{route_layout, routed_gemm, RouteLayout};
 
 /// One layer's fused projection weights (the model's q/k/v and gate/up weights are views).
@@ -175,6 +176,10 @@ pub struct Engine<'m> {
     scale: f64,
     ones: RefCell<BTreeMap<i64, Tensor>>,
 }
+
+/// Tokens from which the fused gate+up may take a routed tiled / wgmma kernel (the autotuner
+/// decides): its tiles are 128 tokens, and decode batches keep cuBLAS and their CUDA graph as is.
+const ROUTED_PREFILL_MIN_M: i64 = 256;
 
 fn kind_index(k: RouterKind) -> usize {
     match k {
@@ -586,6 +591,30 @@ impl<'m> Engine<'m> {
         m <= GEMV_MAX_M && choose(&GemmShape { op, m, n, k, group }, sparsity, None) == GemmPath::Gemv
     }
 
+    /// At prefill sizes (at least ROUTED_PREFILL_MIN_M tokens), the routed kernel (Hopper wgmma or an mma.sync tile) for the fused
+    /// gate+up when the autotuner measured it faster than the dense product + SwiGLU pass for
+    /// this shape, M bucket and skip rate (first use of a bucket times the candidates: a device
+    /// sync, outside graph capture since graphs capture decode steps only); else None (dense).
+    fn large_m_routed_path(&self, h: &Tensor, g: &Tensor, u: &Tensor, d: &Decision) -> Result<Option<GemmPath>> {
+        let m = h.size()[0];
+        if m < ROUTED_PREFILL_MIN_M || !is_fast_dtype(h) || !matches!(h.device(), Device::Cuda(_)) || wide_kernels::ops::dispatch::env_override() == Some("dense") {
+            return Ok(None);
+        }
+        let shape = GemmShape { op: RoutedOp::MnSwiglu, m, n: g.size()[0], k: g.size()[1], group: d.group };
+        // `WIDE_ROUTED=wgmma` forces the Hopper kernel where it can run (tests, A/B benchmarks).
+        if let (Some("wgmma"), Device::Cuda(dev)) = (wide_kernels::ops::dispatch::env_override(), h.device()) {
+            if wide_kernels::ops::dispatch::wgmma_feasible(&shape) && wide_kernels::ops::wgmma::supported(dev) {
+                return Ok(Some(GemmPath::Wgmma));
+            }
+        }
+        let lay = self.layout(d, 1)?;
+        let tuned = tuned_for(RoutedOp::MnSwiglu, h, g, Some(u), lay, d.group)?;
+        Ok(match choose(&shape, self.sparsity_hint[1], Some(&tuned)) {
+            p @ (GemmPath::Wgmma | GemmPath::Tiled(_)) => Some(p),
+            _ => None,
+        })
+    }
+
     fn layout<'d>(&self, d: &'d Decision, kind: usize) -> Result<&'d RouteLayout> {
         if d.layout.get().is_none() {
             let _ = d.layout.set(route_layout(&d.mask)?.with_sparsity_hint(self.sparsity_hint[kind]));
@@ -628,10 +657,14 @@ impl<'m> Engine<'m> {
         let f = &self.fused[i];
         let inter = self.model.config.intermediate_size;
         if let (Some(d), None) = (d, &f.gate_up_bias) {
+            let (g, u) = (f.gate_up.narrow(0, 0, inter), f.gate_up.narrow(0, inter, inter));
             if self.gemv_pays(h, RoutedOp::MnSwiglu, inter, f.gate_up.size()[1], d.group, self.sparsity_hint[1]) {
                 let lay = self.layout(d, 1)?;
-                let (g, u) = (f.gate_up.narrow(0, 0, inter), f.gate_up.narrow(0, inter, inter));
                 return Ok(routed_gemm(RoutedOp::MnSwiglu, h, &g, Some(&u), lay, d.group, Some(GemmPath::Gemv))?.0);
+            }
+            if let Some(path) = self.large_m_routed_path(h, &g, &u, d)? {
+                let lay = self.layout(d, 1)?;
+                return Ok(routed_gemm(RoutedOp::MnSwiglu, h, &g, Some(&u), lay, d.group, Some(path))?.0);
             }
         }
         let gu = h.linear(&f.gate_up, f.gate_up_bias.as_ref());
