@@ -24,7 +24,7 @@ use rand::{rngs::StdRng, SeedableRng};
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use tch::{Device, Kind, Tensor};
-use wide_kernels::ops::dispatch::{choose, GemmPath, GemmShape, RoutedOp, GEMV_MAX_M};
+use wide_kernels::ops::dispatch::{choose, GemmPath, GemmShape, RoutedOp, GEMV_MAX_M, LARGE_M_MIN};
 use wide_kernels::ops::fused::{self, QkvShape, RouterWeights};
 use wide_kernels::ops::gemm::tuned_for;
 use wide_kernels::{route_layout, routed_gemm, RouteLayout};
@@ -176,10 +176,6 @@ pub struct Engine<'m> {
     scale: f64,
     ones: RefCell<BTreeMap<i64, Tensor>>,
 }
-
-/// Tokens from which the fused gate+up may take a routed tiled / wgmma kernel (the autotuner
-/// decides): its tiles are 128 tokens, and decode batches keep cuBLAS and their CUDA graph as is.
-const ROUTED_PREFILL_MIN_M: i64 = 256;
 
 fn kind_index(k: RouterKind) -> usize {
     match k {
@@ -591,13 +587,14 @@ impl<'m> Engine<'m> {
         m <= GEMV_MAX_M && choose(&GemmShape { op, m, n, k, group }, sparsity, None) == GemmPath::Gemv
     }
 
-    /// At prefill sizes (at least ROUTED_PREFILL_MIN_M tokens), the routed kernel (Hopper wgmma or an mma.sync tile) for the fused
-    /// gate+up when the autotuner measured it faster than the dense product + SwiGLU pass for
-    /// this shape, M bucket and skip rate (first use of a bucket times the candidates: a device
-    /// sync, outside graph capture since graphs capture decode steps only); else None (dense).
+    /// At prefill sizes (at least `LARGE_M_MIN` tokens; decode batches keep cuBLAS), the routed
+    /// kernel (Hopper wgmma or an mma.sync tile) for the fused gate+up when the autotuner
+    /// measured it faster than the dense product + SwiGLU pass for this shape, M bucket and
+    /// skip rate (first use of a bucket times the candidates: a device sync, outside graph
+    /// capture since graphs capture decode steps only); else None (dense).
     fn large_m_routed_path(&self, h: &Tensor, g: &Tensor, u: &Tensor, d: &Decision) -> Result<Option<GemmPath>> {
         let m = h.size()[0];
-        if m < ROUTED_PREFILL_MIN_M || !is_fast_dtype(h) || !matches!(h.device(), Device::Cuda(_)) || wide_kernels::ops::dispatch::env_override() == Some("dense") {
+        if m < LARGE_M_MIN || !is_fast_dtype(h) || !matches!(h.device(), Device::Cuda(_)) || wide_kernels::ops::dispatch::env_override() == Some("dense") {
             return Ok(None);
         }
         let shape = GemmShape { op: RoutedOp::MnSwiglu, m, n: g.size()[0], k: g.size()[1], group: d.group };

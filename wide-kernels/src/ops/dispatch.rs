@@ -95,6 +95,12 @@ impl GemmPath {
 
 /// Largest M the GEMV kernels take (their per-token accumulators live in registers).
 pub const GEMV_MAX_M: i64 = 16;
+/// Smallest M for which the tiled / wgmma kernels may be chosen. Below it a product is a few
+/// microseconds and the autotuner's three timed runs cannot rank the paths reliably: on the
+/// H200 (2026-11-30, s = 0.5, G = 128, cold) it once chose wgmma for Q at M = 128, which the
+/// benchmark then measured at 0.37x of cuBLAS (49 against 18 us), and the routed tiles lost at
+/// M = 128 for every op (0.16-0.71x; gate+up wgmma 1.05x).
+pub const LARGE_M_MIN: i64 = 256;
 /// Most groups the gemm_k GEMV takes (each warp lists the used groups in shared memory).
 pub const GEMV_K_MAX_GROUPS: i64 = 1024;
 /// A routed kernel must beat dense by this factor to be chosen (timing noise margin).
@@ -193,7 +199,7 @@ pub fn choose(s: &GemmShape, sparsity: f64, tuned: Option<&Tuned>) -> GemmPath {
     if gemv_ok && pays {
         return GemmPath::Gemv;
     }
-    if s.m <= GEMV_MAX_M {
+    if s.m < LARGE_M_MIN {
         return GemmPath::DenseMasked;
     }
     match tuned.and_then(|t| t.best_path().map(|b| (t.dense_ms, b))) {
@@ -305,8 +311,10 @@ mod tests {
         assert_eq!(choose(&s, 0.5, Some(&none)), GemmPath::DenseMasked);
         assert_eq!(choose(&shape(RoutedOp::Mn, 4096, 64), 0.5, Some(&t)), GemmPath::DenseMasked, "G = 64 < the 128-wide tile");
         assert_eq!(choose(&shape(RoutedOp::K, 4096, 128), 0.5, Some(&t)), GemmPath::DenseMasked, "gemm_k has no wgmma kernel");
-        // Small M never autotunes.
+        // Small M never autotunes, and M below LARGE_M_MIN stays dense whatever was measured.
         assert_eq!(choose(&shape(RoutedOp::Mn, 16, 128), 0.5, Some(&t)), GemmPath::DenseMasked);
+        assert_eq!(choose(&shape(RoutedOp::Mn, 128, 128), 0.5, Some(&t)), GemmPath::DenseMasked);
+        assert_eq!(choose(&shape(RoutedOp::Mn, LARGE_M_MIN, 128), 0.5, Some(&t)), GemmPath::Wgmma);
     }
 
     #[test]

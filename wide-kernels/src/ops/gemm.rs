@@ -125,7 +125,7 @@ pub fn routed_gemm(
             Some("wgmma") if wgmma_usable(&s, x) => GemmPath::Wgmma,
             _ => {
                 let sp = layout.sparsity();
-                let t = if s.m > GEMV_MAX_M { Some(tuned(&s, x, w, w2, layout)?) } else { None };
+                let t = if s.m >= dispatch::LARGE_M_MIN { Some(tuned(&s, x, w, w2, layout)?) } else { None };
                 dispatch::choose(&s, sp, t.as_ref())
             }
         },
