@@ -104,7 +104,10 @@ mod tests {
                 }
                 if k.name == "wgmma" {
                     assert!(text.contains(".target sm_90a"), "wgmma variant not built for sm_90a: {:?}", k.defines);
-                    assert!(text.contains("wgmma.mma_async.sync.aligned.m64n128k16.f32"), "wgmma variant without wgmma: {:?}", k.defines);
+                    // Plain: m64n128 per weight tile; fused: one m64n256 over the gate and up tiles.
+                    let fused = k.defines.iter().any(|(d, v)| d == "FUSED" && v == "1");
+                    let inst = if fused { "wgmma.mma_async.sync.aligned.m64n256k16.f32" } else { "wgmma.mma_async.sync.aligned.m64n128k16.f32" };
+                    assert!(text.contains(inst), "wgmma variant without {inst}: {:?}", k.defines);
                     let desc = super::wgmma::sw128_desc(0).to_string();
                     assert!(text.contains(&desc), "wgmma descriptor constant {desc} (wgmma::sw128_desc) not in the PTX: {:?}", k.defines);
                     assert!(!text.contains(".local"), "wgmma variant spills to local memory: {:?}", k.defines);

@@ -181,9 +181,10 @@ __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.s
 template <int N_>
 __device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N_) : "memory"); }
 // Keeps the compiler from touching accumulator registers while a wgmma may still write them.
-__device__ __forceinline__ void fence_acc(float (&d)[64]) {
+template <int NN>
+__device__ __forceinline__ void fence_acc(float (&d)[NN]) {
 #pragma unroll
-    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+    for (int i = 0; i < NN; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
 // D[64 x 128] (f32) += A[64 x 16] * B[16 x 128], A and B K-major in shared memory (descriptors).
@@ -203,19 +204,49 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], unsigned long l
         : "l"(da), "l"(db), "r"(1));
 }
 
+#if FUSED
+// D[64 x 256] (f32) += A[64 x 16] * B[16 x 256]: the fused op's gate and up weight tiles lie next
+// to each other in shared memory (the same swizzled layout continued over 256 rows), so one
+// instruction covers both and reads the A tile once instead of twice. Accumulator columns
+// 0-127 (registers 0-63) are the gate tile's, 128-255 (64-127) the up tile's, each in the
+// m64n128 register layout.
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], unsigned long long da, unsigned long long db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32." WG_TYPE "." WG_TYPE " "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 0;\n}"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(da), "l"(db), "r"(1));
+}
+#endif
+
 // One consumer warpgroup's k loop over its first NS sub-tiles (rows (cw + 2 i) * 64, i < NS),
 // then the scatter of its results to the token rows.
 template <int NS>
 __device__ __forceinline__ void consume(unsigned base, const unsigned long long* full_bar, const unsigned long long* empty_bar,
                                         const int* rows, int nact, int cw, int KT, T* __restrict__ out, int N, int n0) {
     const int ct = threadIdx.x & 127, warp = ct >> 5, lane = threadIdx.x & 31;
-    float acc[NS][NB][64];
+    // Sub-tile i's accumulators: the gate (or only) tile in 0-63, the up tile in 64-127.
+    float acc[NS][NB * 64];
 #pragma unroll
     for (int i = 0; i < NS; ++i)
 #pragma unroll
-        for (int b = 0; b < NB; ++b)
-#pragma unroll
-            for (int e = 0; e < 64; ++e) acc[i][b][e] = 0.f;
+        for (int e = 0; e < NB * 64; ++e) acc[i][e] = 0.f;
     int s = 0, prev = STAGES - 1;
     unsigned ph = 0;
     for (int kt = 0; kt < KT; ++kt) {
@@ -226,9 +257,7 @@ __device__ __forceinline__ void consume(unsigned base, const unsigned long long*
         const unsigned sa = base + s * STAGE_BYTES + cw * 64 * 128;
         const unsigned sb = base + s * STAGE_BYTES + A_BYTES;
 #pragma unroll
-        for (int i = 0; i < NS; ++i)
-#pragma unroll
-            for (int b = 0; b < NB; ++b) fence_acc(acc[i][b]);
+        for (int i = 0; i < NS; ++i) fence_acc(acc[i]);
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk) {
@@ -236,20 +265,19 @@ __device__ __forceinline__ void consume(unsigned base, const unsigned long long*
 #pragma unroll
             for (int i = 0; i < NS; ++i) {
                 const unsigned long long da = sw128_desc(sa + i * 128 * 128 + kk * 32);
-#pragma unroll
-                for (int b = 0; b < NB; ++b) wgmma_m64n128k16(acc[i][b], da, sw128_desc(sb + b * B_BYTES + kk * 32));
+#if FUSED
+                wgmma_m64n256k16(acc[i], da, sw128_desc(sb + kk * 32));
+#else
+                wgmma_m64n128k16(acc[i], da, sw128_desc(sb + kk * 32));
+#endif
             }
         }
         wg_commit();
 #pragma unroll
-        for (int i = 0; i < NS; ++i)
-#pragma unroll
-            for (int b = 0; b < NB; ++b) fence_acc(acc[i][b]);
+        for (int i = 0; i < NS; ++i) fence_acc(acc[i]);
         wg_wait<1>();  // the group of stage kt - 1 has completed
 #pragma unroll
-        for (int i = 0; i < NS; ++i)
-#pragma unroll
-            for (int b = 0; b < NB; ++b) fence_acc(acc[i][b]);
+        for (int i = 0; i < NS; ++i) fence_acc(acc[i]);
         __syncwarp();
         if (kt > 0 && lane == 0) release_stage(smem_u32(&empty_bar[prev]));
         prev = s;
@@ -260,9 +288,7 @@ __device__ __forceinline__ void consume(unsigned base, const unsigned long long*
     }
     wg_wait<0>();
 #pragma unroll
-    for (int i = 0; i < NS; ++i)
-#pragma unroll
-        for (int b = 0; b < NB; ++b) fence_acc(acc[i][b]);
+    for (int i = 0; i < NS; ++i) fence_acc(acc[i]);
     // Accumulator fragment: register 4j + e holds row 16 warp + lane / 4 (+8 for e >= 2),
     // column 8 j + 2 (lane % 4) + (e % 2).
 #pragma unroll
@@ -274,10 +300,10 @@ __device__ __forceinline__ void consume(unsigned base, const unsigned long long*
                 T* orow = out + (long long)rows[r] * N + n0 + (lane & 3) * 2;
 #pragma unroll
                 for (int j = 0; j < 16; ++j) {
-                    float v0 = acc[i][0][4 * j + 2 * h], v1 = acc[i][0][4 * j + 2 * h + 1];
+                    float v0 = acc[i][4 * j + 2 * h], v1 = acc[i][4 * j + 2 * h + 1];
 #if FUSED
-                    v0 = silu(v0) * acc[i][NB - 1][4 * j + 2 * h];
-                    v1 = silu(v1) * acc[i][NB - 1][4 * j + 2 * h + 1];
+                    v0 = silu(v0) * acc[i][64 + 4 * j + 2 * h];
+                    v1 = silu(v1) * acc[i][64 + 4 * j + 2 * h + 1];
 #endif
                     *reinterpret_cast<unsigned*>(orow + 8 * j) = pack2(v0, v1);
                 }
