@@ -30,8 +30,9 @@
 // chunks, zero-filled past the active rows) and copies the weight tile(s), both into the
 // 128-byte-swizzled K-major layout, and hands each stage to the consumers through an mbarrier.
 // Warpgroups 1 and 2 (cw = 0, 1) compute the 64-row sub-tiles cw, cw + 2, ... of the tile with
-// m64n128k16 wgmma (one per weight tile), both operands read from shared memory, keep one wgmma
-// group in flight, and release a stage through a second mbarrier when its group has completed.
+// wgmma (m64n128k16; m64n256k16 over the adjacent gate and up tiles when fused), both operands
+// read from shared memory, keep one wgmma group in flight, and release a stage through a second
+// mbarrier when its group has completed.
 // A consumer computes only its sub-tiles that hold active rows (a separate instantiation of
 // its loop for each count, so no branch around a wgmma looks divergent to the compiler).
 #include <cuda_bf16.h>
