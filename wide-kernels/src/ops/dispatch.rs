@@ -184,6 +184,15 @@ pub fn gemv_weight_fraction(m: i64, sparsity: f64) -> f64 {
 /// (1.24-1.28x, fraction 0.75); at M = 4 only at 75% skip (1.13-1.17x, fraction 0.68).
 pub const GEMV_MAX_FRACTION: f64 = 0.8;
 
+/// Wide plain output-width products (N >= GEMV_WIDE_MIN_N, no SwiGLU) take the GEMV up to this
+/// fraction: there the alternative is cuBLAS plus a separate zero-writing pass, and the GEMV at
+/// 94% of the rows (M = 4, 50% skip) measured 1.01-1.04x of bare cuBLAS on up 4096->14336 (every
+/// G, H200, 2026-11-30; 0.99x in a later run) against 0.92-0.95x for dense + mask. Not for Q
+/// (N = 4096: the GEMV 0.78-0.81x) nor the fused SwiGLU (its dense pass is fused: 1.01-1.04x).
+pub const GEMV_WIDE_MAX_FRACTION: f64 = 0.95;
+/// Output features from which [`GEMV_WIDE_MAX_FRACTION`] applies.
+pub const GEMV_WIDE_MIN_N: i64 = 8192;
+
 /// The reduction-width GEMV (one token only): with the rows shared by the warps of a block,
 /// measured (H200, 2026-11-30, M = 1, cold L2, every G) 1.34-1.43x (down) and 1.39x (O) at 25%
 /// skip (fraction 0.75) and 1.70-1.95x / 1.71x at 50% (the warp-per-row version: 0.94-1.06x
@@ -195,7 +204,11 @@ pub const GEMV_K_MAX_FRACTION: f64 = 0.8;
 pub fn choose(s: &GemmShape, sparsity: f64, tuned: Option<&Tuned>) -> GemmPath {
     let gemv_ok = s.m <= GEMV_MAX_M && s.k % 8 == 0 && s.group % 8 == 0 && (!s.op.reduces_over_groups() || s.k / s.group <= GEMV_K_MAX_GROUPS);
     let frac = gemv_weight_fraction(s.m, sparsity);
-    let pays = if s.op.reduces_over_groups() { s.m == 1 && frac <= GEMV_K_MAX_FRACTION } else { frac <= GEMV_MAX_FRACTION };
+    let pays = match s.op {
+        RoutedOp::K | RoutedOp::KPremasked => s.m == 1 && frac <= GEMV_K_MAX_FRACTION,
+        RoutedOp::Mn if s.n >= GEMV_WIDE_MIN_N => frac <= GEMV_WIDE_MAX_FRACTION,
+        _ => frac <= GEMV_MAX_FRACTION,
+    };
     if gemv_ok && pays {
         return GemmPath::Gemv;
     }
@@ -265,8 +278,11 @@ mod tests {
     fn decode_takes_gemv_while_it_saves_bytes() {
         for op in [RoutedOp::Mn, RoutedOp::MnSwiglu, RoutedOp::K, RoutedOp::KPremasked] {
             assert_eq!(choose(&shape(op, 1, 128), 0.5, None), GemmPath::Gemv);
-            // 4 independent tokens at 50% need 94% of the rows: dense is as good.
-            assert_eq!(choose(&shape(op, 4, 128), 0.5, None), GemmPath::DenseMasked);
+            // 4 independent tokens at 50% need 94% of the rows: dense is as good (except for a
+            // wide plain gemm_mn, below).
+            if op != RoutedOp::Mn {
+                assert_eq!(choose(&shape(op, 4, 128), 0.5, None), GemmPath::DenseMasked);
+            }
             assert_eq!(choose(&shape(op, 16, 128), 0.5, None), GemmPath::DenseMasked);
             // Nothing skipped: nothing to gain.
             assert_eq!(choose(&shape(op, 1, 128), 0.0, None), GemmPath::DenseMasked);
@@ -277,6 +293,12 @@ mod tests {
             // At 75% skip, 4 tokens need 68% of the rows: GEMV again.
             assert_eq!(choose(&shape(op, 4, 128), 0.75, None), GemmPath::Gemv);
         }
+        // A wide plain gemm_mn (up, N = 14336) takes the GEMV up to 95% of the rows (4 tokens at
+        // 50%), not a narrow one (Q, N = 4096) nor the fused SwiGLU; 4 tokens at 25% need 99.6%.
+        assert_eq!(choose(&shape(RoutedOp::Mn, 4, 128), 0.5, None), GemmPath::Gemv);
+        assert_eq!(choose(&shape(RoutedOp::Mn, 4, 128), 0.25, None), GemmPath::DenseMasked);
+        assert_eq!(choose(&GemmShape { op: RoutedOp::Mn, m: 4, n: 4096, k: 4096, group: 512 }, 0.5, None), GemmPath::DenseMasked);
+        assert_eq!(choose(&shape(RoutedOp::MnSwiglu, 4, 128), 0.5, None), GemmPath::DenseMasked);
         for op in [RoutedOp::K, RoutedOp::KPremasked] {
             // gemm_k's GEMV pays for one token only, from 25% skip on (not at 12.5%).
             assert_eq!(choose(&shape(op, 2, 128), 0.75, None), GemmPath::DenseMasked);
