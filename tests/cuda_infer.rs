@@ -55,6 +55,9 @@ fn fused_kernels_match_their_references() {
                     poison_bool(m, 112);
                     let g = fused::add_rmsnorm_router_gate(&x, delta, &w, 1e-5, &rw, 0.05, extra).unwrap();
                     assert!(g.res.equal(&r2) && g.norm.equal(&o2), "norm outputs change with the gate fused in (m={m} h={h} rank {rank})");
+                    // The hidden the gate read is the router's first layer (checked on its own,
+                    // so a wrong hidden cannot hide behind a gate computed from the same value).
+                    assert!(rel(&g.hidden, &r2.linear(&w1, Some(&b1))) < 1e-2, "router first layer with the gate fused (m={m} h={h} rank {rank})");
                     let (want, want_ext) = fused::router_gate_from_hidden(&g.hidden, &rw, 0.05, extra).unwrap();
                     assert!(g.mask.equal(&want), "fused gate differs from the gate kernel (m={m} h={h} rank {rank} extra {extra})");
                     assert_eq!(g.ext.is_some(), extra > 0);
