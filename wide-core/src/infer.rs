@@ -26,7 +26,7 @@ use std::collections::BTreeMap;
 use tch::{Device, Kind, Tensor};
 use wide_kernels::ops::dispatch::{choose, GemmPath, GemmShape, RoutedOp, GEMV_MAX_M, LARGE_M_MIN};
 use wide_kernels::ops::fused::{self, QkvShape, RouterWeights};
-use wide_kernels::ops::gemm::tuned_for;
+use wide_kernels::ops::gemm::choose_path;
 use wide_kernels::{route_layout, routed_gemm, RouteLayout};
 
 /// One layer's fused projection weights (the model's q/k/v and gate/up weights are views).
@@ -588,25 +588,15 @@ impl<'m> Engine<'m> {
     }
 
     /// At prefill sizes (at least `LARGE_M_MIN` tokens; decode batches keep cuBLAS), the routed
-    /// kernel (Hopper wgmma or an mma.sync tile) for the fused gate+up when the autotuner
-    /// measured it faster than the dense product + SwiGLU pass for this shape, M bucket and
-    /// skip rate (first use of a bucket times the candidates: a device sync, outside graph
-    /// capture since graphs capture decode steps only); else None (dense).
+    /// kernel (Hopper wgmma or an mma.sync tile) the dispatch picks for the fused gate+up
+    /// (`choose_path`: `WIDE_ROUTED`, else the autotuner's measurement against dense); None when
+    /// it picks dense, since the engine's own dense path (one fused gate|up GEMM + the SwiGLU
+    /// pass) is the faster fallback.
     fn large_m_routed_path(&self, h: &Tensor, g: &Tensor, u: &Tensor, d: &Decision) -> Result<Option<GemmPath>> {
-        let m = h.size()[0];
-        if m < LARGE_M_MIN || !is_fast_dtype(h) || !matches!(h.device(), Device::Cuda(_)) || wide_kernels::ops::dispatch::env_override() == Some("dense") {
+        if h.size()[0] < LARGE_M_MIN || !is_fast_dtype(h) || !matches!(h.device(), Device::Cuda(_)) {
             return Ok(None);
         }
-        let shape = GemmShape { op: RoutedOp::MnSwiglu, m, n: g.size()[0], k: g.size()[1], group: d.group };
-        // `WIDE_ROUTED=wgmma` forces the Hopper kernel where it can run (tests, A/B benchmarks).
-        if let (Some("wgmma"), Device::Cuda(dev)) = (wide_kernels::ops::dispatch::env_override(), h.device()) {
-            if wide_kernels::ops::dispatch::wgmma_feasible(&shape) && wide_kernels::ops::wgmma::supported(dev) {
-                return Ok(Some(GemmPath::Wgmma));
-            }
-        }
-        let lay = self.layout(d, 1)?;
-        let tuned = tuned_for(RoutedOp::MnSwiglu, h, g, Some(u), lay, d.group)?;
-        Ok(match choose(&shape, self.sparsity_hint[1], Some(&tuned)) {
+        Ok(match choose_path(RoutedOp::MnSwiglu, h, g, Some(u), self.layout(d, 1)?, d.group)? {
             p @ (GemmPath::Wgmma | GemmPath::Tiled(_)) => Some(p),
             _ => None,
         })

@@ -65,6 +65,7 @@ pub fn gemm_k_reference(x: &Tensor, w: &Tensor, mask: &Tensor, group: i64) -> Te
 }
 
 fn shape_of(op: RoutedOp, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: &RouteLayout, group: i64) -> Result<GemmShape> {
+    ensure!((op == RoutedOp::MnSwiglu) == w2.is_some(), "w_up is given exactly for the fused SwiGLU projection");
     let name = match op {
         RoutedOp::Mn => "gemm_mn",
         RoutedOp::MnSwiglu => "gemm_mn_swiglu",
@@ -97,9 +98,8 @@ fn shape_of(op: RoutedOp, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: &
     Ok(GemmShape { op, m, n, k, group })
 }
 
-/// Runs one routed projection, on `path` if given (else the dispatch policy, autotuning large M
-/// on first use), and returns the output with the path taken. `w2` is w_up for
-/// [`RoutedOp::MnSwiglu`].
+/// Runs one routed projection, on `path` if given (else [`choose_path`]), and returns the
+/// output with the path taken. `w2` is w_up for [`RoutedOp::MnSwiglu`].
 pub fn routed_gemm(
     op: RoutedOp,
     x: &Tensor,
@@ -109,29 +109,44 @@ pub fn routed_gemm(
     group: i64,
     path: Option<GemmPath>,
 ) -> Result<(Tensor, GemmPath)> {
-    ensure!((op == RoutedOp::MnSwiglu) == w2.is_some(), "w_up is given exactly for the fused SwiGLU projection");
     let s = shape_of(op, x, w, w2, layout, group)?;
-    let cuda_ok = matches!(x.device(), Device::Cuda(_)) && matches!(x.kind(), Kind::BFloat16 | Kind::Half);
     let path = match path {
         Some(p) => p,
-        None if !cuda_ok => GemmPath::DenseMasked,
-        None => match dispatch::env_override() {
-            Some("dense") => GemmPath::DenseMasked,
-            Some("gemv") => GemmPath::Gemv,
-            Some("tiled") => match tuned(&s, x, w, w2, layout)?.best() {
-                Some((t, _)) => GemmPath::Tiled(t),
-                None => GemmPath::DenseMasked,
-            },
-            Some("wgmma") if wgmma_usable(&s, x) => GemmPath::Wgmma,
-            _ => {
-                let sp = layout.sparsity();
-                let t = if s.m >= dispatch::LARGE_M_MIN { Some(tuned(&s, x, w, w2, layout)?) } else { None };
-                dispatch::choose(&s, sp, t.as_ref())
-            }
-        },
+        None => choose_path_for(&s, x, w, w2, layout)?,
     };
     let out = run_path(&s, x, w, w2, layout, path)?;
     Ok((out, path))
+}
+
+/// The path [`routed_gemm`] takes without one given: `WIDE_ROUTED` if set, else the dispatch
+/// policy with the autotuner's record for large M (measured on first use of the shape's M
+/// bucket and skip rate: a device sync, so not inside CUDA-graph capture). Callers with a
+/// faster dense fallback of their own (the inference engine's fused gate|up GEMM) use it to
+/// decide, and run the routed kernel only when this is not `DenseMasked`.
+pub fn choose_path(op: RoutedOp, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: &RouteLayout, group: i64) -> Result<GemmPath> {
+    let s = shape_of(op, x, w, w2, layout, group)?;
+    choose_path_for(&s, x, w, w2, layout)
+}
+
+fn choose_path_for(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: &RouteLayout) -> Result<GemmPath> {
+    let cuda_ok = matches!(x.device(), Device::Cuda(_)) && matches!(x.kind(), Kind::BFloat16 | Kind::Half);
+    if !cuda_ok {
+        return Ok(GemmPath::DenseMasked);
+    }
+    Ok(match dispatch::env_override() {
+        Some("dense") => GemmPath::DenseMasked,
+        Some("gemv") => GemmPath::Gemv,
+        Some("tiled") => match tuned(s, x, w, w2, layout)?.best() {
+            Some((t, _)) => GemmPath::Tiled(t),
+            None => GemmPath::DenseMasked,
+        },
+        Some("wgmma") if wgmma_usable(s, x) => GemmPath::Wgmma,
+        _ => {
+            let sp = layout.sparsity();
+            let t = if s.m >= dispatch::LARGE_M_MIN { Some(tuned(s, x, w, w2, layout)?) } else { None };
+            dispatch::choose(s, sp, t.as_ref())
+        }
+    })
 }
 
 fn run_path(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: &RouteLayout, path: GemmPath) -> Result<Tensor> {
