@@ -197,6 +197,13 @@ fn is_fast_dtype(t: &Tensor) -> bool {
     matches!(t.device(), Device::Cuda(_)) && matches!(t.kind(), Kind::BFloat16 | Kind::Half)
 }
 
+/// `WIDE_DENSE_GEMV=1` (read once): dense decode-size projections run on the project's GEMV
+/// kernels with every group on, instead of cuBLAS (a measurement knob for the dense baseline).
+fn dense_gemv_enabled() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("WIDE_DENSE_GEMV").is_ok_and(|v| v.trim() == "1"))
+}
+
 impl<'m> Engine<'m> {
     /// Fuses the model's projections and prepares the engine; `routing` = None (or the
     /// `dense` variant) runs dense.
@@ -623,7 +630,24 @@ impl<'m> Engine<'m> {
                 return Ok(routed_gemm(RoutedOp::Mn, h, &f.qkv, None, &lay, d.group * hd, Some(GemmPath::Gemv))?.0);
             }
         }
+        if f.qkv_bias.is_none() {
+            if let Some(y) = self.dense_gemv(RoutedOp::Mn, h, &f.qkv, None)? {
+                return Ok(y);
+            }
+        }
         Ok(h.linear(&f.qkv, f.qkv_bias.as_ref()))
+    }
+
+    /// A dense decode-size projection on the GEMV kernels (one group of the whole width, on
+    /// for every token) when `WIDE_DENSE_GEMV=1`; None otherwise (the caller runs cuBLAS).
+    fn dense_gemv(&self, op: RoutedOp, x: &Tensor, w: &Tensor, w2: Option<&Tensor>) -> Result<Option<Tensor>> {
+        let m = x.size()[0];
+        if !dense_gemv_enabled() || m > GEMV_MAX_M || !is_fast_dtype(x) {
+            return Ok(None);
+        }
+        let lay = route_layout(&self.ones_mask(m, x.device()))?;
+        let group = if op.reduces_over_groups() { w.size()[1] } else { w.size()[0] };
+        Ok(Some(routed_gemm(op, x, w, w2, &lay, group, Some(GemmPath::Gemv))?.0))
     }
 
     /// A reduction-width projection (O: `unit` = head_dim, kind 0; down: unit 1, kind 1) on an
@@ -634,6 +658,11 @@ impl<'m> Engine<'m> {
             if self.gemv_pays(x, RoutedOp::KPremasked, n, k, d.group * unit, self.sparsity_hint[kind]) {
                 let lay = self.layout(d, kind)?;
                 return Ok(routed_gemm(RoutedOp::KPremasked, x, w, None, lay, d.group * unit, Some(GemmPath::Gemv))?.0);
+            }
+        }
+        if bias.is_none() {
+            if let Some(y) = self.dense_gemv(RoutedOp::KPremasked, x, w, None)? {
+                return Ok(y);
             }
         }
         Ok(x.linear(w, bias))
@@ -652,6 +681,12 @@ impl<'m> Engine<'m> {
             if let Some(path) = self.large_m_routed_path(h, &g, &u, d)? {
                 let lay = self.layout(d, 1)?;
                 return Ok(routed_gemm(RoutedOp::MnSwiglu, h, &g, Some(&u), lay, d.group, Some(path))?.0);
+            }
+        }
+        if d.is_none() && f.gate_up_bias.is_none() {
+            let (g, u) = (f.gate_up.narrow(0, 0, inter), f.gate_up.narrow(0, inter, inter));
+            if let Some(y) = self.dense_gemv(RoutedOp::MnSwiglu, h, &g, Some(&u))? {
+                return Ok(y);
             }
         }
         let gu = h.linear(&f.gate_up, f.gate_up_bias.as_ref());

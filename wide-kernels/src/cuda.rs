@@ -147,6 +147,21 @@ impl CudaKernel {
     /// The arguments must match the kernel's signature, and every pointer must be valid for
     /// the accesses the kernel makes with this launch configuration.
     pub unsafe fn launch(&self, cfg: LaunchConfig, args: &[KernelArg]) -> Result<()> {
+        self.launch_with(cfg, args, false)
+    }
+
+    /// [`launch`](Self::launch) with programmatic dependent launch where the device has it
+    /// (compute capability 9.0+, unless `WIDE_PDL=0`): the kernel's blocks may start while the
+    /// preceding launch on the stream still runs, and overlap its tail with their own set-up.
+    ///
+    /// # Safety
+    /// As for `launch`; in addition the kernel must execute `pdl_wait()` (`pdl.cuh`) before it
+    /// reads anything the preceding launch writes, and `pdl_trigger()` only after that wait.
+    pub unsafe fn launch_pdl(&self, cfg: LaunchConfig, args: &[KernelArg]) -> Result<()> {
+        self.launch_with(cfg, args, pdl_enabled(self.device)?)
+    }
+
+    unsafe fn launch_with(&self, cfg: LaunchConfig, args: &[KernelArg], pdl: bool) -> Result<()> {
         ensure_context(self.device)?;
         let stream = shim::current_stream(self.device)? as sys::CUstream;
         // One 128-byte slot an argument (the driver copies each parameter's own size).
@@ -167,8 +182,30 @@ impl CudaKernel {
             })
             .collect();
         let mut params: Vec<*mut c_void> = storage.iter_mut().map(|b| b.as_mut_ptr() as *mut c_void).collect();
-        drv::launch_kernel(self.func, cfg.grid, cfg.block, cfg.shared_mem_bytes, stream, &mut params)
-            .map_err(|e| driver_err(e, "launching a kernel"))?;
+        if pdl {
+            let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+            attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attr.value.programmaticStreamSerializationAllowed = 1;
+            let config = sys::CUlaunchConfig {
+                gridDimX: cfg.grid.0,
+                gridDimY: cfg.grid.1,
+                gridDimZ: cfg.grid.2,
+                blockDimX: cfg.block.0,
+                blockDimY: cfg.block.1,
+                blockDimZ: cfg.block.2,
+                sharedMemBytes: cfg.shared_mem_bytes,
+                hStream: stream,
+                attrs: &mut attr,
+                numAttrs: 1,
+            };
+            let r = sys::cuLaunchKernelEx(&config, self.func, params.as_mut_ptr(), std::ptr::null_mut());
+            if r != sys::CUresult::CUDA_SUCCESS {
+                bail!("CUDA driver error while launching a kernel with programmatic dependent launch: {r:?} (WIDE_PDL=0 turns it off)");
+            }
+        } else {
+            drv::launch_kernel(self.func, cfg.grid, cfg.block, cfg.shared_mem_bytes, stream, &mut params)
+                .map_err(|e| driver_err(e, "launching a kernel"))?;
+        }
         // Launch-configuration errors are returned above; faults inside the kernel surface at
         // the next synchronising call.
         Ok(())
@@ -179,6 +216,23 @@ fn bytemuck_bytes(slot: &mut [u64; 16]) -> &mut [u8; 128] {
     // SAFETY: [u64; 16] and [u8; 128] have the same size, and u8 has no alignment or validity
     // requirement.
     unsafe { &mut *(slot as *mut [u64; 16] as *mut [u8; 128]) }
+}
+
+/// Whether [`CudaKernel::launch_pdl`] uses programmatic dependent launch on `device`: compute
+/// capability 9.0 or later, and `WIDE_PDL` is not `0` (read once).
+pub fn pdl_enabled(device: usize) -> Result<bool> {
+    static OFF: OnceLock<bool> = OnceLock::new();
+    if *OFF.get_or_init(|| std::env::var("WIDE_PDL").is_ok_and(|v| v.trim() == "0")) {
+        return Ok(false);
+    }
+    static MAJOR: OnceLock<Mutex<HashMap<usize, usize>>> = OnceLock::new();
+    let cache = MAJOR.get_or_init(Default::default);
+    if let Some(&m) = cache.lock().unwrap().get(&device) {
+        return Ok(m >= 9);
+    }
+    let major = device_attribute(device, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, "reading the compute capability")?;
+    cache.lock().unwrap().insert(device, major);
+    Ok(major >= 9)
 }
 
 /// A 2-D tiled tensor map (`cuTensorMapEncodeTiled`) of a contiguous 2-byte-element CUDA

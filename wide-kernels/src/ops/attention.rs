@@ -103,7 +103,7 @@ pub fn attention_decode_with(q: &Tensor, k: &Tensor, v: &Tensor, lengths: &Tenso
     // 14.4 against 14.0).
     let merged = !separate_combine && s.b * s.hkv <= ATTN_TICKETS && (s.tcap + 63) / 64 <= MERGE_MAX_SPLITS;
     unsafe {
-        split.launch(
+        split.launch_pdl(
             LaunchConfig { grid: (nb as u32, 1, s.b as u32), block: (128, 1, 1), shared_mem_bytes: 0 },
             &[
                 KernelArg::tensor(&q)?,
@@ -127,7 +127,7 @@ pub fn attention_decode_with(q: &Tensor, k: &Tensor, v: &Tensor, lengths: &Tenso
             return Ok(out);
         }
         let combine = routed_kernel(f16, None, &format!("attn_decode_combine_{}_{qpk}", s.d), device)?;
-        combine.launch(
+        combine.launch_pdl(
             LaunchConfig { grid: (s.hq as u32, s.b as u32, 1), block: (256, 1, 1), shared_mem_bytes: 4 * nb as u32 },
             &[
                 KernelArg::tensor(&part_o)?,

@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 use tch::{Device, Kind, Tensor};
 
-const SOURCE: &str = include_str!("infer.cu");
+const SOURCE: &str = concat!(include_str!("pdl.cuh"), include_str!("infer.cu"));
 
 pub fn source(f16: bool) -> KernelSource {
     KernelSource::new("infer", SOURCE).define("WIDE_F16", f16 as u32)
@@ -186,7 +186,7 @@ fn add_rmsnorm_impl(
                 None => ("add_rmsnorm", (m as u32, 1, 1), 0, None),
             };
             let k = kernel(f16, entry, dev)?;
-            unsafe { k.launch(LaunchConfig { grid, block: (threads, 1, 1), shared_mem_bytes: smem }, &args)? };
+            unsafe { k.launch_pdl(LaunchConfig { grid, block: (threads, 1, 1), shared_mem_bytes: smem }, &args)? };
             Ok((res, out, h1, gated))
         }
         _ => {
@@ -249,7 +249,7 @@ pub fn rope_qkv_cache(qkv: &Tensor, pos: &Tensor, inv_freq: &Tensor, s: &QkvShap
             let pos = pos.to_kind(Kind::Int).contiguous();
             let k = kernel(f16, "rope_qkv_cache", dev)?;
             unsafe {
-                k.launch(
+                k.launch_pdl(
                     LaunchConfig { grid: ((b * t) as u32, (hq + hkv) as u32, 1), block: ((d / 2) as u32, 1, 1), shared_mem_bytes: 0 },
                     &[
                         KernelArg::tensor(qkv)?,
@@ -303,7 +303,7 @@ pub fn swiglu(gu: &Tensor, mask: Option<&Tensor>, group: i64) -> Result<Tensor> 
             let k = kernel(f16, "swiglu_masked", dev)?;
             let grid = crate::cuda::row_loop_grid(dev, ((i / 8) as u32).div_ceil(128), m)?;
             unsafe {
-                k.launch(
+                k.launch_pdl(
                     LaunchConfig { grid, block: (128, 1, 1), shared_mem_bytes: 0 },
                     &[
                         KernelArg::tensor(gu)?,
@@ -366,7 +366,7 @@ pub fn router_gate_from_hidden(h: &Tensor, r: &RouterWeights, offset: f64, extra
             let ext = (extra > 0).then(|| Tensor::empty([m, ng + extra], (Kind::Bool, h.device())));
             let k = kernel(f16, "router_gate", dev)?;
             unsafe {
-                k.launch(
+                k.launch_pdl(
                     LaunchConfig { grid: (m as u32, 1, 1), block: (128, 1, 1), shared_mem_bytes: 0 },
                     &[
                         KernelArg::tensor(&h)?,

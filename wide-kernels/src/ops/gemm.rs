@@ -227,7 +227,8 @@ fn launch_gemv(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layou
     } else {
         ((s.n as u32).div_ceil(4 * r as u32), 128, 0)
     };
-    unsafe { kernel.launch(LaunchConfig { grid: (blocks, 1, 1), block: (threads, 1, 1), shared_mem_bytes: smem }, &args)? };
+    // Programmatic dependent launch: both GEMVs wait for the launch before (pdl.cuh).
+    unsafe { kernel.launch_pdl(LaunchConfig { grid: (blocks, 1, 1), block: (threads, 1, 1), shared_mem_bytes: smem }, &args)? };
     Ok(out)
 }
 

@@ -67,6 +67,8 @@ __device__ __forceinline__ void add_rmsnorm_row(const T* x, const T* __restrict_
 // One block per row.
 extern "C" __global__ void __launch_bounds__(512) add_rmsnorm(const T* x, const T* __restrict__ delta, const T* __restrict__ w,
                                                               T* res, T* __restrict__ out, int H, float eps, int has_delta) {
+    pdl_wait();
+    pdl_trigger();
     add_rmsnorm_row(x, delta, w, res, out, H, eps, has_delta, blockIdx.x);
 }
 
@@ -138,11 +140,29 @@ extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router(const T* x,
                                                                      unsigned char* __restrict__ mask, unsigned char* __restrict__ ext,
                                                                      int NG, int EXTRA) {
     if (blockIdx.y == 0) {
+        pdl_wait();
+        pdl_trigger();
         add_rmsnorm_row(x, delta, w, res, out, H, eps, has_delta, blockIdx.x);
         return;
     }
     extern __shared__ float xs[];
     __shared__ float part[16];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int wpr = warps / RPB, j = warp / wpr, piece = warp % wpr;
+    const int r = (blockIdx.y - 1) * RPB + j;
+    const bool mine = j < RPB && r < R;
+    const T* wr = w1 + (long long)(mine ? r : 0) * H;
+    // W1 is a weight: its first chunks are loaded before the wait (programmatic dependent
+    // launch), while the launch that writes x and delta finishes.
+    constexpr int PRE = 4;
+    uint4 pre[PRE];
+#pragma unroll
+    for (int u = 0; u < PRE; ++u) {
+        const int c = piece * 32 + lane + u * 32 * wpr;
+        pre[u] = mine && c < H / 8 ? __ldg(reinterpret_cast<const uint4*>(wr + 8 * c)) : make_uint4(0, 0, 0, 0);
+    }
+    pdl_wait();
+    pdl_trigger();
     const long long row = (long long)blockIdx.x * H;
     for (int i = threadIdx.x; i < H; i += blockDim.x) {
         float a = tf(x[row + i]);
@@ -150,14 +170,19 @@ extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router(const T* x,
         xs[i] = a;
     }
     __syncthreads();
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    const int wpr = warps / RPB, j = warp / wpr, piece = warp % wpr;
-    const int r = (blockIdx.y - 1) * RPB + j;
-    if (j < RPB && r < R) {
-        const T* wr = w1 + (long long)r * H;
+    if (mine) {
         float acc = 0.f;
+#pragma unroll
+        for (int u = 0; u < PRE; ++u) {
+            const int c = piece * 32 + lane + u * 32 * wpr;
+            if (c < H / 8) {
+                const T* we = reinterpret_cast<const T*>(&pre[u]);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc = fmaf(tf(we[e]), xs[8 * c + e], acc);
+            }
+        }
 #pragma unroll 4
-        for (int c = piece * 32 + lane; c < H / 8; c += 32 * wpr) {
+        for (int c = piece * 32 + lane + PRE * 32 * wpr; c < H / 8; c += 32 * wpr) {
             const uint4 wv = __ldg(reinterpret_cast<const uint4*>(wr + 8 * c));
             const T* we = reinterpret_cast<const T*>(&wv);
 #pragma unroll
@@ -204,6 +229,8 @@ extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router(const T* x,
 extern "C" __global__ void rope_qkv_cache(const T* __restrict__ qkv, const int* __restrict__ pos, int pos_add,
                                           const float* __restrict__ inv_freq, T* __restrict__ q_out, T* __restrict__ kc,
                                           T* __restrict__ vc, int T_, int HQ, int HKV, int D, int CAP) {
+    pdl_wait();
+    pdl_trigger();
     const int m = blockIdx.x, h = blockIdx.y, i = threadIdx.x, half = D >> 1;
     const int b = m / T_, t = m - b * T_;
     const int p = pos[m] + pos_add;
@@ -238,6 +265,8 @@ extern "C" __global__ void rope_qkv_cache(const T* __restrict__ qkv, const int* 
 // (mask u8 [M, NG], group G channels; mask null = dense). 8 elements a thread.
 extern "C" __global__ void swiglu_masked(const T* __restrict__ gu, const unsigned char* __restrict__ mask, T* __restrict__ out,
                                          long long M, int I, int G, int NG) {
+    pdl_wait();
+    pdl_trigger();
     const int n = (blockIdx.x * blockDim.x + threadIdx.x) * 8;
     if (n >= I) return;
     for (long long m = blockIdx.y; m < M; m += gridDim.y) {
@@ -267,6 +296,8 @@ extern "C" __global__ void swiglu_masked(const T* __restrict__ gu, const unsigne
 extern "C" __global__ void __launch_bounds__(128) router_gate(const T* __restrict__ h, const T* __restrict__ w2, const T* __restrict__ b2,
                                                               float offset, unsigned char* __restrict__ mask,
                                                               unsigned char* __restrict__ ext, int R, int NG, int EXTRA) {
+    pdl_wait();
+    pdl_trigger();
     __shared__ float hs[256];
     const int m = blockIdx.x;
     for (int r = threadIdx.x; r < R; r += blockDim.x) hs[r] = tf(h[(long long)m * R + r]);

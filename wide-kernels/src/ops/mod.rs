@@ -18,7 +18,7 @@ use dispatch::{TileConfig, TILES};
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 
-const ROUTED_SOURCE: &str = include_str!("routed.cu");
+const ROUTED_SOURCE: &str = concat!(include_str!("pdl.cuh"), include_str!("routed.cu"));
 
 /// The routed module for a dtype: without a tile, the layout and GEMV entries; with a tile
 /// (and gate+up fusion flag), the `mma.sync` tiled entries.
@@ -98,6 +98,11 @@ mod tests {
                 let c = crate::nvrtc::compile(&k, arch).unwrap_or_else(|e| panic!("{e:#}"));
                 let text = String::from_utf8_lossy(&c.ptx);
                 assert!(text.contains(".entry"), "{}: no kernel entry in PTX", k.name);
+                // The decode launches (launch_pdl) wait for their predecessor on sm_90.
+                let untiled = !k.defines.iter().any(|(d, _)| d == "BM");
+                if arch == "compute_90" && (k.name == "infer" || (k.name == "routed" && untiled)) {
+                    assert!(text.contains("griddepcontrol.wait"), "{}: no griddepcontrol.wait in the sm_90 PTX", k.name);
+                }
                 if k.defines.iter().any(|(d, _)| d == "BM") {
                     assert!(text.contains("mma.sync.aligned.m16n8k16"), "tiled variant without tensor-core MMA: {:?}", k.defines);
                     assert!(!text.contains(".local"), "tiled variant spills to local memory: {:?}", k.defines);

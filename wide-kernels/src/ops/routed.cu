@@ -117,6 +117,8 @@ template <int MAXM, int R, bool FUSE>
 __device__ __forceinline__ void gemv_mn(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ w2,
                                         const unsigned char* __restrict__ mask, T* __restrict__ out,
                                         int M, int N, int K, int G, int NG) {
+    pdl_wait();  // x and the mask come from the launches just before
+    pdl_trigger();
     const int lane = threadIdx.x & 31;
     const int n0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
     if (n0 >= N) return;
@@ -191,6 +193,49 @@ __device__ __forceinline__ void gemv_mn(const T* __restrict__ x, const T* __rest
 // meet in shared memory. Dynamic shared memory: NG * (4 bytes, 8 with M > 1) for the list, then
 // warps * R * MAXM floats.
 // ---------------------------------------------------------------------------------------
+// Warp 0 of a gemm_k GEMV block lists the groups some token uses: glist[i] (ascending), with
+// M > 1 gbits[i] = which tokens use it, *nlist = the count. With `hint`, the mask is read from
+// L2 (it may still be in flight: the list is then only a prefetch hint).
+template <int MAXM>
+__device__ __forceinline__ void gemv_k_list(const unsigned char* __restrict__ mask, int M, int NG, int* glist, unsigned* gbits,
+                                            int* s_nlist, bool hint) {
+    const int lane = threadIdx.x & 31;
+    // Lane l looks at groups [g0 + 16 l, +16).
+    int nlist = 0;
+    for (int g0 = 0; g0 < NG; g0 += 512) {
+        unsigned tb[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            const int g = g0 + 16 * lane + i;
+            tb[i] = 0;
+            if (g < NG) {
+#pragma unroll
+                for (int m = 0; m < MAXM; ++m)
+                    if (m < M && (hint ? __ldcg(mask + (long long)m * NG + g) : mask[(long long)m * NG + g])) tb[i] |= 1u << m;
+            }
+        }
+        int cnt = 0;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) cnt += tb[i] != 0;
+        int incl = cnt;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int y = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += y;
+        }
+        int at = nlist + incl - cnt;
+#pragma unroll
+        for (int i = 0; i < 16; ++i)
+            if (tb[i]) {
+                glist[at] = g0 + 16 * lane + i;
+                if (MAXM > 1) gbits[at] = tb[i];
+                ++at;
+            }
+        nlist += __shfl_sync(0xffffffffu, incl, 31);
+    }
+    if (lane == 0) *s_nlist = nlist;
+}
+
 template <int MAXM, int R>
 __device__ __forceinline__ void gemv_k(const T* __restrict__ x, const T* __restrict__ w, const unsigned char* __restrict__ mask,
                                        T* __restrict__ out, int M, int N, int K, int G, int NG) {
@@ -201,54 +246,41 @@ __device__ __forceinline__ void gemv_k(const T* __restrict__ x, const T* __restr
     int* glist = gemv_k_smem;
     unsigned* gbits = reinterpret_cast<unsigned*>(glist + NG);  // tokens using list entry i (M > 1)
     float* red = reinterpret_cast<float*>(glist + NG * (MAXM > 1 ? 2 : 1));
-    if (warp == 0) {
-        // Lane l looks at groups [g0 + 16 l, +16).
-        int nlist = 0;
-        for (int g0 = 0; g0 < NG; g0 += 512) {
-            unsigned tb[16];
-#pragma unroll
-            for (int i = 0; i < 16; ++i) {
-                const int g = g0 + 16 * lane + i;
-                tb[i] = 0;
-                if (g < NG) {
-#pragma unroll
-                    for (int m = 0; m < MAXM; ++m)
-                        if (m < M && mask[(long long)m * NG + g]) tb[i] |= 1u << m;
-                }
-            }
-            int cnt = 0;
-#pragma unroll
-            for (int i = 0; i < 16; ++i) cnt += tb[i] != 0;
-            int incl = cnt;
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const int y = __shfl_up_sync(0xffffffffu, incl, o);
-                if (lane >= o) incl += y;
-            }
-            int at = nlist + incl - cnt;
-#pragma unroll
-            for (int i = 0; i < 16; ++i)
-                if (tb[i]) {
-                    glist[at] = g0 + 16 * lane + i;
-                    if (MAXM > 1) gbits[at] = tb[i];
-                    ++at;
-                }
-            nlist += __shfl_sync(0xffffffffu, incl, 31);
-        }
-        if (lane == 0) s_nlist = nlist;
-    }
-    __syncthreads();
     const int per = G >> 3;  // 16-byte chunks per group slice
     const bool pow2 = (per & (per - 1)) == 0;
     const int sh = __ffs(per) - 1;
+    constexpr int U = R >= 8 ? 1 : 8 / R;
+    const int stride = 32 * nwb;
+    // Before the wait (programmatic dependent launch): the mask was normally written launches
+    // ago (the gate before gate+up or Q), so list the groups from it and pull this block's
+    // first weight chunks into L2 while the launch before finishes. Only a hint: the list is
+    // built again after the wait.
+    if (warp == 0) gemv_k_list<MAXM>(mask, M, NG, glist, gbits, &s_nlist, true);
+    __syncthreads();
+    {
+        const int chunks = s_nlist * per;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int c = 32 * warp + lane + stride * u;
+            if (c < chunks) {
+                const int gi = pow2 ? c >> sh : c / per;
+                const int col = glist[gi] * G + ((c - gi * per) << 3);
+#pragma unroll
+                for (int r = 0; r < R; ++r) prefetch_l2(w + (long long)(n0 + r) * K + col);
+            }
+        }
+    }
+    __syncthreads();
+    pdl_wait();
+    pdl_trigger();
+    if (warp == 0) gemv_k_list<MAXM>(mask, M, NG, glist, gbits, &s_nlist, false);
+    __syncthreads();
     const int chunks = s_nlist * per;
     float acc[R][MAXM];
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
         for (int m = 0; m < MAXM; ++m) acc[r][m] = 0.f;
-    constexpr int U = R >= 8 ? 1 : 8 / R;
-    const int stride = 32 * nwb;
     for (int c0 = 32 * warp + lane; c0 < chunks; c0 += stride * U) {
         uint4 wv[U][R];
         int col[U];
@@ -460,6 +492,8 @@ __device__ __forceinline__ void attn_decode_split(const T* __restrict__ q, const
     constexpr int NW = 4;          // warps a block
     __shared__ float sm_o[NW][QPK][D];
     __shared__ float sm_m[NW][QPK], sm_l[NW][QPK];
+    pdl_wait();  // q and the cache rows come from the launch just before
+    pdl_trigger();
     const int b = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const unsigned long long heads = active_kv_heads<QPK>(mask, b, HKV, GH, NG);
@@ -682,6 +716,8 @@ template <int D, int QPK>
 __device__ __forceinline__ void attn_decode_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                                     const int* __restrict__ lengths, const unsigned char* __restrict__ mask,
                                                     T* __restrict__ out, int HQ, int HKV, int TCAP, int NB, int GH, int NG) {
+    pdl_wait();
+    pdl_trigger();
     constexpr int DV = D / 4, NSL = 256 / DV;
     extern __shared__ float sm_c[];  // NB split weights
     __shared__ float sm_o[NSL][D];
