@@ -359,10 +359,10 @@ struct TrainBenchArgs {
 
 #[derive(Args)]
 struct KernelsArgs {
-    /// Ops, comma separated: up, gate_up, down, q, o, attn_decode.
+    /// Ops, comma separated: up, gate_up, down, q, o, attn_decode, attn_prefill.
     #[arg(long, value_delimiter = ',', default_value = "up,gate_up,down,q,o,attn_decode")]
     ops: Vec<String>,
-    /// KV-cache lengths for attn_decode, comma separated.
+    /// KV-cache lengths for attn_decode, prompt lengths for attn_prefill, comma separated.
     #[arg(long, value_delimiter = ',', default_value = "2048,8192,32768")]
     contexts: Vec<i64>,
     /// Token counts M, comma separated.

@@ -12,6 +12,7 @@ use tch::{Device, Kind, Tensor};
 use wide_kernels::ops::dispatch::{feasible_tiles, wgmma_feasible, GemmPath, GemmShape, RoutedOp, TILES};
 use wide_kernels::ops::gemm::{gemm_k_reference, gemm_mn_reference, routed_gemm};
 use wide_kernels::ops::layout::{route_layout, route_layout_reference};
+use wide_kernels::ops::attention::PREFILL_TILES;
 use wide_kernels::CudaGraph;
 
 fn gpu() -> Device {
@@ -238,6 +239,7 @@ fn sanitizer_small_all_ops() {
     run_k_case(Kind::Half, 65, 256, 512, 32, 0.5);
     run_decode_case(Kind::BFloat16, 2, 8, 2, 300, 128, 2, &[1, 300], 0.5);
     run_decode_case(Kind::BFloat16, 1, 16, 2, 200, 64, 4, &[150], 0.5);
+    prefill_small_cases();
     let msk = mask(1000, 112, 0.5);
     let l = route_layout(&msk).unwrap();
     let (perm, _) = l.lists().unwrap();
@@ -293,5 +295,68 @@ fn attention_decode_matches_reference() {
         run_decode_case(kind, 40, 32, 8, 1500, 128, 4, &lens, 0.5);
         // Fewer blocks a sequence than KV heads would leave heads unread: all of them active.
         run_decode_case(kind, 40, 32, 8, 1500, 128, 4, &lens, 1.0);
+    }
+}
+
+/// Routed prefill attention on every block shape and through the dispatch, against the f32
+/// reference: no NaN (outputs poisoned), skipped (token, head) rows exactly 0. `cap` > t runs
+/// k/v as narrowed views of a longer cache (the engine's case).
+#[allow(clippy::too_many_arguments)]
+fn run_prefill_case(kind: Kind, b: i64, hq: i64, hkv: i64, t: i64, cap: i64, d: i64, gh: i64, p_active: f64) {
+    let dev = gpu();
+    let q = Tensor::randn([b, hq, t, d], (kind, dev));
+    let kc = Tensor::randn([b, hkv, cap, d], (kind, dev));
+    let vc = Tensor::randn([b, hkv, cap, d], (kind, dev));
+    let (k, v) = (kc.narrow(2, 0, t), vc.narrow(2, 0, t));
+    let msk = Tensor::rand([b, t, hq / gh], (Kind::Float, dev)).lt(p_active);
+    let scale = 1.0 / (d as f64).sqrt();
+    let f = |x: &Tensor| x.to_kind(Kind::Float);
+    let r = wide_kernels::attention_prefill_reference(&f(&q), &f(&k), &f(&v), None, &msk, gh, scale);
+    let off = msk.logical_not().repeat_interleave_self_int(gh, 2, None::<i64>).transpose(1, 2).unsqueeze(-1).expand([b, hq, t, d], false);
+    let what = format!("attention_prefill {kind:?} B={b} HQ={hq} HKV={hkv} T={t} cap={cap} D={d} gh={gh} active={p_active}");
+    for tile in PREFILL_TILES {
+        poison(b * hq * t, d, kind);
+        let y = wide_kernels::attention_prefill_routed(&q, &k, &v, &msk, gh, scale, tile).unwrap();
+        check(&y, &r, Some(&off), &format!("{what} routed {}", tile.name()));
+    }
+    poison(b * hq * t, d, kind);
+    let y = wide_kernels::attention_prefill(&q, &k, &v, None, &msk, gh, scale).unwrap();
+    check(&y, &r, Some(&off), &format!("{what} dispatch"));
+}
+
+/// Small prefill shapes (also run under compute-sanitizer through `sanitizer_small_all_ops`).
+fn prefill_small_cases() {
+    run_prefill_case(Kind::BFloat16, 2, 8, 2, 150, 150, 128, 2, 0.5);
+    run_prefill_case(Kind::Half, 1, 4, 4, 70, 96, 64, 1, 0.5);
+    run_prefill_case(Kind::BFloat16, 1, 8, 2, 1, 1, 128, 4, 1.0);
+}
+
+#[test]
+fn prefill_sanitizer_small() {
+    tch::manual_seed(19);
+    prefill_small_cases();
+}
+
+#[test]
+fn attention_prefill_matches_reference() {
+    tch::manual_seed(18);
+    for kind in [Kind::BFloat16, Kind::Half] {
+        // Llama-3.1-8B heads: 32 query, 8 KV, groups of 4 heads (one KV head each); T not a
+        // multiple of any tile.
+        run_prefill_case(kind, 1, 32, 8, 1000, 1000, 128, 4, 0.5);
+        // B = 2, one head a group (groups inside a KV head), a narrowed KV cache.
+        run_prefill_case(kind, 2, 32, 8, 777, 1024, 128, 1, 0.5);
+        // All active, all inactive, one token, few active tokens.
+        run_prefill_case(kind, 1, 32, 8, 300, 300, 128, 4, 1.0);
+        run_prefill_case(kind, 2, 32, 8, 300, 300, 128, 4, 0.0);
+        run_prefill_case(kind, 2, 32, 8, 1, 1, 128, 4, 0.5);
+        run_prefill_case(kind, 1, 32, 8, 1, 4, 128, 1, 1.0);
+        run_prefill_case(kind, 1, 32, 8, 500, 500, 128, 4, 0.05);
+        // Longer prompt (many key tiles, the heaviest-first tile order), mostly skipped.
+        run_prefill_case(kind, 1, 32, 8, 2048, 2048, 128, 4, 0.5);
+        run_prefill_case(kind, 1, 32, 8, 2100, 2100, 128, 4, 0.25);
+        // head_dim 64, groups straddling KV heads (2 heads a group, 4 query heads a KV head).
+        run_prefill_case(kind, 2, 8, 2, 513, 513, 64, 2, 0.5);
+        run_prefill_case(kind, 3, 16, 16, 129, 200, 64, 8, 0.7);
     }
 }

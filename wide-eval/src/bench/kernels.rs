@@ -23,9 +23,9 @@ use wide_kernels::GpuTimer;
 
 #[derive(Debug, Clone)]
 pub struct KernelBenchConfig {
-    /// Any of `up`, `gate_up`, `down`, `q`, `o`, `attn_decode`.
+    /// Any of `up`, `gate_up`, `down`, `q`, `o`, `attn_decode`, `attn_prefill`.
     pub ops: Vec<String>,
-    /// KV-cache lengths for `attn_decode` (batch 1).
+    /// KV-cache lengths for `attn_decode`, prompt lengths for `attn_prefill` (batch 1).
     pub contexts: Vec<i64>,
     pub m: Vec<i64>,
     /// Group sizes for up/gate_up/down (q/o always use 512 = 4 heads of 128).
@@ -59,7 +59,7 @@ fn spec(name: &str) -> Result<OpSpec> {
         "down" => OpSpec { name: "down", op: RoutedOp::KPremasked, n: 4096, k: 14336, fixed_group: None },
         "q" => OpSpec { name: "q", op: RoutedOp::Mn, n: 4096, k: 4096, fixed_group: Some(512) },
         "o" => OpSpec { name: "o", op: RoutedOp::KPremasked, n: 4096, k: 4096, fixed_group: Some(512) },
-        o => bail!("unknown op `{o}` for bench kernels: use up, gate_up, down, q, o or attn_decode"),
+        o => bail!("unknown op `{o}` for bench kernels: use up, gate_up, down, q, o, attn_decode or attn_prefill"),
     })
 }
 
@@ -112,6 +112,10 @@ pub fn run(cfg: &KernelBenchConfig) -> Result<serde_json::Value> {
     for opname in &cfg.ops {
         if opname == "attn_decode" {
             records.extend(bench_attn_decode(cfg, &timer, &mut flush)?);
+            continue;
+        }
+        if opname == "attn_prefill" {
+            records.extend(bench_attn_prefill(cfg, &timer, &mut flush)?);
             continue;
         }
         let sp = spec(opname)?;
@@ -376,6 +380,130 @@ fn bench_attn_decode(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Tens
                     "read_dense_ms": read_dense_ms, "read_routed_ms": read_routed_ms, "read_ceiling_speedup": read_dense_ms / read_routed_ms,
                     "dispatch_path": "attn_decode_split", "dispatch_ms": routed_ms, "dispatch_speedup": dense_ms / routed_ms,
                     "max_rel_err": err, "shape": "batch 1, 32 query heads, 8 KV heads, head dim 128; N = context tokens",
+                }));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Prefill attention, Llama-3.1-8B heads (32 query, 8 KV, head dim 128, 8 groups of 4 query
+/// heads), batch 1, causal, prompt lengths from `--contexts`. Dense = SDPA (flash, GQA) alone;
+/// dense+zero = SDPA and the zero pass over the skipped rows (the dense path of
+/// `attention_prefill`); routed = `attention_prefill_routed` (layout + kernel) for every block
+/// shape, the default one being `routed_ms`; dispatch = `attention_prefill`. Outputs are checked
+/// against an f32 reference on the first 4 query heads (one KV head) before timing.
+fn bench_attn_prefill(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Tensor) -> Result<Vec<serde_json::Value>> {
+    use wide_kernels::ops::attention::{attention_prefill_dense, attention_prefill_routed, PrefillTile, PREFILL_TILES};
+    let device = cfg.device;
+    let dev = match device {
+        Device::Cuda(d) => d,
+        _ => bail!("bench kernels needs a CUDA device"),
+    };
+    let (hq, hkv, d, gh) = (32i64, 8i64, 128i64, 4i64);
+    let ng = hq / gh;
+    let scale = 1.0 / (d as f64).sqrt();
+    let default_tile = PrefillTile::default_for(d);
+    let mut out = vec![];
+    for &t in &cfg.contexts {
+        let q = Tensor::randn([1, hq, t, d], (cfg.kind, device));
+        let k = Tensor::randn([1, hkv, t, d], (cfg.kind, device));
+        let v = Tensor::randn([1, hkv, t, d], (cfg.kind, device));
+        // Causal FLOPs of the dense op (QK^T and PV over the lower triangle incl. the diagonal).
+        let dense_flops = 4.0 * (hq * d) as f64 * (t as f64) * (t as f64 + 1.0) / 2.0;
+        for &s in &cfg.sparsity {
+            let new_mask = || Tensor::rand([1, t, ng], (Kind::Float, device)).ge(s);
+            let msk = new_mask();
+            // f32 reference on one KV head's 4 query heads (group 0): SDPA in f32 (the
+            // memory-efficient kernel, no [T, T] scores in memory), then the zero rows.
+            let f = |x: &Tensor| x.to_kind(Kind::Float);
+            let (q4, k1, v1) = (f(&q.narrow(1, 0, 4)), f(&k.narrow(1, 0, 1)), f(&v.narrow(1, 0, 1)));
+            let r = Tensor::scaled_dot_product_attention(&q4, &k1.expand([1, 4, t, d], false).contiguous(), &v1.expand([1, 4, t, d], false).contiguous(), None::<Tensor>, 0.0, true, scale, false);
+            let off0 = msk.narrow(2, 0, 1).logical_not().view([1, 1, t, 1]);
+            let r = r.masked_fill(&off0, 0.0);
+            let rel = |y: &Tensor| -> f64 {
+                let y4 = f(&y.narrow(1, 0, 4));
+                let rn = r.norm().double_value(&[]);
+                let e = (&y4 - &r).norm().double_value(&[]);
+                if rn == 0.0 { e } else { e / rn }
+            };
+            let mut errs = vec![];
+            for tile in PREFILL_TILES {
+                let y = attention_prefill_routed(&q, &k, &v, &msk, gh, scale, tile)?;
+                let nan = y.isnan().any().int64_value(&[]);
+                let err = rel(&y);
+                if nan != 0 || !(err < 1e-2) {
+                    bail!("attn_prefill T={t} s={s} {}: relative error {err:.3e} against the f32 reference (NaN: {nan})", tile.name());
+                }
+                errs.push(err);
+            }
+            let err = errs.iter().cloned().fold(0.0, f64::max);
+            let dense_err = rel(&attention_prefill_dense(&q, &k, &v, &msk, gh, scale)?);
+            for l2mode in &cfg.l2 {
+                let cold = l2mode == "cold";
+                let mut time = |what: &str| -> Result<f64> {
+                    let mut v_ms = vec![];
+                    for it in 0..cfg.warmup + cfg.iters {
+                        let msk = new_mask();
+                        if cold {
+                            let _ = flush.fill_(it as f64);
+                        }
+                        wide_kernels::ops::gpu_spin(dev, 200)?;
+                        timer.start()?;
+                        match what {
+                            "sdpa" => {
+                                let _ = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, scale, true);
+                            }
+                            "sdpa_zero" => {
+                                let _ = attention_prefill_dense(&q, &k, &v, &msk, gh, scale)?;
+                            }
+                            "dispatch" => {
+                                let _ = wide_kernels::attention_prefill(&q, &k, &v, None, &msk, gh, scale)?;
+                            }
+                            name => {
+                                let tile = PrefillTile::parse(name).context("unknown prefill tile")?;
+                                let _ = attention_prefill_routed(&q, &k, &v, &msk, gh, scale, tile)?;
+                            }
+                        }
+                        let ms = timer.stop_ms()?;
+                        if it >= cfg.warmup {
+                            v_ms.push(ms);
+                        }
+                    }
+                    Ok(super::median(&mut v_ms))
+                };
+                let sdpa_ms = time("sdpa")?;
+                let zero_ms = time("sdpa_zero")?;
+                let mut tiles = vec![];
+                let mut routed_ms = f64::NAN;
+                for tile in PREFILL_TILES {
+                    let ms = time(&tile.name())?;
+                    if tile == default_tile {
+                        routed_ms = ms;
+                    }
+                    tiles.push(json!({"tile": tile.name(), "ms": ms, "tflops_active": (1.0 - s) * dense_flops / (ms * 1e-3) / 1e12}));
+                }
+                let dispatch_ms = time("dispatch")?;
+                let dispatch_path = if wide_kernels::ops::attention::prefill_routed_pays(t) { "routed" } else { "sdpa+zero" };
+                let tiles_txt: Vec<String> = tiles.iter().map(|x| format!("{} {:.4}", x["tile"].as_str().unwrap_or(""), x["ms"].as_f64().unwrap_or(f64::NAN))).collect();
+                eprintln!(
+                    "attn_prefill T={t:>6} s={s:.2} {l2mode}: sdpa {sdpa_ms:.4} ms ({:.0} TFLOP/s)  sdpa+zero {zero_ms:.4}  routed {routed_ms:.4} ms ({:.2}x sdpa, {:.2}x sdpa+zero; {:.0} TFLOP/s active)  [{}]  dispatch {dispatch_ms:.4} ({dispatch_path})  err {err:.1e}",
+                    dense_flops / (sdpa_ms * 1e-3) / 1e12,
+                    sdpa_ms / routed_ms,
+                    zero_ms / routed_ms,
+                    (1.0 - s) * dense_flops / (routed_ms * 1e-3) / 1e12,
+                    tiles_txt.join(", ")
+                );
+                out.push(json!({
+                    "op": "attn_prefill", "M": t, "N": t, "K": d, "G": gh, "sparsity": s, "l2": l2mode,
+                    "dense_ms": sdpa_ms, "routed_ms": routed_ms, "speedup": sdpa_ms / routed_ms,
+                    "sdpa_ms": sdpa_ms, "sdpa_zero_ms": zero_ms, "speedup_vs_sdpa_zero": zero_ms / routed_ms,
+                    "routed_kernel": format!("attn_prefill {}", default_tile.name()), "tiles": tiles,
+                    "dispatch_path": dispatch_path, "dispatch_ms": dispatch_ms, "dispatch_speedup": sdpa_ms / dispatch_ms,
+                    "dense_gflop": dense_flops / 1e9, "routed_gflop_expected": (1.0 - s) * dense_flops / 1e9,
+                    "dense_tflops": dense_flops / (sdpa_ms * 1e-3) / 1e12,
+                    "max_rel_err": err, "sdpa_zero_rel_err": dense_err,
+                    "shape": "batch 1, causal, 32 query heads, 8 KV heads, head dim 128, 8 groups of 4 heads; M = N = prompt tokens; error on query heads 0-3 against f32",
                 }));
             }
         }

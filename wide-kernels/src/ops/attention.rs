@@ -3,11 +3,16 @@
 //! - [`attention_decode`]: one new query per sequence against the KV cache; a head group that
 //!   is off gets exactly 0, and a KV head whose query heads are all off is not read at all
 //!   (CUDA split-K kernel; tch reference elsewhere).
-//! - [`attention_prefill`]: causal attention over a prompt with padding; today it runs the
-//!   dense SDPA (flash) kernel and zeroes the skipped heads. No routed prefill kernel yet.
+//! - [`attention_prefill`]: causal attention over a prompt. Per query head only the tokens
+//!   whose head group is active are computed (`attn_prefill.cu`: gathered query rows,
+//!   FlashAttention-2 style on `mma.sync`, K/V dense), skipped (token, head) rows exactly 0;
+//!   where that does not pay, dense SDPA (flash) and a zero pass. Padding runs the reference.
 use super::routed_kernel;
-use crate::cuda::{KernelArg, LaunchConfig};
+use crate::cuda::{CudaKernel, KernelArg, LaunchConfig};
+use crate::nvrtc::KernelSource;
 use anyhow::{bail, ensure, Result};
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
 use tch::{Device, Kind, Tensor};
 
 /// Shapes of a decode call, checked.
@@ -213,11 +218,8 @@ pub fn attention_prefill_reference(q: &Tensor, k: &Tensor, v: &Tensor, key_paddi
     o.masked_fill(&off.transpose(1, 2).unsqueeze(-1), 0.0)
 }
 
-/// Causal prefill attention with head-group routing (shapes as in
-/// [`attention_prefill_reference`]). Runs dense SDPA with GQA (the flash kernel when there is
-/// no padding) and zeroes the skipped rows: the dispatch rule's dense+mask path, since no
-/// routed prefill kernel exists yet.
-pub fn attention_prefill(q: &Tensor, k: &Tensor, v: &Tensor, key_padding: Option<&Tensor>, mask: &Tensor, group_heads: i64, scale: f64) -> Result<Tensor> {
+/// Checks the shapes of a prefill call; returns (B, HQ, HKV, T, D, NG).
+fn prefill_shape(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, group_heads: i64) -> Result<(i64, i64, i64, i64, i64, i64)> {
     let (qs, ks) = (q.size(), k.size());
     ensure!(qs.len() == 4 && ks.len() == 4, "attention_prefill: q and k must be [batch, heads, tokens, head_dim], got {qs:?} and {ks:?}");
     ensure!(v.size() == ks, "attention_prefill: v {:?} must match k {ks:?}", v.size());
@@ -232,12 +234,196 @@ pub fn attention_prefill(q: &Tensor, k: &Tensor, v: &Tensor, key_padding: Option
         qs[1] / group_heads,
         mask.size()
     );
+    Ok((qs[0], qs[1], ks[1], qs[2], qs[3], qs[1] / group_heads))
+}
+
+/// Causal prefill attention with head-group routing (shapes as in
+/// [`attention_prefill_reference`]; k/v may be a narrowed KV cache, rows contiguous). With
+/// padding, or off CUDA, the reference; on CUDA (bf16/f16, head_dim 64 or 128) the routed kernel
+/// where [`prefill_routed_pays`] says so, else dense SDPA (flash, GQA) and a zero pass over the
+/// skipped rows. `WIDE_ATTN_PREFILL=routed|dense` forces a path (read once; for benchmarks).
+pub fn attention_prefill(q: &Tensor, k: &Tensor, v: &Tensor, key_padding: Option<&Tensor>, mask: &Tensor, group_heads: i64, scale: f64) -> Result<Tensor> {
+    let (_, _, _, t, d, _) = prefill_shape(q, k, v, mask, group_heads)?;
     if key_padding.is_some() || !matches!(q.device(), Device::Cuda(_)) {
         return Ok(attention_prefill_reference(q, k, v, key_padding, mask, group_heads, scale));
     }
+    let kernel_ok = matches!(q.kind(), Kind::BFloat16 | Kind::Half) && matches!(d, 64 | 128) && q.kind() == k.kind() && k.kind() == v.kind();
+    let routed = match prefill_override() {
+        Some(r) => r && kernel_ok,
+        None => kernel_ok && prefill_routed_pays(t),
+    };
+    if routed {
+        attention_prefill_routed(q, k, v, mask, group_heads, scale, PrefillTile::default_for(d))
+    } else {
+        attention_prefill_dense(q, k, v, mask, group_heads, scale)
+    }
+}
+
+/// Dispatch rule of [`attention_prefill`]: does the routed kernel beat SDPA + zero pass at this
+/// prompt length? (Measured on the H200; see the numbers at [`PREFILL_ROUTED_MIN_TOKENS`].)
+pub fn prefill_routed_pays(tokens: i64) -> bool {
+    tokens >= PREFILL_ROUTED_MIN_TOKENS
+}
+
+/// Prompt length from which [`attention_prefill`] takes the routed kernel.
+pub const PREFILL_ROUTED_MIN_TOKENS: i64 = 1024;
+
+/// `WIDE_ATTN_PREFILL=routed|dense`: force the prefill attention path (read once).
+fn prefill_override() -> Option<bool> {
+    static V: OnceLock<Option<bool>> = OnceLock::new();
+    *V.get_or_init(|| match std::env::var("WIDE_ATTN_PREFILL").as_deref() {
+        Ok("routed") => Some(true),
+        Ok("dense") => Some(false),
+        _ => None,
+    })
+}
+
+/// The dense path: SDPA with GQA (the flash kernel without padding), then the skipped
+/// (token, head) rows set to 0. Shapes as in [`attention_prefill_reference`]; CUDA or CPU.
+pub fn attention_prefill_dense(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, group_heads: i64, scale: f64) -> Result<Tensor> {
+    prefill_shape(q, k, v, mask, group_heads)?;
     let o = Tensor::scaled_dot_product_attention(q, k, v, None::<Tensor>, 0.0, true, scale, true);
     let off = mask.to_kind(Kind::Bool).logical_not().repeat_interleave_self_int(group_heads, 2, None::<i64>);
     Ok(o.masked_fill(&off.transpose(1, 2).unsqueeze(-1), 0.0))
+}
+
+/// Block shape of the routed prefill kernel: `warps` warps of `mi` x 16 gathered query rows
+/// each, key tiles of `bn`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PrefillTile {
+    pub warps: u32,
+    pub mi: u32,
+    pub bn: u32,
+}
+
+/// The shipped block shapes (each compiled for head_dim 64 and 128, bf16 and f16).
+pub const PREFILL_TILES: [PrefillTile; 3] = [
+    PrefillTile { warps: 4, mi: 1, bn: 64 },
+    PrefillTile { warps: 8, mi: 1, bn: 64 },
+    PrefillTile { warps: 4, mi: 2, bn: 32 },
+];
+
+impl PrefillTile {
+    /// Query rows (list entries) a block.
+    pub fn rows(&self) -> i64 {
+        (self.warps * self.mi * 16) as i64
+    }
+    /// Dynamic shared memory: Q tile and two K and V tiles, rows padded by 8 elements.
+    pub fn smem_bytes(&self, d: i64) -> u32 {
+        (self.rows() as u32 + 4 * self.bn) * (d as u32 + 8) * 2
+    }
+    pub fn name(&self) -> String {
+        format!("w{}m{}n{}", self.warps, self.mi, self.bn)
+    }
+    /// Parses [`PrefillTile::name`].
+    pub fn parse(s: &str) -> Option<Self> {
+        PREFILL_TILES.into_iter().find(|t| t.name() == s)
+    }
+    /// `WIDE_ATTN_PREFILL_TILE` if set to a shipped name, else the default for head_dim `d`.
+    pub fn default_for(_d: i64) -> Self {
+        static V: OnceLock<Option<PrefillTile>> = OnceLock::new();
+        V.get_or_init(|| std::env::var("WIDE_ATTN_PREFILL_TILE").ok().and_then(|s| Self::parse(&s))).unwrap_or(PREFILL_TILES[0])
+    }
+    fn entry(&self, d: i64) -> String {
+        format!("attn_prefill_{d}_{}_{}_{}", self.warps, self.mi, self.bn)
+    }
+}
+
+const PREFILL_SOURCE: &str = include_str!("attn_prefill.cu");
+
+/// The prefill module for a dtype (layout entry and every block shape).
+pub fn prefill_source(f16: bool) -> KernelSource {
+    KernelSource::new("attn_prefill", PREFILL_SOURCE).define("WIDE_F16", f16 as u32)
+}
+
+fn prefill_kernel(f16: bool, entry: &str, smem: u32, device: usize) -> Result<CudaKernel> {
+    type Key = (bool, String, usize);
+    static K: OnceLock<Mutex<HashMap<Key, CudaKernel>>> = OnceLock::new();
+    let key = (f16, entry.to_string(), device);
+    if let Some(k) = K.get_or_init(Default::default).lock().unwrap().get(&key) {
+        return Ok(*k);
+    }
+    let k = CudaKernel::get(&prefill_source(f16), entry, device)?;
+    if smem > 0 {
+        k.set_max_dynamic_shared_mem(smem)?;
+    }
+    K.get_or_init(Default::default).lock().unwrap().insert(key, k);
+    Ok(k)
+}
+
+/// The routed prefill kernel, always (no dispatch): per (batch, head group) a list of the active
+/// tokens (one layout launch), then causal attention of the gathered active query rows of each
+/// head against dense K/V; skipped (token, head) rows exactly 0. CUDA, bf16/f16, head_dim 64 or
+/// 128, no padding; k/v may be narrowed views of a KV cache (rows contiguous).
+pub fn attention_prefill_routed(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, group_heads: i64, scale: f64, tile: PrefillTile) -> Result<Tensor> {
+    let (b, hq, hkv, t, d, ng) = prefill_shape(q, k, v, mask, group_heads)?;
+    let device = match q.device() {
+        Device::Cuda(dv) => dv,
+        dv => bail!("attention_prefill_routed: needs CUDA tensors, got {dv:?}; use attention_prefill for other devices"),
+    };
+    ensure!(
+        matches!(q.kind(), Kind::BFloat16 | Kind::Half) && q.kind() == k.kind() && k.kind() == v.kind(),
+        "attention_prefill_routed: q, k, v must all be bf16 or all f16, got {:?}, {:?}, {:?}",
+        q.kind(),
+        k.kind(),
+        v.kind()
+    );
+    ensure!(matches!(d, 64 | 128), "attention_prefill_routed: the kernel takes head_dim 64 or 128, got {d}; use attention_prefill_dense");
+    ensure!(PREFILL_TILES.contains(&tile), "attention_prefill_routed: {tile:?} is not a shipped block shape (PREFILL_TILES)");
+    let bm = tile.rows();
+    ensure!(
+        t >= 1 && t <= i32::MAX as i64 && (t + bm - 1) / bm <= 65535 && b <= 65535 && hq <= 65535,
+        "attention_prefill_routed: {t} tokens, batch {b}, {hq} heads exceed the kernel's grid (at most 65535 x {bm} tokens, 65535 sequences and heads)"
+    );
+    let f16 = q.kind() == Kind::Half;
+    let q = q.contiguous();
+    // K/V rows must be contiguous (a narrowed cache is fine); batch and head strides are passed.
+    let kv_ok = |x: &Tensor| x.stride()[3] == 1 && x.stride()[2] == d;
+    let (k, v) = if kv_ok(k) && kv_ok(v) && k.stride() == v.stride() { (k.shallow_clone(), v.shallow_clone()) } else { (k.contiguous(), v.contiguous()) };
+    let (kv_sb, kv_sh) = (k.stride()[0], k.stride()[1]);
+    let mask = match mask.kind() {
+        Kind::Bool => mask.contiguous().view_dtype(Kind::Uint8),
+        Kind::Uint8 => mask.contiguous(),
+        kd => bail!("attention_prefill_routed: mask must be bool or u8, got {kd:?}"),
+    };
+    let perm = Tensor::empty([b, ng, t], (Kind::Int, q.device()));
+    let count = Tensor::empty([b, ng], (Kind::Int, q.device()));
+    let out = Tensor::empty([b, hq, t, d], (q.kind(), q.device()));
+    let layout = prefill_kernel(f16, "attn_prefill_layout", 0, device)?;
+    let smem = tile.smem_bytes(d);
+    let attn = prefill_kernel(f16, &tile.entry(d), smem, device)?;
+    let threads = (t.min(1024) as u32).div_ceil(32) * 32;
+    unsafe {
+        layout.launch(
+            LaunchConfig { grid: (ng as u32, b as u32, 1), block: (threads, 1, 1), shared_mem_bytes: 0 },
+            &[KernelArg::tensor(&mask)?, KernelArg::I32(t as i32), KernelArg::I32(ng as i32), KernelArg::tensor(&perm)?, KernelArg::tensor(&count)?],
+        )?;
+        attn.launch(
+            LaunchConfig { grid: (hq as u32, ((t + bm - 1) / bm) as u32, b as u32), block: (tile.warps * 32, 1, 1), shared_mem_bytes: smem },
+            &[
+                KernelArg::tensor(&q)?,
+                KernelArg::tensor(&k)?,
+                KernelArg::tensor(&v)?,
+                KernelArg::tensor(&perm)?,
+                KernelArg::tensor(&count)?,
+                KernelArg::tensor(&out)?,
+                KernelArg::I32(hq as i32),
+                KernelArg::I32(hkv as i32),
+                KernelArg::I32(t as i32),
+                KernelArg::I32(group_heads as i32),
+                KernelArg::I32(ng as i32),
+                KernelArg::I64(kv_sb),
+                KernelArg::I64(kv_sh),
+                KernelArg::F32((scale * std::f64::consts::LOG2_E) as f32),
+            ],
+        )?;
+    }
+    Ok(out)
+}
+
+/// Every prefill kernel variant (for the NVRTC compile test).
+pub fn kernel_variants() -> Vec<KernelSource> {
+    vec![prefill_source(false), prefill_source(true)]
 }
 
 #[cfg(test)]
@@ -275,6 +461,30 @@ mod tests {
         let a = attention_decode_reference(&q, &k, &v, &Tensor::from_slice(&[4i32]), &mask, 1, 0.3);
         let b = attention_decode_reference(&q, &k.narrow(2, 0, 4), &v.narrow(2, 0, 4), &Tensor::from_slice(&[4i32]), &mask, 1, 0.3);
         assert!((a - b).abs().max().double_value(&[]) < 1e-12);
+    }
+
+    #[test]
+    fn prefill_checks_shapes_and_routed_needs_cuda() {
+        let opts = (Kind::Float, Device::Cpu);
+        let q = Tensor::randn([1, 8, 5, 64], opts);
+        let k = Tensor::randn([1, 2, 5, 64], opts);
+        let m = Tensor::ones([1, 5, 4], (Kind::Bool, Device::Cpu));
+        let e = attention_prefill(&q, &k, &k, None, &m.narrow(2, 0, 3), 2, 1.0).unwrap_err().to_string();
+        assert!(e.contains("mask must be [batch, tokens, groups]"), "{e}");
+        let e = attention_prefill_routed(&q, &k, &k, &m, 2, 1.0, PREFILL_TILES[0]).unwrap_err().to_string();
+        assert!(e.contains("needs CUDA"), "{e}");
+        // CPU: the reference, and the dense path agrees with it.
+        let a = attention_prefill(&q, &k, &k, None, &m, 2, 0.125).unwrap();
+        let b = attention_prefill_dense(&q, &k, &k, &m, 2, 0.125).unwrap();
+        assert!((a - b).abs().max().double_value(&[]) < 1e-5);
+    }
+
+    #[test]
+    fn prefill_tiles_fit_the_multiprocessor() {
+        for t in PREFILL_TILES {
+            assert_eq!(PrefillTile::parse(&t.name()), Some(t));
+            assert!(t.smem_bytes(128) <= 227 * 1024 && t.bn % 16 == 0);
+        }
     }
 
     #[test]

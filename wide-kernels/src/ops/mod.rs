@@ -69,6 +69,7 @@ pub fn all_kernel_variants() -> Vec<KernelSource> {
     v.extend(scale_shift::kernel_variants());
     v.extend(fused::kernel_variants());
     v.extend(wgmma::kernel_variants());
+    v.extend(attention::kernel_variants());
     for f16 in [false, true] {
         v.push(routed_source(f16, None));
         for t in TILES {
@@ -106,6 +107,11 @@ mod tests {
                 if k.defines.iter().any(|(d, _)| d == "BM") {
                     assert!(text.contains("mma.sync.aligned.m16n8k16"), "tiled variant without tensor-core MMA: {:?}", k.defines);
                     assert!(!text.contains(".local"), "tiled variant spills to local memory: {:?}", k.defines);
+                }
+                if k.name == "attn_prefill" {
+                    assert!(text.contains("mma.sync.aligned.m16n8k16"), "prefill attention without tensor-core MMA: {:?}", k.defines);
+                    assert!(text.contains("ldmatrix.sync.aligned.m8n8.x4.trans"), "prefill attention without the V transpose load: {:?}", k.defines);
+                    assert!(!text.contains(".local"), "prefill attention spills to local memory: {:?}", k.defines);
                 }
                 if k.name == "wgmma" {
                     assert!(text.contains(".target sm_90a"), "wgmma variant not built for sm_90a: {:?}", k.defines);
