@@ -322,6 +322,9 @@ fn run_prefill_case(kind: Kind, b: i64, hq: i64, hkv: i64, t: i64, cap: i64, d: 
     poison(b * hq * t, d, kind);
     let y = wide_kernels::attention_prefill(&q, &k, &v, None, &msk, gh, scale).unwrap();
     check(&y, &r, Some(&off), &format!("{what} dispatch"));
+    // The dense path: SDPA and the in-place zero kernel over the skipped rows.
+    let y = wide_kernels::attention_prefill_dense(&q, &k, &v, &msk, gh, scale).unwrap();
+    check(&y, &r, Some(&off), &format!("{what} sdpa+zero"));
 }
 
 /// Small prefill shapes (also run under compute-sanitizer through `sanitizer_small_all_ops`).

@@ -391,7 +391,8 @@ fn bench_attn_decode(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Tens
 /// heads), batch 1, causal, prompt lengths from `--contexts`. Dense = SDPA (flash, GQA) alone;
 /// dense+zero = SDPA and the zero pass over the skipped rows (the dense path of
 /// `attention_prefill`); routed = `attention_prefill_routed` (layout + kernel) for every block
-/// shape, the default one being `routed_ms`; dispatch = `attention_prefill`. Outputs are checked
+/// shape, the default one for the length being `routed_ms`; dispatch = `attention_prefill`
+/// (measures the mask's skip rate: one sync), hinted = `attention_prefill_with` given it. Outputs are checked
 /// against an f32 reference on the first 4 query heads (one KV head) before timing.
 fn bench_attn_prefill(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Tensor) -> Result<Vec<serde_json::Value>> {
     use wide_kernels::ops::attention::{attention_prefill_dense, attention_prefill_routed, PrefillTile, PREFILL_TILES};
@@ -403,7 +404,6 @@ fn bench_attn_prefill(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Ten
     let (hq, hkv, d, gh) = (32i64, 8i64, 128i64, 4i64);
     let ng = hq / gh;
     let scale = 1.0 / (d as f64).sqrt();
-    let default_tile = PrefillTile::default_for(d);
     let mut out = vec![];
     for &t in &cfg.contexts {
         let q = Tensor::randn([1, hq, t, d], (cfg.kind, device));
@@ -411,6 +411,7 @@ fn bench_attn_prefill(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Ten
         let v = Tensor::randn([1, hkv, t, d], (cfg.kind, device));
         // Causal FLOPs of the dense op (QK^T and PV over the lower triangle incl. the diagonal).
         let dense_flops = 4.0 * (hq * d) as f64 * (t as f64) * (t as f64 + 1.0) / 2.0;
+        let default_tile = PrefillTile::for_tokens(t);
         for &s in &cfg.sparsity {
             let new_mask = || Tensor::rand([1, t, ng], (Kind::Float, device)).ge(s);
             let msk = new_mask();
@@ -460,6 +461,9 @@ fn bench_attn_prefill(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Ten
                             "dispatch" => {
                                 let _ = wide_kernels::attention_prefill(&q, &k, &v, None, &msk, gh, scale)?;
                             }
+                            "dispatch_hint" => {
+                                let _ = wide_kernels::ops::attention::attention_prefill_with(&q, &k, &v, None, &msk, gh, scale, Some(s))?;
+                            }
                             name => {
                                 let tile = PrefillTile::parse(name).context("unknown prefill tile")?;
                                 let _ = attention_prefill_routed(&q, &k, &v, &msk, gh, scale, tile)?;
@@ -484,10 +488,11 @@ fn bench_attn_prefill(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Ten
                     tiles.push(json!({"tile": tile.name(), "ms": ms, "tflops_active": (1.0 - s) * dense_flops / (ms * 1e-3) / 1e12}));
                 }
                 let dispatch_ms = time("dispatch")?;
-                let dispatch_path = if wide_kernels::ops::attention::prefill_routed_pays(t) { "routed" } else { "sdpa+zero" };
+                let dispatch_hint_ms = time("dispatch_hint")?;
+                let dispatch_path = if wide_kernels::ops::attention::prefill_routed_pays(t, s) { "routed" } else { "sdpa+zero" };
                 let tiles_txt: Vec<String> = tiles.iter().map(|x| format!("{} {:.4}", x["tile"].as_str().unwrap_or(""), x["ms"].as_f64().unwrap_or(f64::NAN))).collect();
                 eprintln!(
-                    "attn_prefill T={t:>6} s={s:.2} {l2mode}: sdpa {sdpa_ms:.4} ms ({:.0} TFLOP/s)  sdpa+zero {zero_ms:.4}  routed {routed_ms:.4} ms ({:.2}x sdpa, {:.2}x sdpa+zero; {:.0} TFLOP/s active)  [{}]  dispatch {dispatch_ms:.4} ({dispatch_path})  err {err:.1e}",
+                    "attn_prefill T={t:>6} s={s:.2} {l2mode}: sdpa {sdpa_ms:.4} ms ({:.0} TFLOP/s)  sdpa+zero {zero_ms:.4}  routed {routed_ms:.4} ms ({:.2}x sdpa, {:.2}x sdpa+zero; {:.0} TFLOP/s active)  [{}]  dispatch {dispatch_ms:.4} / hinted {dispatch_hint_ms:.4} ({dispatch_path})  err {err:.1e}",
                     dense_flops / (sdpa_ms * 1e-3) / 1e12,
                     sdpa_ms / routed_ms,
                     zero_ms / routed_ms,
@@ -500,6 +505,7 @@ fn bench_attn_prefill(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Ten
                     "sdpa_ms": sdpa_ms, "sdpa_zero_ms": zero_ms, "speedup_vs_sdpa_zero": zero_ms / routed_ms,
                     "routed_kernel": format!("attn_prefill {}", default_tile.name()), "tiles": tiles,
                     "dispatch_path": dispatch_path, "dispatch_ms": dispatch_ms, "dispatch_speedup": sdpa_ms / dispatch_ms,
+                    "dispatch_hint_ms": dispatch_hint_ms,
                     "dense_gflop": dense_flops / 1e9, "routed_gflop_expected": (1.0 - s) * dense_flops / 1e9,
                     "dense_tflops": dense_flops / (sdpa_ms * 1e-3) / 1e12,
                     "max_rel_err": err, "sdpa_zero_rel_err": dense_err,

@@ -241,8 +241,26 @@ fn prefill_shape(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, group_heads:
 /// [`attention_prefill_reference`]; k/v may be a narrowed KV cache, rows contiguous). With
 /// padding, or off CUDA, the reference; on CUDA (bf16/f16, head_dim 64 or 128) the routed kernel
 /// where [`prefill_routed_pays`] says so, else dense SDPA (flash, GQA) and a zero pass over the
-/// skipped rows. `WIDE_ATTN_PREFILL=routed|dense` forces a path (read once; for benchmarks).
+/// skipped rows. The mask's skip rate is measured here (one device sync) for prompts long enough
+/// to consider the routed kernel; [`attention_prefill_with`] takes it from the caller instead.
+/// `WIDE_ATTN_PREFILL=routed|dense` forces a path (read once; for benchmarks).
 pub fn attention_prefill(q: &Tensor, k: &Tensor, v: &Tensor, key_padding: Option<&Tensor>, mask: &Tensor, group_heads: i64, scale: f64) -> Result<Tensor> {
+    attention_prefill_with(q, k, v, key_padding, mask, group_heads, scale, None)
+}
+
+/// [`attention_prefill`] with the mask's skip rate given (`sparsity`, e.g. the router's running
+/// mean: no device sync); `None` measures it from the mask when the choice depends on it.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_prefill_with(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    key_padding: Option<&Tensor>,
+    mask: &Tensor,
+    group_heads: i64,
+    scale: f64,
+    sparsity: Option<f64>,
+) -> Result<Tensor> {
     let (_, _, _, t, d, _) = prefill_shape(q, k, v, mask, group_heads)?;
     if key_padding.is_some() || !matches!(q.device(), Device::Cuda(_)) {
         return Ok(attention_prefill_reference(q, k, v, key_padding, mask, group_heads, scale));
@@ -250,23 +268,40 @@ pub fn attention_prefill(q: &Tensor, k: &Tensor, v: &Tensor, key_padding: Option
     let kernel_ok = matches!(q.kind(), Kind::BFloat16 | Kind::Half) && matches!(d, 64 | 128) && q.kind() == k.kind() && k.kind() == v.kind();
     let routed = match prefill_override() {
         Some(r) => r && kernel_ok,
-        None => kernel_ok && prefill_routed_pays(t),
+        None => {
+            kernel_ok && t >= PREFILL_ROUTED_MIN_TOKENS && {
+                let s = sparsity.unwrap_or_else(|| 1.0 - mask.to_kind(Kind::Float).mean(Kind::Float).double_value(&[]));
+                prefill_routed_pays(t, s)
+            }
+        }
     };
     if routed {
-        attention_prefill_routed(q, k, v, mask, group_heads, scale, PrefillTile::default_for(d))
+        attention_prefill_routed(q, k, v, mask, group_heads, scale, PrefillTile::for_tokens(t))
     } else {
         attention_prefill_dense(q, k, v, mask, group_heads, scale)
     }
 }
 
-/// Dispatch rule of [`attention_prefill`]: does the routed kernel beat SDPA + zero pass at this
-/// prompt length? (Measured on the H200; see the numbers at [`PREFILL_ROUTED_MIN_TOKENS`].)
-pub fn prefill_routed_pays(tokens: i64) -> bool {
-    tokens >= PREFILL_ROUTED_MIN_TOKENS
+/// Prompt length from which [`attention_prefill`] considers the routed kernel.
+pub const PREFILL_ROUTED_MIN_TOKENS: i64 = 1024;
+
+/// Dispatch rule of [`attention_prefill`]: does the routed kernel (layout included) beat SDPA +
+/// the zero pass at `tokens` prompt tokens and skip rate `sparsity`? Fitted to H200
+/// measurements (bf16, 32/8 heads, head_dim 128, cold L2; benchmarks/RESULTS.md): the routed
+/// kernel does (1 - s) of the FLOPs at ~250-270 TFLOP/s (mma.sync), SDPA all of them at ~390
+/// (2048 tokens) to ~610 TFLOP/s (8192), so the break-even skip rate rises with the length.
+pub fn prefill_routed_pays(tokens: i64, sparsity: f64) -> bool {
+    tokens >= PREFILL_ROUTED_MIN_TOKENS && sparsity >= prefill_min_sparsity(tokens)
 }
 
-/// Prompt length from which [`attention_prefill`] takes the routed kernel.
-pub const PREFILL_ROUTED_MIN_TOKENS: i64 = 1024;
+/// The skip rate from which the routed kernel wins at `tokens` (see [`prefill_routed_pays`]).
+pub fn prefill_min_sparsity(tokens: i64) -> f64 {
+    if tokens < 4096 {
+        0.375
+    } else {
+        0.5
+    }
+}
 
 /// `WIDE_ATTN_PREFILL=routed|dense`: force the prefill attention path (read once).
 fn prefill_override() -> Option<bool> {
@@ -279,12 +314,44 @@ fn prefill_override() -> Option<bool> {
 }
 
 /// The dense path: SDPA with GQA (the flash kernel without padding), then the skipped
-/// (token, head) rows set to 0. Shapes as in [`attention_prefill_reference`]; CUDA or CPU.
+/// (token, head) rows set to 0 (on CUDA in place by one kernel that writes only those rows; the
+/// tch `masked_fill` elsewhere). Shapes as in [`attention_prefill_reference`].
 pub fn attention_prefill_dense(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, group_heads: i64, scale: f64) -> Result<Tensor> {
-    prefill_shape(q, k, v, mask, group_heads)?;
+    let (b, hq, _, t, d, ng) = prefill_shape(q, k, v, mask, group_heads)?;
     let o = Tensor::scaled_dot_product_attention(q, k, v, None::<Tensor>, 0.0, true, scale, true);
-    let off = mask.to_kind(Kind::Bool).logical_not().repeat_interleave_self_int(group_heads, 2, None::<i64>);
-    Ok(o.masked_fill(&off.transpose(1, 2).unsqueeze(-1), 0.0))
+    let st = o.stride();
+    let aligned = st[3] == 1 && st[..3].iter().all(|x| x % 8 == 0) && o.data_ptr() as usize % 16 == 0 && d % 8 == 0;
+    match o.device() {
+        Device::Cuda(dv) if aligned && matches!(o.kind(), Kind::BFloat16 | Kind::Half) && matches!(mask.kind(), Kind::Bool | Kind::Uint8) => {
+            let m = if mask.kind() == Kind::Bool { mask.contiguous().view_dtype(Kind::Uint8) } else { mask.contiguous() };
+            let zero = prefill_kernel(o.kind() == Kind::Half, "attn_prefill_zero", 0, dv)?;
+            let rows = b * t * hq;
+            let grid = ((rows + 7) / 8).min(16 * crate::cuda::multiprocessor_count(dv)? as i64).max(1);
+            unsafe {
+                zero.launch(
+                    LaunchConfig { grid: (grid as u32, 1, 1), block: (256, 1, 1), shared_mem_bytes: 0 },
+                    &[
+                        KernelArg::tensor(&o)?,
+                        KernelArg::tensor(&m)?,
+                        KernelArg::I32(b as i32),
+                        KernelArg::I32(hq as i32),
+                        KernelArg::I32(t as i32),
+                        KernelArg::I32(d as i32),
+                        KernelArg::I32(group_heads as i32),
+                        KernelArg::I32(ng as i32),
+                        KernelArg::I64(st[0]),
+                        KernelArg::I64(st[1]),
+                        KernelArg::I64(st[2]),
+                    ],
+                )?;
+            }
+            Ok(o)
+        }
+        _ => {
+            let off = mask.to_kind(Kind::Bool).logical_not().repeat_interleave_self_int(group_heads, 2, None::<i64>);
+            Ok(o.masked_fill(&off.transpose(1, 2).unsqueeze(-1), 0.0))
+        }
+    }
 }
 
 /// Block shape of the routed prefill kernel: `warps` warps of `mi` x 16 gathered query rows
@@ -319,10 +386,15 @@ impl PrefillTile {
     pub fn parse(s: &str) -> Option<Self> {
         PREFILL_TILES.into_iter().find(|t| t.name() == s)
     }
-    /// `WIDE_ATTN_PREFILL_TILE` if set to a shipped name, else the default for head_dim `d`.
-    pub fn default_for(_d: i64) -> Self {
+    /// `WIDE_ATTN_PREFILL_TILE` if set to a shipped name (read once), else the measured best for
+    /// a prompt of `tokens`: 64-row blocks below 4096 tokens (at 2048, s = 0.5: 0.097 ms against
+    /// 0.127 ms for 128-row blocks, which leave too few blocks for 132 multiprocessors), 4 warps
+    /// of 32 rows from 4096 (at 8192, s = 0.5: 1.021 ms against 1.094 ms; half the shared-memory
+    /// reads of K and V per MMA).
+    pub fn for_tokens(tokens: i64) -> Self {
         static V: OnceLock<Option<PrefillTile>> = OnceLock::new();
-        V.get_or_init(|| std::env::var("WIDE_ATTN_PREFILL_TILE").ok().and_then(|s| Self::parse(&s))).unwrap_or(PREFILL_TILES[0])
+        let forced = *V.get_or_init(|| std::env::var("WIDE_ATTN_PREFILL_TILE").ok().and_then(|s| Self::parse(&s)));
+        forced.unwrap_or(if tokens >= 4096 { PREFILL_TILES[2] } else { PREFILL_TILES[0] })
     }
     fn entry(&self, d: i64) -> String {
         format!("attn_prefill_{d}_{}_{}_{}", self.warps, self.mi, self.bn)

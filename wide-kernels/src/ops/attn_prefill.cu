@@ -344,3 +344,23 @@ ATTN_PREFILL(128, 4, 2, 32, 2)
 ATTN_PREFILL(64, 4, 1, 64, 2)
 ATTN_PREFILL(64, 8, 1, 64, 1)
 ATTN_PREFILL(64, 4, 2, 32, 2)
+
+// ---------------------------------------------------------------------------------------
+// The dense path's zero pass, in place: one warp a (batch, token, head) row of o (any strides
+// in elements, rows of D contiguous and 16-byte aligned); rows of skipped (token, head) pairs
+// become 0, others are not touched. Only the mask and the skipped rows move.
+// ---------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(256) attn_prefill_zero(T* __restrict__ o, const unsigned char* __restrict__ mask, int B, int HQ,
+                                                                    int Tn, int D, int GH, int NG, long long sb, long long sh, long long st) {
+    const long long rows = (long long)B * Tn * HQ;
+    const int lane = threadIdx.x & 31;
+    const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
+    for (long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < rows; r += warps) {
+        const int h = (int)(r % HQ);
+        const long long bt = r / HQ;  // b * T + t
+        if (mask[bt * NG + h / GH]) continue;
+        const long long b = bt / Tn, t = bt % Tn;
+        T* row = o + b * sb + h * sh + t * st;
+        for (int c = lane; c < D / 8; c += 32) reinterpret_cast<uint4*>(row)[c] = make_uint4(0, 0, 0, 0);
+    }
+}
