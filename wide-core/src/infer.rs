@@ -197,11 +197,19 @@ fn is_fast_dtype(t: &Tensor) -> bool {
     matches!(t.device(), Device::Cuda(_)) && matches!(t.kind(), Kind::BFloat16 | Kind::Half)
 }
 
-/// `WIDE_DENSE_GEMV=1` (read once): dense decode-size projections run on the project's GEMV
-/// kernels with every group on, instead of cuBLAS (a measurement knob for the dense baseline).
-fn dense_gemv_enabled() -> bool {
-    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("WIDE_DENSE_GEMV").is_ok_and(|v| v.trim() == "1"))
+/// Up to this many tokens, dense projections run on the project's GEMV kernels (every group on)
+/// rather than cuBLAS: with programmatic dependent launch they overlap the launch before them.
+const DENSE_GEMV_MAX_M: i64 = 1;
+
+/// Whether dense projections of `m` tokens take the GEMV kernels: `WIDE_DENSE_GEMV=0` never,
+/// `=1` up to `GEMV_MAX_M` tokens, unset up to `DENSE_GEMV_MAX_M` (read once).
+fn dense_gemv_enabled(m: i64) -> bool {
+    static V: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    match *V.get_or_init(|| std::env::var("WIDE_DENSE_GEMV").ok().map(|v| v.trim() == "1")) {
+        Some(false) => false,
+        Some(true) => m <= GEMV_MAX_M,
+        None => m <= DENSE_GEMV_MAX_M,
+    }
 }
 
 impl<'m> Engine<'m> {
@@ -611,7 +619,11 @@ impl<'m> Engine<'m> {
 
     fn layout<'d>(&self, d: &'d Decision, kind: usize) -> Result<&'d RouteLayout> {
         if d.layout.get().is_none() {
-            let _ = d.layout.set(route_layout(&d.mask)?.with_sparsity_hint(self.sparsity_hint[kind]));
+            // The decision's mask comes from the gate, at least two launches before the gemm_k that
+            // reads it (gate+up sits between the FFN gate and down; Q, RoPE and attention
+            // between the attention gate and O), unless it still needs a copy here.
+            let lay = route_layout(&d.mask)?.with_sparsity_hint(self.sparsity_hint[kind]);
+            let _ = d.layout.set(if d.mask.is_contiguous() { lay.with_settled_mask() } else { lay });
         }
         Ok(d.layout.get().unwrap())
     }
@@ -639,14 +651,15 @@ impl<'m> Engine<'m> {
     }
 
     /// A dense decode-size projection on the GEMV kernels (one group of the whole width, on
-    /// for every token) when `WIDE_DENSE_GEMV=1`; None otherwise (the caller runs cuBLAS).
+    /// for every token; see `dense_gemv_enabled`); None where cuBLAS runs it.
     fn dense_gemv(&self, op: RoutedOp, x: &Tensor, w: &Tensor, w2: Option<&Tensor>) -> Result<Option<Tensor>> {
         let m = x.size()[0];
-        if !dense_gemv_enabled() || m > GEMV_MAX_M || !is_fast_dtype(x) {
+        let group = if op.reduces_over_groups() { w.size()[1] } else { w.size()[0] };
+        if !dense_gemv_enabled(m) || !is_fast_dtype(x) || w.size()[1] % 8 != 0 || group % 8 != 0 {
             return Ok(None);
         }
-        let lay = route_layout(&self.ones_mask(m, x.device()))?;
-        let group = if op.reduces_over_groups() { w.size()[1] } else { w.size()[0] };
+        // The ones mask is written once, before any step: settled for the gemm_k GEMV.
+        let lay = route_layout(&self.ones_mask(m, x.device()))?.with_settled_mask();
         Ok(Some(routed_gemm(op, x, w, w2, &lay, group, Some(GemmPath::Gemv))?.0))
     }
 

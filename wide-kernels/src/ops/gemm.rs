@@ -217,6 +217,9 @@ fn launch_gemv(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layou
         KernelArg::I32(s.group as i32),
         KernelArg::I32(ng as i32),
     ]);
+    if s.op.reduces_over_groups() {
+        args.push(KernelArg::I32(layout.settled() as i32));
+    }
     // gemm_mn: 4 warps a block, r rows a warp. gemm_k: 8 warps share r rows (split over the used
     // chunks); shared memory holds the block's group list (a group index, and with several
     // tokens which of them use it) and the warps' partial sums.

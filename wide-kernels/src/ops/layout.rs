@@ -20,6 +20,7 @@ pub struct RouteLayout {
     lists: OnceCell<(Tensor, Tensor)>,
     sparsity_hint: Option<f64>,
     measured: OnceCell<f64>,
+    settled: bool,
 }
 
 impl std::fmt::Debug for RouteLayout {
@@ -61,6 +62,19 @@ impl RouteLayout {
         self.sparsity_hint = Some(s.clamp(0.0, 1.0));
         self
     }
+    /// Declares that the mask is written at least two launches before any gemm_k GEMV that
+    /// reads it (the inference engine: the gate runs before gate+up, or before Q, RoPE and
+    /// attention), so that GEMV lists its groups and loads its first weights before it waits for
+    /// the launch just before it (programmatic dependent launch). Wrong for a mask written by
+    /// the launch just before: leave it unset there.
+    pub fn with_settled_mask(mut self) -> Self {
+        self.settled = true;
+        self
+    }
+    /// See [`with_settled_mask`](Self::with_settled_mask).
+    pub fn settled(&self) -> bool {
+        self.settled
+    }
     /// Skip rate: the hint if one was given, else measured once from the mask (a device sync).
     pub fn sparsity(&self) -> f64 {
         if let Some(s) = self.sparsity_hint {
@@ -91,7 +105,7 @@ pub fn route_layout(mask: &Tensor) -> Result<RouteLayout> {
         Kind::Uint8 => mask.contiguous(),
         k => bail!("route_layout: mask must be bool or u8, got {k:?}"),
     };
-    Ok(RouteLayout { mask, lists: OnceCell::new(), sparsity_hint: None, measured: OnceCell::new() })
+    Ok(RouteLayout { mask, lists: OnceCell::new(), sparsity_hint: None, measured: OnceCell::new(), settled: false })
 }
 
 /// Reference layout in tch (any device): a stable descending sort of each group's column.

@@ -194,11 +194,11 @@ __device__ __forceinline__ void gemv_mn(const T* __restrict__ x, const T* __rest
 // warps * R * MAXM floats.
 // ---------------------------------------------------------------------------------------
 // Warp 0 of a gemm_k GEMV block lists the groups some token uses: glist[i] (ascending), with
-// M > 1 gbits[i] = which tokens use it, *nlist = the count. With `hint`, the mask is read from
-// L2 (it may still be in flight: the list is then only a prefetch hint).
+// M > 1 gbits[i] = which tokens use it, *nlist = the count. With `l2`, the mask is read from L2
+// (__ldcg: no line an earlier launch left in this multiprocessor's L1 is trusted).
 template <int MAXM>
 __device__ __forceinline__ void gemv_k_list(const unsigned char* __restrict__ mask, int M, int NG, int* glist, unsigned* gbits,
-                                            int* s_nlist, bool hint) {
+                                            int* s_nlist, bool l2) {
     const int lane = threadIdx.x & 31;
     // Lane l looks at groups [g0 + 16 l, +16).
     int nlist = 0;
@@ -211,7 +211,7 @@ __device__ __forceinline__ void gemv_k_list(const unsigned char* __restrict__ ma
             if (g < NG) {
 #pragma unroll
                 for (int m = 0; m < MAXM; ++m)
-                    if (m < M && (hint ? __ldcg(mask + (long long)m * NG + g) : mask[(long long)m * NG + g])) tb[i] |= 1u << m;
+                    if (m < M && (l2 ? __ldcg(mask + (long long)m * NG + g) : mask[(long long)m * NG + g])) tb[i] |= 1u << m;
             }
         }
         int cnt = 0;
@@ -238,7 +238,7 @@ __device__ __forceinline__ void gemv_k_list(const unsigned char* __restrict__ ma
 
 template <int MAXM, int R>
 __device__ __forceinline__ void gemv_k(const T* __restrict__ x, const T* __restrict__ w, const unsigned char* __restrict__ mask,
-                                       T* __restrict__ out, int M, int N, int K, int G, int NG) {
+                                       T* __restrict__ out, int M, int N, int K, int G, int NG, int settled) {
     extern __shared__ int gemv_k_smem[];
     __shared__ int s_nlist;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwb = blockDim.x >> 5;
@@ -246,45 +246,30 @@ __device__ __forceinline__ void gemv_k(const T* __restrict__ x, const T* __restr
     int* glist = gemv_k_smem;
     unsigned* gbits = reinterpret_cast<unsigned*>(glist + NG);  // tokens using list entry i (M > 1)
     float* red = reinterpret_cast<float*>(glist + NG * (MAXM > 1 ? 2 : 1));
+    // Programmatic dependent launch: x comes from the launch just before. A settled mask (written
+    // two or more launches back, so complete once this grid runs; read from L2) is listed and the
+    // first weight chunks are loaded before the wait, overlapping that launch's tail.
+    if (!settled) {
+        pdl_wait();
+        pdl_trigger();
+    }
+    if (warp == 0) gemv_k_list<MAXM>(mask, M, NG, glist, gbits, &s_nlist, settled != 0);
+    __syncthreads();
     const int per = G >> 3;  // 16-byte chunks per group slice
     const bool pow2 = (per & (per - 1)) == 0;
     const int sh = __ffs(per) - 1;
-    constexpr int U = R >= 8 ? 1 : 8 / R;
-    const int stride = 32 * nwb;
-    // Before the wait (programmatic dependent launch): the mask was normally written launches
-    // ago (the gate before gate+up or Q), so list the groups from it and pull this block's
-    // first weight chunks into L2 while the launch before finishes. Only a hint: the list is
-    // built again after the wait.
-    if (warp == 0) gemv_k_list<MAXM>(mask, M, NG, glist, gbits, &s_nlist, true);
-    __syncthreads();
-    {
-        const int chunks = s_nlist * per;
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int c = 32 * warp + lane + stride * u;
-            if (c < chunks) {
-                const int gi = pow2 ? c >> sh : c / per;
-                const int col = glist[gi] * G + ((c - gi * per) << 3);
-#pragma unroll
-                for (int r = 0; r < R; ++r) prefetch_l2(w + (long long)(n0 + r) * K + col);
-            }
-        }
-    }
-    __syncthreads();
-    pdl_wait();
-    pdl_trigger();
-    if (warp == 0) gemv_k_list<MAXM>(mask, M, NG, glist, gbits, &s_nlist, false);
-    __syncthreads();
     const int chunks = s_nlist * per;
     float acc[R][MAXM];
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
         for (int m = 0; m < MAXM; ++m) acc[r][m] = 0.f;
-    for (int c0 = 32 * warp + lane; c0 < chunks; c0 += stride * U) {
-        uint4 wv[U][R];
-        int col[U];
-        unsigned bits[U];
+    constexpr int U = R >= 8 ? 1 : 8 / R;
+    const int stride = 32 * nwb;
+    uint4 wv[U][R];
+    int col[U];
+    unsigned bits[U];
+    for (int c0 = 32 * warp + lane;; c0 += stride * U) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int c = c0 + stride * u;
@@ -298,6 +283,11 @@ __device__ __forceinline__ void gemv_k(const T* __restrict__ x, const T* __restr
                 for (int r = 0; r < R; ++r) wv[u][r] = ld_stream(w + (long long)(n0 + r) * K + col[u]);
             }
         }
+        if (settled && c0 == 32 * warp + lane) {
+            pdl_wait();
+            pdl_trigger();
+        }
+        if (c0 >= chunks) break;
 #pragma unroll
         for (int u = 0; u < U; ++u)
 #pragma unroll
@@ -337,8 +327,8 @@ __device__ __forceinline__ void gemv_k(const T* __restrict__ x, const T* __restr
         gemv_mn<MM, R, true>(x, w, w2, mask, out, M, N, K, G, NG);                                                    \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(256) gemv_k_##MM##_##R(const T* x, const T* w, const unsigned char* mask, \
-                                                                        T* out, int M, int N, int K, int G, int NG) {  \
-        gemv_k<MM, R>(x, w, mask, out, M, N, K, G, NG);                                                               \
+                                                                        T* out, int M, int N, int K, int G, int NG, int settled) { \
+        gemv_k<MM, R>(x, w, mask, out, M, N, K, G, NG, settled);                                                      \
     }
 GEMV_ENTRIES(1, 1)
 GEMV_ENTRIES(1, 2)
