@@ -318,10 +318,14 @@ fn run_prefill_case(kind: Kind, b: i64, hq: i64, hkv: i64, t: i64, cap: i64, d: 
         poison(b * hq * t, d, kind);
         let y = wide_kernels::attention_prefill_routed(&q, &k, &v, &msk, gh, scale, tile).unwrap();
         check(&y, &r, Some(&off), &format!("{what} routed {}", tile.name()));
+        assert!(y.transpose(1, 2).is_contiguous(), "{what}: routed output must be [B, T, HQ, D] in memory");
     }
     poison(b * hq * t, d, kind);
     let y = wide_kernels::attention_prefill(&q, &k, &v, None, &msk, gh, scale).unwrap();
     check(&y, &r, Some(&off), &format!("{what} dispatch"));
+    poison(b * hq * t, d, kind);
+    let y = wide_kernels::attention_prefill_with(&q, &k, &v, None, &msk, gh, scale, Some(1.0 - p_active)).unwrap();
+    check(&y, &r, Some(&off), &format!("{what} dispatch with the skip rate"));
     // The dense path: SDPA and the in-place zero kernel over the skipped rows.
     let y = wide_kernels::attention_prefill_dense(&q, &k, &v, &msk, gh, scale).unwrap();
     check(&y, &r, Some(&off), &format!("{what} sdpa+zero"));

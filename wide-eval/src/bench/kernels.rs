@@ -391,8 +391,9 @@ fn bench_attn_decode(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Tens
 /// heads), batch 1, causal, prompt lengths from `--contexts`. Dense = SDPA (flash, GQA) alone;
 /// dense+zero = SDPA and the zero pass over the skipped rows (the dense path of
 /// `attention_prefill`); routed = `attention_prefill_routed` (layout + kernel) for every block
-/// shape, the default one for the length being `routed_ms`; dispatch = `attention_prefill`
-/// (measures the mask's skip rate: one sync), hinted = `attention_prefill_with` given it. Outputs are checked
+/// shape, the one `PrefillTile::choose` picks being `routed_ms`; dispatch = `attention_prefill`
+/// (from 8192 tokens it measures the mask's skip rate: one sync), hinted =
+/// `attention_prefill_with` given the skip rate. Outputs are checked
 /// against an f32 reference on the first 4 query heads (one KV head) before timing.
 fn bench_attn_prefill(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Tensor) -> Result<Vec<serde_json::Value>> {
     use wide_kernels::ops::attention::{attention_prefill_dense, attention_prefill_routed, PrefillTile, PREFILL_TILES};
@@ -411,8 +412,8 @@ fn bench_attn_prefill(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Ten
         let v = Tensor::randn([1, hkv, t, d], (cfg.kind, device));
         // Causal FLOPs of the dense op (QK^T and PV over the lower triangle incl. the diagonal).
         let dense_flops = 4.0 * (hq * d) as f64 * (t as f64) * (t as f64 + 1.0) / 2.0;
-        let default_tile = PrefillTile::for_tokens(t);
         for &s in &cfg.sparsity {
+            let default_tile = PrefillTile::choose(1, hq, t, s);
             let new_mask = || Tensor::rand([1, t, ng], (Kind::Float, device)).ge(s);
             let msk = new_mask();
             // f32 reference on one KV head's 4 query heads (group 0): SDPA in f32 (the

@@ -266,30 +266,43 @@ pub fn attention_prefill_with(
         return Ok(attention_prefill_reference(q, k, v, key_padding, mask, group_heads, scale));
     }
     let kernel_ok = matches!(q.kind(), Kind::BFloat16 | Kind::Half) && matches!(d, 64 | 128) && q.kind() == k.kind() && k.kind() == v.kind();
-    let routed = match prefill_override() {
-        Some(r) => r && kernel_ok,
-        None => {
-            kernel_ok && t >= PREFILL_ROUTED_MIN_TOKENS && {
-                let s = sparsity.unwrap_or_else(|| 1.0 - mask.to_kind(Kind::Float).mean(Kind::Float).double_value(&[]));
-                prefill_routed_pays(t, s)
+    // The skip rate: given, or measured from the mask (a device sync, ~30 us of idle GPU on the
+    // H200) only where the attention itself takes about a millisecond or more.
+    let measured = || 1.0 - mask.to_kind(Kind::Float).mean(Kind::Float).double_value(&[]);
+    let (routed, s) = match prefill_override() {
+        Some(r) => (r && kernel_ok, sparsity.unwrap_or(0.5)),
+        None if !kernel_ok || t < PREFILL_ROUTED_MIN_TOKENS => (false, 0.0),
+        None => match sparsity {
+            Some(s) => (prefill_routed_pays(t, s), s),
+            None if t >= PREFILL_MEASURE_MIN_TOKENS => {
+                let s = measured();
+                (prefill_routed_pays(t, s), s)
             }
-        }
+            None => (false, 0.0),
+        },
     };
     if routed {
-        attention_prefill_routed(q, k, v, mask, group_heads, scale, PrefillTile::for_tokens(t))
+        let (b, hq) = (q.size()[0], q.size()[1]);
+        attention_prefill_routed(q, k, v, mask, group_heads, scale, PrefillTile::choose(b, hq, t, s))
     } else {
         attention_prefill_dense(q, k, v, mask, group_heads, scale)
     }
 }
 
 /// Prompt length from which [`attention_prefill`] considers the routed kernel.
-pub const PREFILL_ROUTED_MIN_TOKENS: i64 = 1024;
+pub const PREFILL_ROUTED_MIN_TOKENS: i64 = 2048;
+
+/// Prompt length from which [`attention_prefill`] without a skip rate measures it from the mask
+/// (below, it runs the dense path without a sync).
+pub const PREFILL_MEASURE_MIN_TOKENS: i64 = 8192;
 
 /// Dispatch rule of [`attention_prefill`]: does the routed kernel (layout included) beat SDPA +
-/// the zero pass at `tokens` prompt tokens and skip rate `sparsity`? Fitted to H200
-/// measurements (bf16, 32/8 heads, head_dim 128, cold L2; benchmarks/RESULTS.md): the routed
-/// kernel does (1 - s) of the FLOPs at ~250-270 TFLOP/s (mma.sync), SDPA all of them at ~390
-/// (2048 tokens) to ~610 TFLOP/s (8192), so the break-even skip rate rises with the length.
+/// the zero pass at `tokens` prompt tokens and skip rate `sparsity`? Fitted to the H200 (bf16,
+/// 32/8 heads, head_dim 128, cold L2, routed with the skip rate given; benchmarks/RESULTS.md):
+/// routed / (SDPA + zero) at s = 0.375 / 0.5 / 0.625: 1024 tokens 0.93 / 0.95 / 1.00x, 2048
+/// 0.84 / 1.04 / 1.29x, 4096 0.78 / 0.96 / 1.17x, 8192 0.75 / 0.93 / 1.16x, 32768 0.80 / 1.01 /
+/// 1.38x. The routed kernel does (1 - s) of the FLOPs at 180-300 TFLOP/s (mma.sync), SDPA all of
+/// them at 390 (2048 tokens) to 610 TFLOP/s (8192), so the break-even skip rate is near 0.5.
 pub fn prefill_routed_pays(tokens: i64, sparsity: f64) -> bool {
     tokens >= PREFILL_ROUTED_MIN_TOKENS && sparsity >= prefill_min_sparsity(tokens)
 }
@@ -297,9 +310,9 @@ pub fn prefill_routed_pays(tokens: i64, sparsity: f64) -> bool {
 /// The skip rate from which the routed kernel wins at `tokens` (see [`prefill_routed_pays`]).
 pub fn prefill_min_sparsity(tokens: i64) -> f64 {
     if tokens < 4096 {
-        0.375
-    } else {
         0.5
+    } else {
+        0.55
     }
 }
 
@@ -387,14 +400,16 @@ impl PrefillTile {
         PREFILL_TILES.into_iter().find(|t| t.name() == s)
     }
     /// `WIDE_ATTN_PREFILL_TILE` if set to a shipped name (read once), else the measured best for
-    /// a prompt of `tokens`: 64-row blocks below 4096 tokens (at 2048, s = 0.5: 0.097 ms against
-    /// 0.127 ms for 128-row blocks, which leave too few blocks for 132 multiprocessors), 4 warps
-    /// of 32 rows from 4096 (at 8192, s = 0.5: 1.021 ms against 1.094 ms; half the shared-memory
-    /// reads of K and V per MMA).
-    pub fn for_tokens(tokens: i64) -> Self {
+    /// `batch` x `heads` heads of `tokens` tokens at skip rate `sparsity`: 4 warps of 32 rows
+    /// (half the shared-memory reads of K and V per MMA of 16-row warps; 8192 tokens, s = 0.5:
+    /// 1.020 ms against 1.116 ms) where its 128-row blocks of active rows number at least 384
+    /// (1.45 waves of 2 blocks on 132 multiprocessors), else 64-row blocks (2048 tokens, s = 0.5,
+    /// 256 blocks of 128: 0.097 ms against 0.127 ms; 4096 tokens, s = 0.75: 0.181 against 0.240).
+    pub fn choose(batch: i64, heads: i64, tokens: i64, sparsity: f64) -> Self {
         static V: OnceLock<Option<PrefillTile>> = OnceLock::new();
         let forced = *V.get_or_init(|| std::env::var("WIDE_ATTN_PREFILL_TILE").ok().and_then(|s| Self::parse(&s)));
-        forced.unwrap_or(if tokens >= 4096 { PREFILL_TILES[2] } else { PREFILL_TILES[0] })
+        let blocks = batch as f64 * heads as f64 * tokens as f64 * (1.0 - sparsity) / 128.0;
+        forced.unwrap_or(if blocks >= 384.0 { PREFILL_TILES[2] } else { PREFILL_TILES[0] })
     }
     fn entry(&self, d: i64) -> String {
         format!("attn_prefill_{d}_{}_{}_{}", self.warps, self.mi, self.bn)
@@ -426,7 +441,8 @@ fn prefill_kernel(f16: bool, entry: &str, smem: u32, device: usize) -> Result<Cu
 /// The routed prefill kernel, always (no dispatch): per (batch, head group) a list of the active
 /// tokens (one layout launch), then causal attention of the gathered active query rows of each
 /// head against dense K/V; skipped (token, head) rows exactly 0. CUDA, bf16/f16, head_dim 64 or
-/// 128, no padding; k/v may be narrowed views of a KV cache (rows contiguous).
+/// 128, no padding; k/v may be narrowed views of a KV cache (rows contiguous). The output is
+/// `[B, HQ, T, D]` laid out in memory as `[B, T, HQ, D]` (like SDPA's).
 pub fn attention_prefill_routed(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, group_heads: i64, scale: f64, tile: PrefillTile) -> Result<Tensor> {
     let (b, hq, hkv, t, d, ng) = prefill_shape(q, k, v, mask, group_heads)?;
     let device = match q.device() {
@@ -460,7 +476,10 @@ pub fn attention_prefill_routed(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tenso
     };
     let perm = Tensor::empty([b, ng, t], (Kind::Int, q.device()));
     let count = Tensor::empty([b, ng], (Kind::Int, q.device()));
-    let out = Tensor::empty([b, hq, t, d], (q.kind(), q.device()));
+    // [B, HQ, T, D] over [B, T, HQ, D] memory, as SDPA returns it: the engine's
+    // transpose(1, 2).reshape([B * T, HQ * D]) is then a view.
+    let out = Tensor::empty([b, t, hq, d], (q.kind(), q.device())).transpose(1, 2);
+    let os = out.stride();
     let layout = prefill_kernel(f16, "attn_prefill_layout", 0, device)?;
     let smem = tile.smem_bytes(d);
     let attn = prefill_kernel(f16, &tile.entry(d), smem, device)?;
@@ -486,6 +505,9 @@ pub fn attention_prefill_routed(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tenso
                 KernelArg::I32(ng as i32),
                 KernelArg::I64(kv_sb),
                 KernelArg::I64(kv_sh),
+                KernelArg::I64(os[0]),
+                KernelArg::I64(os[1]),
+                KernelArg::I64(os[2]),
                 KernelArg::F32((scale * std::f64::consts::LOG2_E) as f32),
             ],
         )?;
@@ -549,6 +571,17 @@ mod tests {
         let a = attention_prefill(&q, &k, &k, None, &m, 2, 0.125).unwrap();
         let b = attention_prefill_dense(&q, &k, &k, &m, 2, 0.125).unwrap();
         assert!((a - b).abs().max().double_value(&[]) < 1e-5);
+    }
+
+    #[test]
+    fn prefill_dispatch_rule() {
+        assert!(!prefill_routed_pays(1024, 0.9));
+        assert!(!prefill_routed_pays(2048, 0.375) && prefill_routed_pays(2048, 0.5));
+        assert!(!prefill_routed_pays(8192, 0.5) && prefill_routed_pays(8192, 0.625));
+        // 128-row blocks only with enough of them (Llama-3.1-8B: 32 heads).
+        assert_eq!(PrefillTile::choose(1, 32, 2048, 0.5), PREFILL_TILES[0]);
+        assert_eq!(PrefillTile::choose(1, 32, 4096, 0.75), PREFILL_TILES[0]);
+        assert_eq!(PrefillTile::choose(1, 32, 8192, 0.5), PREFILL_TILES[2]);
     }
 
     #[test]

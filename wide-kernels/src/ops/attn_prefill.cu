@@ -3,7 +3,8 @@
 //   WIDE_F16   1 for f16 operands, 0 for bf16
 //
 // q [B, HQ, T, D] (contiguous), k/v [B, HKV, T, D] (rows contiguous; batch and head strides
-// kv_sb, kv_sh in elements, so a narrowed KV cache needs no copy), mask u8 [B, T, NG] (group of query head h:
+// kv_sb, kv_sh in elements, so a narrowed KV cache needs no copy; out likewise with o_sb, o_sh,
+// o_st, written as [B, T, HQ, D] memory like SDPA's output), mask u8 [B, T, NG] (group of query head h:
 // h / GH). Per (batch, group) `attn_prefill_layout` lists the active tokens ascending, then the
 // inactive ones ascending (perm [B, NG, T], count [B, NG]). A block of `attn_prefill_*` takes BM
 // consecutive list entries of one query head: for active entries it gathers those query rows and
@@ -109,7 +110,8 @@ extern "C" __global__ void __launch_bounds__(1024) attn_prefill_layout(const uns
 template <int D, int NW, int MI, int BN>
 __device__ __forceinline__ void attn_prefill(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                              const int* __restrict__ perm, const int* __restrict__ count, T* __restrict__ out,
-                                             int HQ, int HKV, int Tn, int GH, int NG, long long kv_sb, long long kv_sh, float sl2) {
+                                             int HQ, int HKV, int Tn, int GH, int NG, long long kv_sb, long long kv_sh,
+                                             long long o_sb, long long o_sh, long long o_st, float sl2) {
     constexpr int LD = D + 8;
     constexpr int RW = MI * 16;       // rows a warp
     constexpr int BM = NW * RW;       // rows a block
@@ -133,13 +135,13 @@ __device__ __forceinline__ void attn_prefill(const T* __restrict__ q, const T* _
     const int tile = (int)blockIdx.y < nat ? nat - 1 - (int)blockIdx.y : (int)blockIdx.y;
     const int row0 = tile * BM;
     const int* list = perm + ((long long)b * NG + g) * Tn;
-    T* oh = out + ((long long)b * HQ + h) * Tn * D;
+    T* oh = out + b * o_sb + h * o_sh;
 
     if (row0 >= c) {  // only inactive entries: zeros
         const uint4 z = make_uint4(0, 0, 0, 0);
         for (int i = tid; i < BM * DC; i += NT) {
             const int idx = row0 + i / DC;
-            if (idx < Tn) *reinterpret_cast<uint4*>(oh + (long long)list[idx] * D + (i % DC) * 8) = z;
+            if (idx < Tn) *reinterpret_cast<uint4*>(oh + (long long)list[idx] * o_st + (i % DC) * 8) = z;
         }
         return;
     }
@@ -328,15 +330,15 @@ __device__ __forceinline__ void attn_prefill(const T* __restrict__ q, const T* _
     for (int i = lane; i < RW * DC; i += 32) {
         const int r = i / DC, ch = i % DC;
         const int idx = wrow0 + r;
-        if (idx < Tn) *reinterpret_cast<uint4*>(oh + (long long)list[idx] * D + ch * 8) = *reinterpret_cast<const uint4*>(st + r * LD + ch * 8);
+        if (idx < Tn) *reinterpret_cast<uint4*>(oh + (long long)list[idx] * o_st + ch * 8) = *reinterpret_cast<const uint4*>(st + r * LD + ch * 8);
     }
 }
 
 #define ATTN_PREFILL(D, NW, MI, BN, MINB)                                                                                 \
     extern "C" __global__ void __launch_bounds__(NW * 32, MINB) attn_prefill_##D##_##NW##_##MI##_##BN(                    \
         const T* q, const T* k, const T* v, const int* perm, const int* count, T* out, int HQ, int HKV, int Tn, int GH, int NG, \
-        long long kv_sb, long long kv_sh, float sl2) {                                                                    \
-        attn_prefill<D, NW, MI, BN>(q, k, v, perm, count, out, HQ, HKV, Tn, GH, NG, kv_sb, kv_sh, sl2);                   \
+        long long kv_sb, long long kv_sh, long long o_sb, long long o_sh, long long o_st, float sl2) {                   \
+        attn_prefill<D, NW, MI, BN>(q, k, v, perm, count, out, HQ, HKV, Tn, GH, NG, kv_sb, kv_sh, o_sb, o_sh, o_st, sl2); \
     }
 ATTN_PREFILL(128, 4, 1, 64, 2)
 ATTN_PREFILL(128, 8, 1, 64, 1)
