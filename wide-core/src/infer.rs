@@ -715,6 +715,14 @@ impl<'m> Engine<'m> {
         let out = match lengths {
             None => {
                 let (k, v) = (kc.narrow(2, 0, t), vc.narrow(2, 0, t));
+                if let (Some(d), None, true) = (d, window.filter(|w| *w < t), is_fast_dtype(q)) {
+                    // Routed prefill attention: its dispatch runs the gathered-query kernel where
+                    // it is faster, else SDPA and a pass zeroing the skipped rows; either way
+                    // those rows are already exactly 0.
+                    let mask = d.mask.view([b, t, nh / d.group]);
+                    let o = wide_kernels::attention_prefill_with(q, &k, &v, None, &mask, d.group, self.scale, Some(self.sparsity_hint[0]))?;
+                    return Ok(o.transpose(1, 2).reshape([b * t, nh * hd]));
+                }
                 let o = match window.filter(|w| *w < t) {
                     None => Tensor::scaled_dot_product_attention(q, &k, &v, None::<Tensor>, 0.0, true, self.scale, nkv != nh),
                     Some(w) => {

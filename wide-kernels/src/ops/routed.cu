@@ -110,7 +110,10 @@ extern "C" __global__ void __launch_bounds__(1024) route_layout(const unsigned c
 // ---------------------------------------------------------------------------------------
 // GEMV, output-width routed (small M): out[m, n] = x[m,:] . w[n,:] where mask[m, n/G], else 0.
 // A warp owns R consecutive rows of one group (R | G): a group no token uses is never loaded,
-// and each x chunk, loaded once per lane, serves all R rows (x traffic / R).
+// and each x chunk, loaded once per lane, serves all R rows (x traffic / R). Warps are dealt
+// to the groups some token uses first, in order (warp k takes the (k / (G/R))-th such group),
+// then to the unused groups, whose rows they only zero: the loading warps are consecutive, so
+// they spread evenly over the multiprocessors wherever the used groups fall.
 // With w2 (fused): out = silu(x . w[n]) * (x . w2[n]).
 // ---------------------------------------------------------------------------------------
 template <int MAXM, int R, bool FUSE>
@@ -120,9 +123,40 @@ __device__ __forceinline__ void gemv_mn(const T* __restrict__ x, const T* __rest
     pdl_wait();  // x and the mask come from the launches just before
     pdl_trigger();
     const int lane = threadIdx.x & 31;
-    const int n0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
-    if (n0 >= N) return;
-    const int g = n0 / G;
+    const int wi = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int wpg = G / R;  // warps a group
+    if (wi >= NG * wpg) return;
+    // Groups some token uses: count them, and find this warp's group among the used ones (or,
+    // past them, among the unused ones).
+    int n_on = 0;
+#pragma unroll 4
+    for (int g0 = 0; g0 < NG; g0 += 32) {
+        bool on = false;
+        if (g0 + lane < NG) {
+#pragma unroll
+            for (int m = 0; m < MAXM; ++m) on |= m < M && mask[(long long)m * NG + g0 + lane] != 0;
+        }
+        n_on += __popc(__ballot_sync(0xffffffffu, on));
+    }
+    const bool loads = wi < n_on * wpg;
+    int want = loads ? wi / wpg : (wi - n_on * wpg) / wpg;  // rank among the used / unused groups
+    int g = 0;
+    for (int g0 = 0; g0 < NG; g0 += 32) {
+        bool on = false;
+        if (g0 + lane < NG) {
+#pragma unroll
+            for (int m = 0; m < MAXM; ++m) on |= m < M && mask[(long long)m * NG + g0 + lane] != 0;
+        }
+        const unsigned valid = NG - g0 >= 32 ? 0xffffffffu : (1u << (NG - g0)) - 1u;
+        const unsigned pick = loads ? __ballot_sync(0xffffffffu, on) : ~__ballot_sync(0xffffffffu, on) & valid;
+        const int c = __popc(pick);
+        if (want < c) {
+            g = g0 + __fns(pick, 0, want + 1);
+            break;
+        }
+        want -= c;
+    }
+    const int n0 = g * G + (loads ? wi % wpg : (wi - n_on * wpg) % wpg) * R;
     unsigned act = 0;
 #pragma unroll
     for (int m = 0; m < MAXM; ++m)
