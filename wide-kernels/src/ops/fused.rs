@@ -248,9 +248,11 @@ pub fn rope_qkv_cache(qkv: &Tensor, pos: &Tensor, inv_freq: &Tensor, s: &QkvShap
             let q = Tensor::empty([b, hq, t, d], (qkv.kind(), qkv.device()));
             let pos = pos.to_kind(Kind::Int).contiguous();
             let k = kernel(f16, "rope_qkv_cache", dev)?;
+            // Up to 512 threads a block: D / 2 a head, several heads of one token.
+            let heads = (512 / (d / 2)).clamp(1, hq + hkv);
             unsafe {
                 k.launch_pdl(
-                    LaunchConfig { grid: ((b * t) as u32, (hq + hkv) as u32, 1), block: ((d / 2) as u32, 1, 1), shared_mem_bytes: 0 },
+                    LaunchConfig { grid: ((b * t) as u32, (hq + hkv).div_ceil(heads) as u32, 1), block: ((d / 2) as u32, heads as u32, 1), shared_mem_bytes: 0 },
                     &[
                         KernelArg::tensor(qkv)?,
                         KernelArg::tensor(&pos)?,

@@ -225,13 +225,16 @@ extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router(const T* x,
 
 // qkv [M, (HQ + 2 HKV) D] (one row per token; token m = b * T + t). Rotates q and k by the
 // token's position pos[m] + pos_add, writes q to q_out [B, HQ, T, D], k and v to the caches
-// [B, HKV, CAP, D] at slot = that position. Grid (M, HQ + HKV), D / 2 threads.
+// [B, HKV, CAP, D] at slot = that position. Block (D / 2, heads a block), grid (M, ceil((HQ + HKV)
+// / heads a block)): one block per head would be hundreds of thousands of tiny blocks at
+// prefill sizes, bound by the rate blocks are scheduled, not by the bytes.
 extern "C" __global__ void rope_qkv_cache(const T* __restrict__ qkv, const int* __restrict__ pos, int pos_add,
                                           const float* __restrict__ inv_freq, T* __restrict__ q_out, T* __restrict__ kc,
                                           T* __restrict__ vc, int T_, int HQ, int HKV, int D, int CAP) {
     pdl_wait();
     pdl_trigger();
-    const int m = blockIdx.x, h = blockIdx.y, i = threadIdx.x, half = D >> 1;
+    const int m = blockIdx.x, h = blockIdx.y * blockDim.y + threadIdx.y, i = threadIdx.x, half = D >> 1;
+    if (h >= HQ + HKV) return;
     const int b = m / T_, t = m - b * T_;
     const int p = pos[m] + pos_add;
     const long long src = (long long)m * (HQ + 2 * HKV) * D;
