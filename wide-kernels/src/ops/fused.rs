@@ -252,7 +252,7 @@ pub fn rope_qkv_cache(qkv: &Tensor, pos: &Tensor, inv_freq: &Tensor, s: &QkvShap
             let heads = (512 / (d / 2)).clamp(1, hq + hkv);
             unsafe {
                 k.launch_pdl(
-                    LaunchConfig { grid: ((b * t) as u32, (hq + hkv).div_ceil(heads) as u32, 1), block: ((d / 2) as u32, heads as u32, 1), shared_mem_bytes: 0 },
+                    LaunchConfig { grid: ((b * t) as u32, ((hq + hkv + heads - 1) / heads) as u32, 1), block: ((d / 2) as u32, heads as u32, 1), shared_mem_bytes: 0 },
                     &[
                         KernelArg::tensor(qkv)?,
                         KernelArg::tensor(&pos)?,
