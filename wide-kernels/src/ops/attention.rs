@@ -95,7 +95,11 @@ pub fn attention_decode_with(q: &Tensor, k: &Tensor, v: &Tensor, lengths: &Tenso
     // NB blocks a sequence, shared out on the device among its active KV heads, and at least
     // one for each KV head. More blocks do not stream faster (the kernel is at ~3.7 TB/s with 2
     // a multiprocessor) but each adds a fixed cost: a partial result to write and to merge.
-    let nb = (blocks_per_sm() * crate::cuda::multiprocessor_count(device)? as i64 / s.b).clamp(s.hkv, 8192.max(s.hkv));
+    // No more than one split of 64 positions a KV head can use: a short cache needs few blocks
+    // (the splits, hence the results, are the same; the rest would only exit).
+    let nb = (blocks_per_sm() * crate::cuda::multiprocessor_count(device)? as i64 / s.b)
+        .min(s.hkv * ((s.tcap + 63) / 64))
+        .clamp(s.hkv, 8192.max(s.hkv));
     ensure!(s.b <= 65535 && s.hkv <= 64, "attention_decode: the CUDA kernel takes at most 65535 sequences and 64 KV heads, got {} and {}", s.b, s.hkv);
     let part_o = Tensor::empty([s.b, s.hq, nb, s.d], (Kind::Float, q.device()));
     let part_ml = Tensor::empty([s.b, s.hq, nb, 2], (Kind::Float, q.device()));
