@@ -296,7 +296,7 @@ fn dense_masked(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layo
         let k = routed_kernel(f16, None, "apply_group_mask", device)?;
         let grid = crate::cuda::row_loop_grid(device, (cols as u32 / 8).div_ceil(128), s.m)?;
         unsafe {
-            k.launch(
+            k.launch_pdl(
                 LaunchConfig { grid, block: (128, 1, 1), shared_mem_bytes: 0 },
                 &[
                     KernelArg::tensor(a)?,

@@ -387,6 +387,8 @@ GEMV_ENTRIES(16, 1)
 // ---------------------------------------------------------------------------------------
 extern "C" __global__ void apply_group_mask(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ dst,
                                             const unsigned char* __restrict__ mask, long long M, int N, int G, int NG, int mode) {
+    pdl_wait();  // the product it masks comes from the launch just before (cuBLAS)
+    pdl_trigger();
     // Grid (ceil(N/8/blockDim), rows): blocks loop over rows; no 64-bit division on the hot path.
     const int n = (blockIdx.x * blockDim.x + threadIdx.x) << 3;
     if (n >= N) return;
