@@ -97,6 +97,15 @@ fn run_k_case(kind: Kind, m: i64, n: i64, k: i64, g: i64, p_active: f64) {
             poison(m, n, kind);
             let (y, _) = routed_gemm(op, xin, &w, None, &l, g, Some(p)).unwrap();
             check(&y, &r, Some(&idle), &format!("{op:?} {kind:?} M={m} N={n} K={k} G={g} active={p_active} {}", p.label()));
+            if p == GemmPath::Gemv {
+                // A settled layout: the GEMV lists its groups and loads its first weights before
+                // it waits for the launch before it (the mask was written launches ago: the
+                // poison fills and x come after it).
+                let ls = route_layout(&msk).unwrap().with_settled_mask();
+                poison(m, n, kind);
+                let (y, _) = routed_gemm(op, xin, &w, None, &ls, g, Some(p)).unwrap();
+                check(&y, &r, Some(&idle), &format!("{op:?} {kind:?} M={m} N={n} K={k} G={g} active={p_active} gemv, settled mask"));
+            }
         }
     }
 }
