@@ -193,6 +193,13 @@ pub const GEMV_WIDE_MAX_FRACTION: f64 = 0.95;
 /// Output features from which [`GEMV_WIDE_MAX_FRACTION`] applies.
 pub const GEMV_WIDE_MIN_N: i64 = 8192;
 
+/// A narrow plain output-width product (N < GEMV_WIDE_MIN_N, e.g. Q 4096 x 4096) with several
+/// tokens takes the GEMV only up to this fraction: Q at M = 4, 75% skip (68% of the rows)
+/// measured 0.86x of cuBLAS on the GEMV against 0.93x for dense + mask (H200, 2026-11-30,
+/// `results/kernels-g128-h200.json`); the small product's fixed cost leaves the GEMV only a
+/// clear byte saving to win with.
+pub const GEMV_NARROW_MAX_FRACTION: f64 = 0.5;
+
 /// The reduction-width GEMV (one token only): with the rows shared by the warps of a block,
 /// measured (H200, 2026-11-30, M = 1, cold L2, every G) 1.34-1.43x (down) and 1.39x (O) at 25%
 /// skip (fraction 0.75) and 1.70-1.95x / 1.71x at 50% (the warp-per-row version: 0.94-1.06x
@@ -207,6 +214,7 @@ pub fn choose(s: &GemmShape, sparsity: f64, tuned: Option<&Tuned>) -> GemmPath {
     let pays = match s.op {
         RoutedOp::K | RoutedOp::KPremasked => s.m == 1 && frac <= GEMV_K_MAX_FRACTION,
         RoutedOp::Mn if s.n >= GEMV_WIDE_MIN_N => frac <= GEMV_WIDE_MAX_FRACTION,
+        RoutedOp::Mn if s.m > 1 => frac <= GEMV_NARROW_MAX_FRACTION,
         _ => frac <= GEMV_MAX_FRACTION,
     };
     if gemv_ok && pays {
@@ -298,6 +306,12 @@ mod tests {
         assert_eq!(choose(&shape(RoutedOp::Mn, 4, 128), 0.5, None), GemmPath::Gemv);
         assert_eq!(choose(&shape(RoutedOp::Mn, 4, 128), 0.25, None), GemmPath::DenseMasked);
         assert_eq!(choose(&GemmShape { op: RoutedOp::Mn, m: 4, n: 4096, k: 4096, group: 512 }, 0.5, None), GemmPath::DenseMasked);
+        // A narrow one with several tokens only for a clear byte saving: Q, 4 tokens at 75% (68%
+        // of the rows) runs dense + mask; 2 tokens at 75% (44%) and one token at 25% the GEMV.
+        let q = |m| GemmShape { op: RoutedOp::Mn, m, n: 4096, k: 4096, group: 512 };
+        assert_eq!(choose(&q(4), 0.75, None), GemmPath::DenseMasked);
+        assert_eq!(choose(&q(2), 0.75, None), GemmPath::Gemv);
+        assert_eq!(choose(&q(1), 0.25, None), GemmPath::Gemv);
         assert_eq!(choose(&shape(RoutedOp::MnSwiglu, 4, 128), 0.5, None), GemmPath::DenseMasked);
         for op in [RoutedOp::K, RoutedOp::KPremasked] {
             // gemm_k's GEMV pays for one token only, from 25% skip on (not at 12.5%).
