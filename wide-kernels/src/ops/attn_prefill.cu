@@ -62,43 +62,7 @@ __device__ __forceinline__ float ex2(float x) {
 extern "C" __global__ void __launch_bounds__(1024) attn_prefill_layout(const unsigned char* __restrict__ mask, int Tn, int NG,
                                                                        int* __restrict__ perm, int* __restrict__ count) {
     const int g = blockIdx.x, b = blockIdx.y;
-    const unsigned char* mg = mask + (long long)b * Tn * NG + g;
-    int* pg = perm + ((long long)b * NG + g) * Tn;
-    __shared__ int wa[32], wi[32], tot_a;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    int local = 0;
-    for (int t = threadIdx.x; t < Tn; t += blockDim.x) local += mg[(long long)t * NG] != 0;
-    local = __reduce_add_sync(0xffffffffu, local);
-    if (lane == 0) wa[warp] = local;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int s = 0;
-        for (int i = 0; i < nw; ++i) s += wa[i];
-        tot_a = s;
-        count[b * NG + g] = s;
-    }
-    __syncthreads();
-    int base_a = 0, base_i = tot_a;
-    const unsigned lt = (1u << lane) - 1u;
-    for (int t0 = 0; t0 < Tn; t0 += blockDim.x) {
-        const int t = t0 + threadIdx.x;
-        const bool valid = t < Tn;
-        const bool on = valid && mg[(long long)t * NG] != 0;
-        const unsigned ba = __ballot_sync(0xffffffffu, on);
-        const unsigned bi = __ballot_sync(0xffffffffu, valid && !on);
-        __syncthreads();  // wa/wi of the previous chunk are consumed
-        if (lane == 0) { wa[warp] = __popc(ba); wi[warp] = __popc(bi); }
-        __syncthreads();
-        int off_a = 0, off_i = 0, all_a = 0, all_i = 0;
-        for (int i = 0; i < nw; ++i) {
-            if (i < warp) { off_a += wa[i]; off_i += wi[i]; }
-            all_a += wa[i]; all_i += wi[i];
-        }
-        if (on) pg[base_a + off_a + __popc(ba & lt)] = t;
-        else if (valid) pg[base_i + off_i + __popc(bi & lt)] = t;
-        base_a += all_a;
-        base_i += all_i;
-    }
+    block_partition(mask + (long long)b * Tn * NG + g, NG, Tn, perm + ((long long)b * NG + g) * Tn, count + b * NG + g);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -67,44 +67,7 @@ __device__ __forceinline__ float warp_sum(float v) {
 // ---------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(1024) route_layout(const unsigned char* __restrict__ mask_t, int M, int* __restrict__ perm, int* __restrict__ count) {
     const int g = blockIdx.x;
-    const unsigned char* mg = mask_t + (long long)g * M;
-    int* pg = perm + (long long)g * M;
-    __shared__ int wa[32], wi[32], tot_a;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    // Pass 1: how many are active, so the inactive tail starts at the right place.
-    int local = 0;
-    for (int t = threadIdx.x; t < M; t += blockDim.x) local += mg[t] != 0;
-    local = __reduce_add_sync(0xffffffffu, local);
-    if (lane == 0) wa[warp] = local;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int s = 0;
-        for (int i = 0; i < nw; ++i) s += wa[i];
-        tot_a = s;
-        count[g] = s;
-    }
-    __syncthreads();
-    int base_a = 0, base_i = tot_a;
-    const unsigned lt = (1u << lane) - 1u;
-    for (int t0 = 0; t0 < M; t0 += blockDim.x) {
-        const int t = t0 + threadIdx.x;
-        const bool valid = t < M;
-        const bool on = valid && mg[t] != 0;
-        const unsigned ba = __ballot_sync(0xffffffffu, on);
-        const unsigned bi = __ballot_sync(0xffffffffu, valid && !on);
-        __syncthreads();  // wa/wi of the previous chunk are consumed
-        if (lane == 0) { wa[warp] = __popc(ba); wi[warp] = __popc(bi); }
-        __syncthreads();
-        int off_a = 0, off_i = 0, all_a = 0, all_i = 0;
-        for (int i = 0; i < nw; ++i) {
-            if (i < warp) { off_a += wa[i]; off_i += wi[i]; }
-            all_a += wa[i]; all_i += wi[i];
-        }
-        if (on) pg[base_a + off_a + __popc(ba & lt)] = t;
-        else if (valid) pg[base_i + off_i + __popc(bi & lt)] = t;
-        base_a += all_a;
-        base_i += all_i;
-    }
+    block_partition(mask_t + (long long)g * M, 1, M, perm + (long long)g * M, count + g);
 }
 
 // ---------------------------------------------------------------------------------------
