@@ -719,7 +719,7 @@ impl<'m> Engine<'m> {
                     // Routed prefill attention: its dispatch runs the gathered-query kernel where
                     // it is faster, else SDPA and a pass zeroing the skipped rows; either way
                     // those rows are already exactly 0.
-                    let mask = d.mask.view([b, t, nh / d.group]);
+                    let mask = d.mask.reshape([b, t, nh / d.group]);
                     let o = wide_kernels::attention_prefill_with(q, &k, &v, None, &mask, d.group, self.scale, Some(self.sparsity_hint[0]))?;
                     return Ok(o.transpose(1, 2).reshape([b * t, nh * hd]));
                 }
