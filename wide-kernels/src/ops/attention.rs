@@ -420,7 +420,7 @@ impl PrefillTile {
     }
 }
 
-const PREFILL_SOURCE: &str = concat!(include_str!("partition.cuh"), include_str!("attn_prefill.cu"));
+const PREFILL_SOURCE: &str = concat!(include_str!("mma_sync.cuh"), include_str!("partition.cuh"), include_str!("attn_prefill.cu"));
 
 /// The prefill module for a dtype (layout entry and every block shape).
 pub fn prefill_source(f16: bool) -> KernelSource {
