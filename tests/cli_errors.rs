@@ -128,3 +128,10 @@ fn version_names_the_commit() {
     let v = String::from_utf8_lossy(&out.stdout);
     assert!(v.contains("commit "), "{v}");
 }
+
+#[test]
+fn bench_kernels_names_a_bad_l2_mode() {
+    // Checked before anything needs the GPU.
+    let out = run_wide(&["bench", "kernels", "--ops", "attn_prefill", "--l2", "cold,lukewarm", "--device", "cpu"]);
+    assert_clear_error(&out, "--l2 takes cold or warm, got lukewarm");
+}

@@ -95,6 +95,9 @@ fn ceilings(device: Device, timer: &GpuTimer) -> Result<serde_json::Value> {
 pub fn run(cfg: &KernelBenchConfig) -> Result<serde_json::Value> {
     let _g = tch::no_grad_guard();
     tch::manual_seed(cfg.seed);
+    for mode in &cfg.l2 {
+        l2_cold(mode)?;
+    }
     let device = cfg.device;
     let dev = match device {
         Device::Cuda(d) => d,
@@ -174,22 +177,14 @@ pub fn run(cfg: &KernelBenchConfig) -> Result<serde_json::Value> {
                     }
                     drop(r);
                     for l2mode in &cfg.l2 {
-                        let cold = match l2mode.as_str() {
-                            "cold" => true,
-                            "warm" => false,
-                            o => bail!("--l2 takes cold or warm, got {o}"),
-                        };
+                        let cold = l2_cold(l2mode)?;
                         let mut time = |what: &str| -> Result<f64> {
-                            let mut v = vec![];
-                            for it in 0..cfg.warmup + cfg.iters {
+                            let setup = || -> Result<(Tensor, Tensor)> {
                                 let msk = new_mask();
                                 let x = input(&msk);
-                                if cold {
-                                    let _ = flush.fill_(it as f64);
-                                }
-                                // The host enqueues the timed launches while the GPU spins.
-                                wide_kernels::ops::gpu_spin(dev, 200)?;
-                                timer.start()?;
+                                Ok((msk, x))
+                            };
+                            median_ms(cfg, &timer, &mut flush, dev, cold, setup, |(msk, x)| {
                                 match what {
                                     "dense" => {
                                         let _ = match sp.op {
@@ -203,15 +198,11 @@ pub fn run(cfg: &KernelBenchConfig) -> Result<serde_json::Value> {
                                     }
                                     _ => {
                                         let lay = route_layout(&msk)?.with_sparsity_hint(s);
-                                        let _ = routed_gemm(sp.op, &x, &w, w2.as_ref(), &lay, g, None)?;
+                                        let _ = routed_gemm(sp.op, x, &w, w2.as_ref(), &lay, g, None)?;
                                     }
                                 }
-                                let ms = timer.stop_ms()?;
-                                if it >= cfg.warmup {
-                                    v.push(ms);
-                                }
-                            }
-                            Ok(super::median(&mut v))
+                                Ok(())
+                            })
                         };
                         let dense_ms = time("dense")?;
                         let routed_ms = time("routed")?;
@@ -289,6 +280,45 @@ fn print_table(r: &serde_json::Value) {
     }
 }
 
+/// Whether an `--l2` mode flushes the L2 before each timed run.
+fn l2_cold(mode: &str) -> Result<bool> {
+    match mode {
+        "cold" => Ok(true),
+        "warm" => Ok(false),
+        o => bail!("--l2 takes cold or warm, got {o}"),
+    }
+}
+
+/// Median device time (ms) of `cfg.iters` timed calls after `cfg.warmup` untimed ones. Each
+/// iteration draws its inputs with `setup` outside the timed region, writes the flush buffer
+/// over the L2 when `cold`, and queues a device spin so the host enqueues the timed launches
+/// ahead of the GPU (as a CUDA-graph replay would run them).
+fn median_ms<S>(
+    cfg: &KernelBenchConfig,
+    timer: &GpuTimer,
+    flush: &mut Tensor,
+    dev: usize,
+    cold: bool,
+    mut setup: impl FnMut() -> Result<S>,
+    mut call: impl FnMut(&S) -> Result<()>,
+) -> Result<f64> {
+    let mut v = vec![];
+    for it in 0..cfg.warmup + cfg.iters {
+        let inputs = setup()?;
+        if cold {
+            let _ = flush.fill_(it as f64);
+        }
+        wide_kernels::ops::gpu_spin(dev, 200)?;
+        timer.start()?;
+        call(&inputs)?;
+        let ms = timer.stop_ms()?;
+        if it >= cfg.warmup {
+            v.push(ms);
+        }
+    }
+    Ok(super::median(&mut v))
+}
+
 /// Decode attention, Llama-3.1-8B heads (32 query, 8 KV, head dim 128, groups of 4 query
 /// heads = one KV head), batch 1. Dense = the faster of SDPA (GQA) and our kernel with every
 /// group active; routed = our kernel with a fresh random head-group mask.
@@ -321,20 +351,17 @@ fn bench_attn_decode(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Tens
                 bail!("attn_decode T={t} s={s}: relative error {err:.3e} against the f32 reference");
             }
             for l2mode in &cfg.l2 {
-                let cold = l2mode == "cold";
+                let cold = l2_cold(l2mode)?;
                 // K/V bytes of one KV head (what a call reads per active head).
                 let head_bytes = t * d * cfg.kind.elt_size_in_bytes() as i64;
                 let mut time = |what: &str| -> Result<f64> {
-                    let mut v_ms = vec![];
-                    for it in 0..cfg.warmup + cfg.iters {
+                    let setup = || -> Result<(Tensor, i64)> {
                         let msk = new_mask();
                         // Active KV heads of this mask (groups of 4 heads = one KV head each).
                         let act = if what.starts_with("read_routed") { msk.sum(Kind::Int64).int64_value(&[]) } else { hkv };
-                        if cold {
-                            let _ = flush.fill_(it as f64);
-                        }
-                        wide_kernels::ops::gpu_spin(dev, 200)?;
-                        timer.start()?;
+                        Ok((msk, act))
+                    };
+                    median_ms(cfg, timer, flush, dev, cold, setup, |&(ref msk, act)| {
                         match what {
                             "sdpa" => {
                                 let _ = Tensor::scaled_dot_product_attention(&q.unsqueeze(2), &k, &v, None::<Tensor>, 0.0, false, scale, true);
@@ -351,12 +378,8 @@ fn bench_attn_decode(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Tens
                                 wide_kernels::ops::attention::stream_read(&k, act * head_bytes, &v, act * head_bytes, bps)?;
                             }
                         }
-                        let ms = timer.stop_ms()?;
-                        if it >= cfg.warmup {
-                            v_ms.push(ms);
-                        }
-                    }
-                    Ok(super::median(&mut v_ms))
+                        Ok(())
+                    })
                 };
                 let sdpa_ms = time("sdpa")?;
                 let own_ms = time("own_dense")?;
@@ -442,16 +465,9 @@ fn bench_attn_prefill(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Ten
             let err = errs.iter().cloned().fold(0.0, f64::max);
             let dense_err = rel(&attention_prefill_dense(&q, &k, &v, &msk, gh, scale)?);
             for l2mode in &cfg.l2 {
-                let cold = l2mode == "cold";
+                let cold = l2_cold(l2mode)?;
                 let mut time = |what: &str| -> Result<f64> {
-                    let mut v_ms = vec![];
-                    for it in 0..cfg.warmup + cfg.iters {
-                        let msk = new_mask();
-                        if cold {
-                            let _ = flush.fill_(it as f64);
-                        }
-                        wide_kernels::ops::gpu_spin(dev, 200)?;
-                        timer.start()?;
+                    median_ms(cfg, timer, flush, dev, cold, || Ok(new_mask()), |msk| {
                         match what {
                             "sdpa" => {
                                 let _ = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, scale, true);
@@ -467,15 +483,11 @@ fn bench_attn_prefill(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Ten
                             }
                             name => {
                                 let tile = PrefillTile::parse(name).context("unknown prefill tile")?;
-                                let _ = attention_prefill_routed(&q, &k, &v, &msk, gh, scale, tile)?;
+                                let _ = attention_prefill_routed(&q, &k, &v, msk, gh, scale, tile)?;
                             }
                         }
-                        let ms = timer.stop_ms()?;
-                        if it >= cfg.warmup {
-                            v_ms.push(ms);
-                        }
-                    }
-                    Ok(super::median(&mut v_ms))
+                        Ok(())
+                    })
                 };
                 let sdpa_ms = time("sdpa")?;
                 let zero_ms = time("sdpa_zero")?;
