@@ -332,15 +332,16 @@ impl Dist {
     pub fn all_reduce_f64(&self, values: &mut [f64], op: Reduce) -> Result<()> {
         let mut c = self.control.lock().unwrap();
         let rank = self.rank;
-        // Another rank stopped: stop like the heartbeat does, as a follower (PEER_STOPPED_EXIT).
-        let lost = |what: &str, e: std::io::Error| -> anyhow::Error {
-            fatal_with(rank, &format!("lost the control connection while {what} ({e}); another rank stopped"), PEER_STOPPED_EXIT)
+        // Another rank stopped: stop like the heartbeat does, as a follower (PEER_STOPPED_EXIT),
+        // naming that rank in the heartbeat's words (whichever notices first says the same).
+        let lost = |peer: usize, e: std::io::Error| -> anyhow::Error {
+            fatal_with(rank, &format!("rank {peer} stopped (its connection broke while reducing: {e}); stopping this one"), PEER_STOPPED_EXIT)
         };
         match &mut *c {
             Control::Single => {}
             Control::Root(peers) => {
                 for (i, p) in peers.iter_mut().enumerate() {
-                    let v = bytes_to_f64s(&read_frame(p).map_err(|e| lost("reducing", e))?);
+                    let v = bytes_to_f64s(&read_frame(p).map_err(|e| lost(i + 1, e))?);
                     if v.len() != values.len() {
                         bail!("ranks disagree in a reduction: rank {} sent {} values, rank 0 has {}", i + 1, v.len(), values.len());
                     }
@@ -352,13 +353,13 @@ impl Dist {
                     }
                 }
                 let out = f64s_to_bytes(values);
-                for p in peers.iter_mut() {
-                    write_frame(p, &out).map_err(|e| lost("reducing", e))?;
+                for (i, p) in peers.iter_mut().enumerate() {
+                    write_frame(p, &out).map_err(|e| lost(i + 1, e))?;
                 }
             }
             Control::Peer(s) => {
-                write_frame(s, &f64s_to_bytes(values)).map_err(|e| lost("reducing", e))?;
-                let v = bytes_to_f64s(&read_frame(s).map_err(|e| lost("reducing", e))?);
+                write_frame(s, &f64s_to_bytes(values)).map_err(|e| lost(0, e))?;
+                let v = bytes_to_f64s(&read_frame(s).map_err(|e| lost(0, e))?);
                 if v.len() != values.len() {
                     bail!("ranks disagree in a reduction: rank 0 returned {} values, expected {}", v.len(), values.len());
                 }
