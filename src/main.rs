@@ -316,6 +316,10 @@ struct E2eArgs {
     /// Also time every op alone (largest prefill, batch-1 decode step).
     #[arg(long)]
     profile: bool,
+    /// Measure the cost of these ops inside the captured batch-1 decode step: each is run
+    /// twice in turn (embed, norm, qkv, rope_kv, attention, o_proj, gate_up, down, lm_head).
+    #[arg(long, value_delimiter = ',')]
+    repeat_ops: Vec<String>,
     #[arg(long)]
     out: Option<PathBuf>,
     #[arg(long, default_value_t = 0)]
@@ -672,6 +676,7 @@ fn run(cli: Cli) -> Result<()> {
                 iters: a.iters,
                 cuda_graph: !a.no_cuda_graph,
                 profile: a.profile,
+                repeat_ops: a.repeat_ops,
                 out: a.out,
                 commit: env!("WIDE_GIT_COMMIT").to_string(),
                 seed: a.seed,

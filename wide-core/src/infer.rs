@@ -175,7 +175,14 @@ pub struct Engine<'m> {
     inv_freq: Tensor,
     scale: f64,
     ones: RefCell<BTreeMap<i64, Tensor>>,
+    /// Ops run twice (see [`Engine::set_repeat`]).
+    repeat: RefCell<std::collections::BTreeSet<String>>,
 }
+
+/// The ops [`Engine::set_repeat`] can run twice: each recomputes its outputs from inputs it
+/// does not change (the router decisions are made in `norm`; the cache writes of `rope_kv`
+/// write the same values again).
+pub const REPEATABLE_OPS: [&str; 9] = ["embed", "norm", "qkv", "rope_kv", "attention", "o_proj", "gate_up", "down", "lm_head"];
 
 fn kind_index(k: RouterKind) -> usize {
     match k {
@@ -236,6 +243,7 @@ impl<'m> Engine<'m> {
             inv_freq,
             scale: 1.0 / (c.head_dim as f64).sqrt(),
             ones: RefCell::new(BTreeMap::new()),
+            repeat: RefCell::new(Default::default()),
         })
     }
 
@@ -260,13 +268,27 @@ impl<'m> Engine<'m> {
         *self.profile.borrow_mut() = Some(Profile::default());
     }
 
+    /// Runs each op named in `ops` twice wherever it occurs (measurement only: the second run
+    /// recomputes the same outputs, so a step's results do not change, and the step's extra time
+    /// is that op's cost inside the captured step). Names: see [`REPEATABLE_OPS`].
+    pub fn set_repeat(&self, ops: &[String]) -> Result<()> {
+        for o in ops {
+            ensure!(REPEATABLE_OPS.contains(&o.as_str()), "unknown op `{o}` to repeat: use one of {}", REPEATABLE_OPS.join(", "));
+        }
+        *self.repeat.borrow_mut() = ops.iter().cloned().collect();
+        Ok(())
+    }
+
     /// Stops recording and returns the per-op times.
     pub fn take_profile(&self) -> Profile {
         self.profile.borrow_mut().take().unwrap_or_default()
     }
 
-    fn timed<T>(&self, name: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    fn timed<T>(&self, name: &str, mut f: impl FnMut() -> Result<T>) -> Result<T> {
         if self.profile.borrow().is_none() {
+            if self.repeat.borrow().contains(name) {
+                let _ = f()?;
+            }
             return f();
         }
         let ms;
@@ -408,7 +430,8 @@ impl<'m> Engine<'m> {
             let o = self.timed("o_proj", || self.project_k(&attn, &layer.self_attn.o_proj.weight, layer.self_attn.o_proj.bias.as_ref(), attn_d.as_ref(), c.head_dim, 0))?;
             let (xr, h2) = self.timed("norm", || self.norm_and_router(i, RouterKind::Ffn, &x, Some(&o), &layer.post_attention_layernorm.weight, rc))?;
             x = xr;
-            let ffn_d = self.timed("router", || self.ffn_decision(i, &x, rc, layer_mask))?;
+            let mut layer_mask = layer_mask;
+            let ffn_d = self.timed("router", || self.ffn_decision(i, &x, rc, layer_mask.take()))?;
             let hid = self.timed("gate_up", || self.project_gate_up(i, &h2, ffn_d.as_ref()))?;
             let down = self.timed("down", || self.project_k(&hid, &layer.mlp.down_proj.weight, layer.mlp.down_proj.bias.as_ref(), ffn_d.as_ref(), 1, 1))?;
             delta = Some(down);

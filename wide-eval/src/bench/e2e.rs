@@ -36,6 +36,9 @@ pub struct E2eBenchConfig {
     pub iters: usize,
     pub cuda_graph: bool,
     pub profile: bool,
+    /// Ops (see `wide_core::infer::REPEATABLE_OPS`) whose in-graph cost is measured by running
+    /// each twice in the batch-1 decode step.
+    pub repeat_ops: Vec<String>,
     pub out: Option<PathBuf>,
     pub commit: String,
     pub seed: i64,
@@ -109,29 +112,9 @@ fn measure(engine: &Engine, cfg: &E2eBenchConfig, vocab: i64, label: &str) -> Re
     }
     let mut decode = vec![];
     for &b in &cfg.decode_batches {
-        let prompts: Vec<Vec<i64>> = (0..b).map(|_| Vec::<i64>::try_from(Tensor::randint(vocab, [cfg.prompt_tokens], (Kind::Int64, Device::Cpu))).unwrap()).collect();
-        let capacity = cfg.prompt_tokens + cfg.new_tokens;
         sync(device)?;
         reset_peak(device)?;
-        let (mut steps, mut totals) = (vec![], vec![]);
-        for rep in 0..cfg.warmup + cfg.iters {
-            sync(device)?;
-            let start = std::time::Instant::now();
-            let (mut dec, _) = Decoder::new(engine, &prompts, capacity, true, false, None)?;
-            if cfg.cuda_graph {
-                dec.capture()?;
-            }
-            sync(device)?;
-            let after = std::time::Instant::now();
-            for _ in 0..cfg.new_tokens - 1 {
-                let _ = dec.step()?;
-            }
-            sync(device)?;
-            if rep >= cfg.warmup {
-                steps.push(after.elapsed().as_secs_f64());
-                totals.push(start.elapsed().as_secs_f64());
-            }
-        }
+        let (mut steps, mut totals) = time_decode(engine, cfg, vocab, b)?;
         let peak = peak_bytes(device)?;
         let (step, total) = (median(&mut steps), median(&mut totals));
         let n = (cfg.new_tokens - 1) as f64;
@@ -153,11 +136,65 @@ fn measure(engine: &Engine, cfg: &E2eBenchConfig, vocab: i64, label: &str) -> Re
         }
         decode_skip = skip_json(&dec.skip_counts());
     }
+    // In-graph cost of single ops: each listed op runs twice in the captured batch-1 step.
+    let mut repeat = serde_json::Map::new();
+    if !cfg.repeat_ops.is_empty() {
+        let (mut base, _) = time_decode(engine, cfg, vocab, 1)?;
+        let n = (cfg.new_tokens - 1) as f64;
+        let base_ms = median(&mut base) * 1e3 / n;
+        repeat.insert("none".into(), json!(base_ms));
+        for op in &cfg.repeat_ops {
+            engine.set_repeat(std::slice::from_ref(op))?;
+            let r = time_decode(engine, cfg, vocab, 1);
+            engine.set_repeat(&[])?;
+            let ms = median(&mut r?.0) * 1e3 / n;
+            eprintln!("{label:>10} decode batch 1 with {op} twice: {ms:.3} ms/step ({:+.3} ms, {:+.1} us a call)", ms - base_ms, (ms - base_ms) * 1e3 / op_calls(engine, op));
+            repeat.insert(op.clone(), json!(ms));
+        }
+    }
     let mut profile = Value::Null;
     if cfg.profile {
         profile = profile_ops(engine, cfg, vocab)?;
     }
-    Ok(json!({"prefill": prefill, "decode": decode, "decode_skip": decode_skip, "profile": profile, "allocated_before_gib": gib(resident)}))
+    Ok(json!({"prefill": prefill, "decode": decode, "decode_skip": decode_skip, "profile": profile, "repeat_ops_ms_per_step": repeat, "allocated_before_gib": gib(resident)}))
+}
+
+/// Times `warmup + iters` batch-`b` generations (prefill, graph capture, then `new_tokens - 1`
+/// steps); returns the measured iterations' step-loop and total seconds.
+fn time_decode(engine: &Engine, cfg: &E2eBenchConfig, vocab: i64, b: i64) -> Result<(Vec<f64>, Vec<f64>)> {
+    let device = cfg.device;
+    let prompts: Vec<Vec<i64>> = (0..b).map(|_| Vec::<i64>::try_from(Tensor::randint(vocab, [cfg.prompt_tokens], (Kind::Int64, Device::Cpu))).unwrap()).collect();
+    let capacity = cfg.prompt_tokens + cfg.new_tokens;
+    let (mut steps, mut totals) = (vec![], vec![]);
+    for rep in 0..cfg.warmup + cfg.iters {
+        sync(device)?;
+        let start = std::time::Instant::now();
+        let (mut dec, _) = Decoder::new(engine, &prompts, capacity, true, false, None)?;
+        if cfg.cuda_graph {
+            dec.capture()?;
+        }
+        sync(device)?;
+        let after = std::time::Instant::now();
+        for _ in 0..cfg.new_tokens - 1 {
+            let _ = dec.step()?;
+        }
+        sync(device)?;
+        if rep >= cfg.warmup {
+            steps.push(after.elapsed().as_secs_f64());
+            totals.push(start.elapsed().as_secs_f64());
+        }
+    }
+    Ok((steps, totals))
+}
+
+/// Calls of `op` in one decode step (to express a step's extra time per call).
+fn op_calls(engine: &Engine, op: &str) -> f64 {
+    let layers = engine.model.config.num_hidden_layers as f64;
+    match op {
+        "embed" | "lm_head" => 1.0,
+        "norm" => 2.0 * layers + 1.0,
+        _ => layers,
+    }
 }
 
 fn allocated(device: Device) -> Result<i64> {
@@ -228,6 +265,9 @@ fn floors(mc: &ModelConfig, m: i64, s: f64, ctx: f64) -> Value {
 
 pub fn run(cfg: &E2eBenchConfig) -> Result<Value> {
     let _g = tch::no_grad_guard();
+    for op in &cfg.repeat_ops {
+        anyhow::ensure!(wide_core::infer::REPEATABLE_OPS.contains(&op.as_str()), "unknown op `{op}` for --repeat-ops: use {}", wide_core::infer::REPEATABLE_OPS.join(", "));
+    }
     tch::manual_seed(cfg.seed);
     let t0 = std::time::Instant::now();
     let (model, _vs, mc, label) = build_model(cfg)?;
