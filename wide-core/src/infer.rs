@@ -661,7 +661,8 @@ impl<'m> Engine<'m> {
             let ng = ext.size()[1];
             let sp = self.sparsity_hint[0] * d.mask.size()[1] as f64 / ng as f64;
             if self.gemv_pays(h, RoutedOp::Mn, n, k, d.group * hd, sp) {
-                let lay = route_layout(ext)?.with_sparsity_hint(sp);
+                // The trailing K|V groups of the extended mask are always on.
+                let lay = route_layout(ext)?.with_sparsity_hint(sp).with_always_on_from(d.mask.size()[1])?;
                 return Ok(routed_gemm(RoutedOp::Mn, h, &f.qkv, None, &lay, d.group * hd, Some(GemmPath::Gemv))?.0);
             }
         }
@@ -682,7 +683,7 @@ impl<'m> Engine<'m> {
             return Ok(None);
         }
         // The ones mask is written once, before any step: settled for the gemm_k GEMV.
-        let lay = route_layout(&self.ones_mask(m, x.device()))?.with_settled_mask();
+        let lay = route_layout(&self.ones_mask(m, x.device()))?.with_settled_mask().with_always_on_from(0)?;
         Ok(Some(routed_gemm(op, x, w, w2, &lay, group, Some(GemmPath::Gemv))?.0))
     }
 

@@ -219,6 +219,8 @@ fn launch_gemv(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layou
     ]);
     if s.op.reduces_over_groups() {
         args.push(KernelArg::I32(layout.settled() as i32));
+    } else {
+        args.push(KernelArg::I32(layout.always_on_from() as i32));
     }
     // gemm_mn: 4 warps a block, r rows a warp. gemm_k: 8 warps share r rows (split over the used
     // chunks); shared memory holds the block's group list (a group index, and with several

@@ -161,6 +161,16 @@ extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router(const T* x,
         const int c = piece * 32 + lane + u * 32 * wpr;
         pre[u] = mine && c < H / 8 ? __ldg(reinterpret_cast<const uint4*>(wr + 8 * c)) : make_uint4(0, 0, 0, 0);
     }
+    // The gate's weights (second layer and its bias), read by whichever block arrives last: one
+    // block pulls them into L2 now, so the gate does not wait on memory after the first layer.
+    if (w2 != nullptr && blockIdx.y == 1) {
+        const long long n2 = 2LL * NG * R * (long long)sizeof(T);
+        for (long long off = 128LL * threadIdx.x; off < n2; off += 128LL * blockDim.x)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(w2) + off));
+        if (threadIdx.x == 0)
+            for (long long off = 0; off < 2LL * NG * (long long)sizeof(T); off += 128)
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(b2) + off));
+    }
     pdl_wait();
     pdl_trigger();
     const long long row = (long long)blockIdx.x * H;

@@ -21,6 +21,7 @@ pub struct RouteLayout {
     sparsity_hint: Option<f64>,
     measured: OnceCell<f64>,
     settled: bool,
+    always_on_from: Option<i64>,
 }
 
 impl std::fmt::Debug for RouteLayout {
@@ -71,6 +72,19 @@ impl RouteLayout {
         self.settled = true;
         self
     }
+    /// Declares that groups `g..NG` are on for every token (a dense projection: 0; a fused Q|K|V
+    /// whose trailing K|V groups are always on: the first of them). The gemm_mn GEMV then
+    /// gives those groups to its first warps without reading the mask, and they load their first
+    /// weights before waiting for the launch just before (programmatic dependent launch).
+    pub fn with_always_on_from(mut self, g: i64) -> Result<Self> {
+        anyhow::ensure!((0..=self.groups()).contains(&g), "route_layout: always-on groups must start within 0..={}, got {g}", self.groups());
+        self.always_on_from = Some(g);
+        Ok(self)
+    }
+    /// The first group on for every token by declaration (NG when none is declared).
+    pub fn always_on_from(&self) -> i64 {
+        self.always_on_from.unwrap_or_else(|| self.groups())
+    }
     /// See [`with_settled_mask`](Self::with_settled_mask).
     pub fn settled(&self) -> bool {
         self.settled
@@ -105,7 +119,7 @@ pub fn route_layout(mask: &Tensor) -> Result<RouteLayout> {
         Kind::Uint8 => mask.contiguous(),
         k => bail!("route_layout: mask must be bool or u8, got {k:?}"),
     };
-    Ok(RouteLayout { mask, lists: OnceCell::new(), sparsity_hint: None, measured: OnceCell::new(), settled: false })
+    Ok(RouteLayout { mask, lists: OnceCell::new(), sparsity_hint: None, measured: OnceCell::new(), settled: false, always_on_from: None })
 }
 
 /// Reference layout in tch (any device): a stable descending sort of each group's column.
@@ -162,6 +176,16 @@ mod tests {
         let l = route_layout(&Tensor::ones([7, 3], (Kind::Bool, Device::Cpu))).unwrap();
         assert_eq!(Vec::<i32>::try_from(&l.lists().unwrap().1).unwrap(), vec![7, 7, 7]);
         assert_eq!(l.sparsity(), 0.0);
+    }
+
+    #[test]
+    fn always_on_groups_default_to_none_and_must_lie_within_the_groups() {
+        let l = route_layout(&Tensor::ones([2, 5], (Kind::Bool, Device::Cpu))).unwrap();
+        assert_eq!(l.always_on_from(), 5, "no group is declared always on by default");
+        let l = l.with_always_on_from(3).unwrap();
+        assert_eq!(l.always_on_from(), 3);
+        let e = route_layout(&Tensor::ones([2, 5], (Kind::Bool, Device::Cpu))).unwrap().with_always_on_from(6).unwrap_err();
+        assert!(e.to_string().contains("0..=5"), "{e}");
     }
 
     #[test]

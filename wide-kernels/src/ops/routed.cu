@@ -47,60 +47,95 @@ extern "C" __global__ void __launch_bounds__(1024) route_layout(const unsigned c
 // ---------------------------------------------------------------------------------------
 // GEMV, output-width routed (small M): out[m, n] = x[m,:] . w[n,:] where mask[m, n/G], else 0.
 // A warp owns R consecutive rows of one group (R | G): a group no token uses is never loaded,
-// and each x chunk, loaded once per lane, serves all R rows (x traffic / R). Warps are dealt
-// to the groups some token uses first, in order (warp k takes the (k / (G/R))-th such group),
-// then to the unused groups, whose rows they only zero: the loading warps are consecutive, so
-// they spread evenly over the multiprocessors wherever the used groups fall.
+// and each x chunk, loaded once per lane, serves all R rows (x traffic / R).
+// Groups [FIXED, NG) are on for every token (the caller's promise: 0 for a dense projection, the
+// trailing always-on K|V groups of a fused Q|K|V): the first warps take them in order and, since
+// that needs no mask, load their first weight chunks before waiting for the launch just before
+// (programmatic dependent launch; weights are never written, and nothing is stored before the
+// wait). The other warps are dealt to the groups [0, FIXED) some token uses first, in order
+// (warp k takes the (k / (G/R))-th such group), then to the unused ones, whose rows they only
+// zero: the loading warps are consecutive, so they spread evenly over the multiprocessors
+// wherever the used groups fall. The mask is read in one pass (each lane holds the used bits of
+// groups lane + 32 j in registers), so a warp finds its group after a single round of loads.
 // With w2 (fused): out = silu(x . w[n]) * (x . w2[n]).
 // ---------------------------------------------------------------------------------------
+#define GEMV_MASK_WORDS 16  // groups [0, FIXED) held in registers: up to 32 x 16 = 512
 template <int MAXM, int R, bool FUSE>
 __device__ __forceinline__ void gemv_mn(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ w2,
                                         const unsigned char* __restrict__ mask, T* __restrict__ out,
-                                        int M, int N, int K, int G, int NG) {
-    pdl_wait();  // x and the mask come from the launches just before
-    pdl_trigger();
+                                        int M, int N, int K, int G, int NG, int FIXED) {
     const int lane = threadIdx.x & 31;
     const int wi = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int wpg = G / R;  // warps a group
     if (wi >= NG * wpg) return;
-    // Groups some token uses: count them, and find this warp's group among the used ones (or,
-    // past them, among the unused ones).
-    int n_on = 0;
-#pragma unroll 4
-    for (int g0 = 0; g0 < NG; g0 += 32) {
-        bool on = false;
-        if (g0 + lane < NG) {
+    const int nfix = (NG - FIXED) * wpg;  // warps on the always-on groups
+    const bool fixed = wi < nfix;
+    constexpr int U = R >= 8 ? 1 : 8 / R;  // R * U weight loads in flight per lane
+    const int chunks = K >> 3;
+    uint4 wv[U][R], wv2[U][FUSE ? R : 1];
+    int n0;
+    unsigned act;
+    if (fixed) {
+        const int g = FIXED + wi / wpg;
+        n0 = g * G + (wi % wpg) * R;
+        act = MAXM >= 32 ? 0xffffffffu : (1u << M) - 1u;
+    } else {
+        pdl_wait();  // x and the mask come from the launches just before
+        pdl_trigger();
+        const int wd = wi - nfix;
+        // Used bits of groups lane + 32 j (j < GEMV_MASK_WORDS), all loads in flight at once.
+        unsigned used = 0;
 #pragma unroll
-            for (int m = 0; m < MAXM; ++m) on |= m < M && mask[(long long)m * NG + g0 + lane] != 0;
-        }
-        n_on += __popc(__ballot_sync(0xffffffffu, on));
-    }
-    const bool loads = wi < n_on * wpg;
-    int want = loads ? wi / wpg : (wi - n_on * wpg) / wpg;  // rank among the used / unused groups
-    int g = 0;
-    for (int g0 = 0; g0 < NG; g0 += 32) {
-        bool on = false;
-        if (g0 + lane < NG) {
+        for (int j = 0; j < GEMV_MASK_WORDS; ++j) {
+            const int g = 32 * j + lane;
+            if (g < FIXED) {
+                bool on = false;
 #pragma unroll
-            for (int m = 0; m < MAXM; ++m) on |= m < M && mask[(long long)m * NG + g0 + lane] != 0;
+                for (int m = 0; m < MAXM; ++m) on |= m < M && mask[(long long)m * NG + g] != 0;
+                used |= (unsigned)on << j;
+            }
         }
-        const unsigned valid = NG - g0 >= 32 ? 0xffffffffu : (1u << (NG - g0)) - 1u;
-        const unsigned pick = loads ? __ballot_sync(0xffffffffu, on) : ~__ballot_sync(0xffffffffu, on) & valid;
-        const int c = __popc(pick);
-        if (want < c) {
-            g = g0 + __fns(pick, 0, want + 1);
-            break;
-        }
-        want -= c;
-    }
-    const int n0 = g * G + (loads ? wi % wpg : (wi - n_on * wpg) % wpg) * R;
-    unsigned act = 0;
+        int n_on = 0;
+        for (int g0 = 32 * GEMV_MASK_WORDS; g0 < FIXED; g0 += 32) {  // past the registers (G < 32 / huge N)
+            bool on = false;
+            if (g0 + lane < FIXED) {
 #pragma unroll
-    for (int m = 0; m < MAXM; ++m)
-        if (m < M && mask[(long long)m * NG + g]) act |= 1u << m;
-    if (act == 0) {
-        for (int i = lane; i < M * R; i += 32) out[(long long)(i / R) * N + n0 + i % R] = (T)0.0f;
-        return;
+                for (int m = 0; m < MAXM; ++m) on |= m < M && mask[(long long)m * NG + g0 + lane] != 0;
+            }
+            n_on += __popc(__ballot_sync(0xffffffffu, on));
+        }
+#pragma unroll
+        for (int j = 0; j < GEMV_MASK_WORDS; ++j) n_on += __popc(__ballot_sync(0xffffffffu, (used >> j) & 1u));
+        const bool loads = wd < n_on * wpg;
+        int want = loads ? wd / wpg : (wd - n_on * wpg) / wpg;  // rank among the used / unused groups
+        int g = -1;
+        for (int g0 = 0; g0 < FIXED && g < 0; g0 += 32) {
+            bool on = false;
+            if (g0 < 32 * GEMV_MASK_WORDS) {
+#pragma unroll
+                for (int j = 0; j < GEMV_MASK_WORDS; ++j)
+                    if (32 * j == g0) on = (used >> j) & 1u;
+            } else if (g0 + lane < FIXED) {
+#pragma unroll
+                for (int m = 0; m < MAXM; ++m) on |= m < M && mask[(long long)m * NG + g0 + lane] != 0;
+            }
+            const unsigned valid = FIXED - g0 >= 32 ? 0xffffffffu : (1u << (FIXED - g0)) - 1u;
+            const unsigned ball = __ballot_sync(0xffffffffu, on);
+            const unsigned pick = loads ? ball : ~ball & valid;
+            const int c = __popc(pick);
+            if (want < c) g = g0 + __fns(pick, 0, want + 1);
+            want -= c;
+        }
+        if (g < 0) return;  // more warps than groups [0, FIXED) (cannot happen: wi < NG * wpg)
+        n0 = g * G + (loads ? wd % wpg : (wd - n_on * wpg) % wpg) * R;
+        act = 0;
+#pragma unroll
+        for (int m = 0; m < MAXM; ++m)
+            if (m < M && mask[(long long)m * NG + g]) act |= 1u << m;  // lines this warp just read
+        if (act == 0) {
+            for (int i = lane; i < M * R; i += 32) out[(long long)(i / R) * N + n0 + i % R] = (T)0.0f;
+            return;
+        }
     }
     float acc[R][MAXM], acc2[FUSE ? R : 1][MAXM];
 #pragma unroll
@@ -110,10 +145,7 @@ __device__ __forceinline__ void gemv_mn(const T* __restrict__ x, const T* __rest
             acc[r][m] = 0.f;
             if (FUSE) acc2[FUSE ? r : 0][m] = 0.f;
         }
-    const int chunks = K >> 3;
-    constexpr int U = R >= 8 ? 1 : 8 / R;  // R * U weight loads in flight per lane
     for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
-        uint4 wv[U][R], wv2[U][FUSE ? R : 1];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int c = c0 + 32 * u;
@@ -124,6 +156,10 @@ __device__ __forceinline__ void gemv_mn(const T* __restrict__ x, const T* __rest
                     if (FUSE) wv2[u][FUSE ? r : 0] = ld_stream(w2 + (long long)(n0 + r) * K + (c << 3));
                 }
             }
+        }
+        if (fixed && c0 == lane) {  // the first weight chunks are on their way: now wait for x
+            pdl_wait();
+            pdl_trigger();
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -142,6 +178,10 @@ __device__ __forceinline__ void gemv_mn(const T* __restrict__ x, const T* __rest
                 }
             }
         }
+    }
+    if (fixed && chunks == 0) {
+        pdl_wait();
+        pdl_trigger();
     }
 #pragma unroll
     for (int r = 0; r < R; ++r)
@@ -289,13 +329,13 @@ __device__ __forceinline__ void gemv_k(const T* __restrict__ x, const T* __restr
 
 #define GEMV_ENTRIES(MM, R)                                                                                          \
     extern "C" __global__ void __launch_bounds__(128) gemv_mn_##MM##_##R(const T* x, const T* w, const unsigned char* mask, \
-                                                                         T* out, int M, int N, int K, int G, int NG) { \
-        gemv_mn<MM, R, false>(x, w, nullptr, mask, out, M, N, K, G, NG);                                              \
+                                                                         T* out, int M, int N, int K, int G, int NG, int FIXED) { \
+        gemv_mn<MM, R, false>(x, w, nullptr, mask, out, M, N, K, G, NG, FIXED);                                       \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(128) gemv_mn_swiglu_##MM##_##R(const T* x, const T* w, const T* w2,  \
                                                                                 const unsigned char* mask, T* out, int M, \
-                                                                                int N, int K, int G, int NG) {       \
-        gemv_mn<MM, R, true>(x, w, w2, mask, out, M, N, K, G, NG);                                                    \
+                                                                                int N, int K, int G, int NG, int FIXED) { \
+        gemv_mn<MM, R, true>(x, w, w2, mask, out, M, N, K, G, NG, FIXED);                                             \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(256) gemv_k_##MM##_##R(const T* x, const T* w, const unsigned char* mask, \
                                                                         T* out, int M, int N, int K, int G, int NG, int settled) { \
