@@ -135,3 +135,10 @@ fn bench_kernels_names_a_bad_l2_mode() {
     let out = run_wide(&["bench", "kernels", "--ops", "attn_prefill", "--l2", "cold,lukewarm", "--device", "cpu"]);
     assert_clear_error(&out, "--l2 takes cold or warm, got lukewarm");
 }
+
+#[test]
+fn bench_e2e_names_an_op_it_cannot_repeat() {
+    // Checked before the model is built.
+    let out = run_wide(&["bench", "e2e", "--device", "cpu", "--repeat-ops", "qkv,router"]);
+    assert_clear_error(&out, "unknown op `router` for --repeat-ops: use embed, norm, qkv");
+}
