@@ -161,7 +161,20 @@ impl CudaKernel {
         self.launch_with(cfg, args, pdl_enabled(self.device)?)
     }
 
+    /// [`launch_pdl`](Self::launch_pdl) with thread-block clusters of `cluster` blocks
+    /// (compute capability 9.0+; each grid dimension a multiple of the cluster's).
+    ///
+    /// # Safety
+    /// As for `launch_pdl`.
+    pub unsafe fn launch_pdl_cluster(&self, cfg: LaunchConfig, cluster: (u32, u32, u32), args: &[KernelArg]) -> Result<()> {
+        self.launch_ex(cfg, args, pdl_enabled(self.device)?, Some(cluster))
+    }
+
     unsafe fn launch_with(&self, cfg: LaunchConfig, args: &[KernelArg], pdl: bool) -> Result<()> {
+        self.launch_ex(cfg, args, pdl, None)
+    }
+
+    unsafe fn launch_ex(&self, cfg: LaunchConfig, args: &[KernelArg], pdl: bool, cluster: Option<(u32, u32, u32)>) -> Result<()> {
         ensure_context(self.device)?;
         let stream = shim::current_stream(self.device)? as sys::CUstream;
         // One 128-byte slot an argument (the driver copies each parameter's own size).
@@ -182,10 +195,21 @@ impl CudaKernel {
             })
             .collect();
         let mut params: Vec<*mut c_void> = storage.iter_mut().map(|b| b.as_mut_ptr() as *mut c_void).collect();
-        if pdl {
-            let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
-            attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-            attr.value.programmaticStreamSerializationAllowed = 1;
+        if pdl || cluster.is_some() {
+            let mut attrs: [sys::CUlaunchAttribute; 2] = std::mem::zeroed();
+            let mut n = 0;
+            if pdl {
+                attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+                attrs[n].value.programmaticStreamSerializationAllowed = 1;
+                n += 1;
+            }
+            if let Some((x, y, z)) = cluster {
+                attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+                attrs[n].value.clusterDim.x = x;
+                attrs[n].value.clusterDim.y = y;
+                attrs[n].value.clusterDim.z = z;
+                n += 1;
+            }
             let config = sys::CUlaunchConfig {
                 gridDimX: cfg.grid.0,
                 gridDimY: cfg.grid.1,
@@ -195,12 +219,15 @@ impl CudaKernel {
                 blockDimZ: cfg.block.2,
                 sharedMemBytes: cfg.shared_mem_bytes,
                 hStream: stream,
-                attrs: &mut attr,
-                numAttrs: 1,
+                attrs: attrs.as_mut_ptr(),
+                numAttrs: n as u32,
             };
             let r = sys::cuLaunchKernelEx(&config, self.func, params.as_mut_ptr(), std::ptr::null_mut());
             if r != sys::CUresult::CUDA_SUCCESS {
-                bail!("CUDA driver error while launching a kernel with programmatic dependent launch: {r:?} (WIDE_PDL=0 turns it off)");
+                match cluster {
+                    Some(c) => bail!("CUDA driver error while launching a kernel in clusters of {c:?} blocks (programmatic dependent launch {}): {r:?}", if pdl { "on" } else { "off" }),
+                    None => bail!("CUDA driver error while launching a kernel with programmatic dependent launch: {r:?} (WIDE_PDL=0 turns it off)"),
+                }
             }
         } else {
             drv::launch_kernel(self.func, cfg.grid, cfg.block, cfg.shared_mem_bytes, stream, &mut params)

@@ -39,6 +39,20 @@ fn kernel(f16: bool, entry: &'static str, device: usize) -> Result<CudaKernel> {
     Ok(k)
 }
 
+/// Whether the norm launch that also gates runs as one thread-block cluster a token
+/// (`add_rmsnorm_router_cluster`): compute capability 9.0 or later, unless
+/// `WIDE_ROUTER_CLUSTER=0` (read once) keeps the arrival-counter version.
+fn cluster_router(device: usize) -> Result<bool> {
+    static OFF: OnceLock<bool> = OnceLock::new();
+    if *OFF.get_or_init(|| std::env::var("WIDE_ROUTER_CLUSTER").is_ok_and(|v| v.trim() == "0")) {
+        return Ok(false);
+    }
+    // "compute_90" -> 9 (the last digit is the minor version).
+    let arch = crate::cuda::compute_arch(device)?;
+    let digits = arch.trim_start_matches("compute_").trim_end_matches(|c: char| c.is_ascii_alphabetic());
+    Ok(digits.len() >= 2 && digits[..digits.len() - 1].parse::<u32>().is_ok_and(|major| major >= 9))
+}
+
 /// The CUDA device and f16 flag when `t` can take the kernels (CUDA, bf16 or f16), unless
 /// `WIDE_FUSED=ref` forces the references (to compare the two on a GPU).
 fn cuda_of(t: &Tensor) -> Option<(usize, bool)> {
@@ -149,15 +163,25 @@ fn add_rmsnorm_impl(
             ];
             let fused = router.filter(|(w1, _)| h % 8 == 0 && w1.kind() == x.kind());
             let mut gated = None;
+            let mut cluster = None;
             let (entry, grid, smem, h1) = match fused {
                 Some((w1, b1)) => {
                     let r = w1.size()[0];
                     let h1 = Tensor::empty([m, r], (x.kind(), x.device()));
+                    let g = gate.filter(|(rw, _, _)| m <= ROUTER_TICKETS && r <= 256.min(h) && rw.w2.kind() == x.kind() && rw.w2.dim() == 2 && rw.w2.size()[1] == r);
+                    // With the gate on a Hopper GPU: one cluster of at most 8 blocks a token
+                    // (add_rmsnorm_router_cluster), 16 warps, RPB outputs a block.
+                    let rpb_cluster = (r as u32).div_ceil(8).next_power_of_two();
+                    if g.is_some() && r <= 128 && rpb_cluster <= 16 && cluster_router(dev)? {
+                        cluster = Some((r as u32).div_ceil(rpb_cluster));
+                    }
                     // Router outputs a block: its warps split each output's row four ways (at
                     // H = 4096: 8 warps, 2 outputs a block, 1024 elements a warp).
-                    let rpb = ((threads / 32) / 4).max(1);
+                    let rpb = match cluster {
+                        Some(_) => rpb_cluster,
+                        None => ((threads / 32) / 4).max(1),
+                    };
                     args.extend([KernelArg::tensor(&w1.contiguous())?, KernelArg::tensor(&b1.contiguous())?, KernelArg::tensor(&h1)?, KernelArg::I32(r as i32), KernelArg::I32(rpb as i32)]);
-                    let g = gate.filter(|(rw, _, _)| m <= ROUTER_TICKETS && r <= 256.min(h) && rw.w2.kind() == x.kind() && rw.w2.dim() == 2 && rw.w2.size()[1] == r);
                     match g {
                         Some((rw, offset, extra)) => {
                             let ng = rw.w2.size()[0] / 2;
@@ -181,12 +205,18 @@ fn add_rmsnorm_impl(
                         None => args.extend([KernelArg::Ptr(0), KernelArg::Ptr(0), KernelArg::F32(0.0), KernelArg::Ptr(0), KernelArg::Ptr(0), KernelArg::I32(0), KernelArg::I32(0)]),
                     }
                     // The residual row in shared memory (H floats; the gate reuses it for h1).
-                    ("add_rmsnorm_router", (m as u32, 1 + (r as u32).div_ceil(rpb), 1), 4 * h as u32, Some(h1))
+                    match cluster {
+                        Some(nb) => ("add_rmsnorm_router_cluster", (m as u32, nb, 1), 4 * h as u32, Some(h1)),
+                        None => ("add_rmsnorm_router", (m as u32, 1 + (r as u32).div_ceil(rpb), 1), 4 * h as u32, Some(h1)),
+                    }
                 }
                 None => ("add_rmsnorm", (m as u32, 1, 1), 0, None),
             };
             let k = kernel(f16, entry, dev)?;
-            unsafe { k.launch_pdl(LaunchConfig { grid, block: (threads, 1, 1), shared_mem_bytes: smem }, &args)? };
+            match cluster {
+                Some(nb) => unsafe { k.launch_pdl_cluster(LaunchConfig { grid, block: (512, 1, 1), shared_mem_bytes: smem }, (1, nb, 1), &args)? },
+                None => unsafe { k.launch_pdl(LaunchConfig { grid, block: (threads, 1, 1), shared_mem_bytes: smem }, &args)? },
+            }
             Ok((res, out, h1, gated))
         }
         _ => {

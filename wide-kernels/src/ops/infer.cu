@@ -233,6 +233,119 @@ extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router(const T* x,
     gate_row(xs, w2, b2, offset, mask, ext, R, NG, EXTRA, blockIdx.x);
 }
 
+// add_rmsnorm_router with the gate as one thread-block cluster per token (compute capability
+// 9.0; the host launches it with cluster dimensions (1, NB, 1), grid (M, NB), NB <= 8, 512
+// threads, H floats of dynamic shared memory). Every block of the cluster rebuilds the residual
+// row in shared memory, computes the row's RMS (each the same way, so all agree) and writes its
+// 1/NB slice of res and out; its RPB first-layer outputs (W1 rows loaded before the wait, as in
+// add_rmsnorm_router) go straight into block 0's shared memory (distributed shared memory), so
+// the gate needs no global round trip, fence or arrival counter, only one cluster barrier; then
+// block 0 gates the row. h1 is still written to global memory for the caller.
+__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_arrive_release() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+
+extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router_cluster(const T* x, const T* __restrict__ delta, const T* __restrict__ w,
+                                                                             T* res, T* __restrict__ out, int H, float eps, int has_delta,
+                                                                             const T* __restrict__ w1, const T* __restrict__ b1,
+                                                                             T* __restrict__ h1, int R, int RPB, const T* __restrict__ w2,
+                                                                             const T* __restrict__ b2, float offset,
+                                                                             unsigned char* __restrict__ mask, unsigned char* __restrict__ ext,
+                                                                             int NG, int EXTRA) {
+#if __CUDA_ARCH__ >= 900
+    extern __shared__ float xs[];
+    __shared__ float part[16];
+    __shared__ float sh[32];
+    __shared__ float hs[256];  // in block 0: the token's first-layer outputs, written by the whole cluster
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int wpr = warps / RPB, j = warp / wpr, piece = warp % wpr;
+    const int y = blockIdx.y, nb = gridDim.y;
+    const int r = y * RPB + j;
+    const bool mine = j < RPB && r < R;
+    const T* wr = w1 + (long long)(mine ? r : 0) * H;
+    // Block 0 must be running before others write its shared memory: every block arrives now
+    // and waits just before those writes.
+    cluster_arrive_relaxed();
+    constexpr int PRE = 4;
+    uint4 pre[PRE];
+#pragma unroll
+    for (int u = 0; u < PRE; ++u) {
+        const int c = piece * 32 + lane + u * 32 * wpr;
+        pre[u] = mine && c < H / 8 ? __ldg(reinterpret_cast<const uint4*>(wr + 8 * c)) : make_uint4(0, 0, 0, 0);
+    }
+    if (y == 0) {  // the gate's weights, into L2 while the launch before finishes
+        const long long n2 = 2LL * NG * R * (long long)sizeof(T);
+        for (long long off = 128LL * threadIdx.x; off < n2; off += 128LL * blockDim.x)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(w2) + off));
+        if (threadIdx.x == 0)
+            for (long long off = 0; off < 2LL * NG * (long long)sizeof(T); off += 128)
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(b2) + off));
+    }
+    pdl_wait();
+    pdl_trigger();
+    const long long row = (long long)blockIdx.x * H;
+    for (int i = threadIdx.x; i < H; i += blockDim.x) {
+        float a = tf(x[row + i]);
+        if (has_delta) a = rt(a + tf(delta[row + i]));
+        xs[i] = a;
+    }
+    __syncthreads();
+    // The sum of squares in add_rmsnorm's order (its NT threads, each over i = t + j NT; the
+    // other threads add exact zeros), so the outputs are bit for bit those of add_rmsnorm.
+    const int NT = (min(512, max(32, (H + 15) / 16)) + 31) / 32 * 32;
+    float ss = 0.f;
+    if ((int)threadIdx.x < NT)
+        for (int i = threadIdx.x; i < H; i += NT) ss += xs[i] * xs[i];
+    const float inv = rsqrtf(block_sum(ss, sh) / (float)H + eps);
+    const int per = (H + nb - 1) / nb, i0 = y * per, i1 = min(H, i0 + per);
+    for (int i = i0 + threadIdx.x; i < i1; i += blockDim.x) {
+        if (has_delta) res[row + i] = ft(xs[i]);
+        out[row + i] = ft(tf(w[i]) * rt(xs[i] * inv));
+    }
+    if (mine) {
+        float acc = 0.f;
+#pragma unroll
+        for (int u = 0; u < PRE; ++u) {
+            const int c = piece * 32 + lane + u * 32 * wpr;
+            if (c < H / 8) {
+                const T* we = reinterpret_cast<const T*>(&pre[u]);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc = fmaf(tf(we[e]), xs[8 * c + e], acc);
+            }
+        }
+#pragma unroll 4
+        for (int c = piece * 32 + lane + PRE * 32 * wpr; c < H / 8; c += 32 * wpr) {
+            const uint4 wv = __ldg(reinterpret_cast<const uint4*>(wr + 8 * c));
+            const T* we = reinterpret_cast<const T*>(&wv);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc = fmaf(tf(we[e]), xs[8 * c + e], acc);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        if (lane == 0) part[warp] = acc;
+    }
+    __syncthreads();
+    cluster_wait();  // every block of the cluster has started
+    if (threadIdx.x < RPB) {
+        const int rr = y * RPB + threadIdx.x;
+        if (rr < R) {
+            float acc = 0.f;
+            for (int p = 0; p < wpr; ++p) acc += part[threadIdx.x * wpr + p];
+            const T hv = ft(acc + tf(b1[rr]));
+            h1[(long long)blockIdx.x * R + rr] = hv;
+            const unsigned local = (unsigned)__cvta_generic_to_shared(&hs[rr]);
+            unsigned remote;
+            asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(0));
+            asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(tf(hv)) : "memory");
+        }
+    }
+    cluster_arrive_release();  // publishes this block's outputs to block 0
+    cluster_wait();
+    if (y != 0) return;
+    gate_row(hs, w2, b2, offset, mask, ext, R, NG, EXTRA, blockIdx.x);
+#endif
+}
+
 // qkv [M, (HQ + 2 HKV) D] (one row per token; token m = b * T + t). Rotates q and k by the
 // token's position pos[m] + pos_add, writes q to q_out [B, HQ, T, D], k and v to the caches
 // [B, HKV, CAP, D] at slot = that position. Block (D / 2, heads a block), grid (M, ceil((HQ + HKV)

@@ -104,6 +104,10 @@ mod tests {
                 if arch == "compute_90" && (k.name == "infer" || (k.name == "routed" && untiled)) {
                     assert!(text.contains("griddepcontrol.wait"), "{}: no griddepcontrol.wait in the sm_90 PTX", k.name);
                 }
+                if arch == "compute_90" && k.name == "infer" {
+                    // The clustered norm + router: first-layer outputs into block 0's shared memory.
+                    assert!(text.contains("mapa.shared::cluster") && text.contains("barrier.cluster.wait"), "infer: no cluster code in the sm_90 PTX");
+                }
                 if k.defines.iter().any(|(d, _)| d == "BM") {
                     assert!(text.contains("mma.sync.aligned.m16n8k16"), "tiled variant without tensor-core MMA: {:?}", k.defines);
                     assert!(!text.contains(".local"), "tiled variant spills to local memory: {:?}", k.defines);
