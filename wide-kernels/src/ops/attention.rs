@@ -104,7 +104,14 @@ pub fn attention_decode_with(q: &Tensor, k: &Tensor, v: &Tensor, lengths: &Tenso
     let part_o = Tensor::empty([s.b, s.hq, nb, s.d], (Kind::Float, q.device()));
     let part_ml = Tensor::empty([s.b, s.hq, nb, 2], (Kind::Float, q.device()));
     let out = Tensor::empty([s.b, s.hq, s.d], (q.kind(), q.device()));
-    let split = routed_kernel(f16, None, &format!("attn_decode_split_{}_{qpk}", s.d), device)?;
+    let pipe = decode_pipe();
+    let warps8 = pipe == 1 && decode_warps() == 8;
+    let split = routed_kernel(f16, None, &format!("attn_decode_split{}_{}_{qpk}", if warps8 { "8" } else { ["0", "", "c"][pipe as usize] }, s.d), device)?;
+    // The cp.async variant's stages: 4 warps x 3 stages x (2 D / 32 + 8) chunks x 32 lanes x 16 B.
+    let split_smem = if pipe == 2 { (4 * 3 * (2 * s.d / 32 + 8) * 32 * 16) as u32 } else { 0 };
+    if split_smem > 0 {
+        split.set_max_dynamic_shared_mem(split_smem)?;
+    }
     // Short caches (at most MERGE_MAX_SPLITS splits of 64 tokens): the last split block of each
     // KV head merges that head's splits, one launch. Longer ones: a second launch merges them
     // over many blocks (one block's serial pass over many splits would cost more than the launch:
@@ -113,7 +120,7 @@ pub fn attention_decode_with(q: &Tensor, k: &Tensor, v: &Tensor, lengths: &Tenso
     let merged = !separate_combine && s.b * s.hkv <= ATTN_TICKETS && (s.tcap + 63) / 64 <= MERGE_MAX_SPLITS;
     unsafe {
         split.launch_pdl(
-            LaunchConfig { grid: (nb as u32, 1, s.b as u32), block: (128, 1, 1), shared_mem_bytes: 0 },
+            LaunchConfig { grid: (nb as u32, 1, s.b as u32), block: (if warps8 { 256 } else { 128 }, 1, 1), shared_mem_bytes: split_smem },
             &[
                 KernelArg::tensor(&q)?,
                 KernelArg::tensor(&k)?,
@@ -135,9 +142,10 @@ pub fn attention_decode_with(q: &Tensor, k: &Tensor, v: &Tensor, lengths: &Tenso
         if merged {
             return Ok(out);
         }
-        let combine = routed_kernel(f16, None, &format!("attn_decode_combine_{}_{qpk}", s.d), device)?;
+        let three = combine_three_pass();
+        let combine = routed_kernel(f16, None, &format!("attn_decode_combine{}_{}_{qpk}", if three { "3" } else { "" }, s.d), device)?;
         combine.launch_pdl(
-            LaunchConfig { grid: (s.hq as u32, s.b as u32, 1), block: (256, 1, 1), shared_mem_bytes: 4 * nb as u32 },
+            LaunchConfig { grid: (s.hq as u32, s.b as u32, 1), block: (256, 1, 1), shared_mem_bytes: if three { 4 * nb as u32 } else { 0 } },
             &[
                 KernelArg::tensor(&part_o)?,
                 KernelArg::tensor(&part_ml)?,
@@ -190,6 +198,25 @@ const MERGE_MAX_SPLITS: i64 = 16;
 fn separate_combine() -> bool {
     static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *V.get_or_init(|| std::env::var("WIDE_DECODE_COMBINE").map(|v| v == "separate").unwrap_or(false))
+}
+
+/// `WIDE_DECODE_PIPE`: the split kernel's loop, 0 without a load pipeline, 1 (default) two
+/// register slots, 2 cp.async stages in shared memory (A/B benchmarks).
+fn decode_pipe() -> u8 {
+    static V: std::sync::OnceLock<u8> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("WIDE_DECODE_PIPE").ok().and_then(|v| v.parse().ok()).filter(|&v| v <= 2).unwrap_or(1))
+}
+
+/// `WIDE_DECODE_WARPS=8`: split blocks of 8 warps instead of 4 (A/B benchmarks).
+fn decode_warps() -> u32 {
+    static V: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("WIDE_DECODE_WARPS").ok().and_then(|v| v.parse().ok()).filter(|&v| v == 8).unwrap_or(4))
+}
+
+/// `WIDE_DECODE_COMBINE3=1`: the earlier three-pass combine launch (A/B benchmarks).
+fn combine_three_pass() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("WIDE_DECODE_COMBINE3").is_ok_and(|v| v == "1"))
 }
 
 /// Decode-kernel blocks a multiprocessor (shared among the sequences of a batch): 2, or
