@@ -371,7 +371,7 @@ extern "C" __global__ void apply_group_mask(const T* __restrict__ a, const T* __
 // active heads are read. The NB blocks of a sequence are shared out on the device among its n
 // active KV heads, NB / n splits each (so every block works whatever the skip rate, which the
 // host cannot know without a sync); a split is a run of the sequence rounded up to 64 tokens.
-// Each of the 4 warps of a block takes runs of 2 tiles of 16 tokens (warp w: runs w, w+4, ...):
+// Each of the 4 warps of a block takes the 16-token tiles w, w + 4, w + 8, ... of its split:
 //   S = Q K^T: mma m16n8k16 with the query heads as rows (rows >= QPK are zero) and 8 tokens as
 //     columns. K is read straight from global memory into B fragments: lane (g = lane/4,
 //     t = lane%4) loads dims [32c + 8t, +8) of token g, and the mma's k index is permuted
@@ -518,23 +518,7 @@ __device__ __forceinline__ void decode_tile_compute(const unsigned (&qa)[D / 32]
     }
 }
 
-// PIPE: warp w takes the 16-token tiles w, w + NW, w + 2 NW, ... of its split through two
-// register slots, issuing tile k + 2's loads as soon as tile k is consumed: a warp always has a
-// tile in flight while it computes (one 8 KB tile at least, two while it waits). Otherwise
-// warp w takes runs of 2 tiles (w, w + 4, ... in runs), loads both, then computes both: nothing
-// is in flight while it computes the second.
-// 8-byte asynchronous copy (through L1), zero-filled when !valid.
-__device__ __forceinline__ void cp_async8(void* dst, const void* src, bool valid) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(smem_u32(dst)), "l"(src), "r"(valid ? 8 : 0));
-}
-
-// Stages of the PIPE == 2 (cp.async) split kernel, and its dynamic shared memory: NW = 4 warps x
-// stages x (K + V chunks of a lane) x 32 lanes x 16 bytes.
-#define DECODE_STAGES 3
-template <int D>
-constexpr int decode_stage_bytes() { return 4 * DECODE_STAGES * (2 * (D / 32) + 8) * 32 * 16; }
-
-template <int D, int QPK, int PIPE, int NW = 4>  // NW warps a block
+template <int D, int QPK>
 __device__ __forceinline__ void attn_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                                   const int* __restrict__ lengths, const unsigned char* __restrict__ mask,
                                                   float* __restrict__ part_o, float* __restrict__ part_ml, T* __restrict__ out,
@@ -543,6 +527,7 @@ __device__ __forceinline__ void attn_decode_split(const T* __restrict__ q, const
     constexpr int DC = D / 32;     // 32-dim blocks of K (2 mma k-steps each)
     constexpr int CW = D / 16;     // dims a lane holds per V row chunk = PV mmas
     constexpr int VW = CW / 2;     // 32-bit words per V chunk
+    constexpr int NW = 4;          // warps a block
     __shared__ float sm_o[NW][QPK][D];
     __shared__ float sm_m[NW][QPK], sm_l[NW][QPK];
     pdl_wait();  // q and the cache rows come from the launch just before
@@ -586,90 +571,20 @@ __device__ __forceinline__ void attn_decode_split(const T* __restrict__ q, const
     const long long head = ((long long)b * HKV + h) * TCAP;
     const T* kb = k + head * D;
     const T* vb = v + head * D;
-    // The loads and the mma are volatile asm, so they are issued in program order.
-    if (PIPE == 2) {
-        // Each lane copies the chunks it will read itself into its own slots of the warp's
-        // stages (cp.async, no registers held while in flight), so only its own wait_group
-        // orders them: no barrier. Tile k + NS - 1 is issued before tile k is waited for.
-        constexpr int NS = DECODE_STAGES, KCH = 2 * DC, CH = KCH + 8, ST = 16 * NW;
-        extern __shared__ uint4 dsm[];
-        uint4* wbuf = dsm + warp * NS * CH * 32 + lane;
-        const int tb0 = t0 + 16 * warp;
-        auto issue = [&](int st, int tb) {
-            if (tb >= t1) return;  // uniform in the warp
-            uint4* sb = wbuf + st * CH * 32;
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                const int tok = tb + 8 * j + g;
-#pragma unroll
-                for (int c = 0; c < DC; ++c) cp_async16(sb + (j * DC + c) * 32, tok < t1 ? kb + (long long)tok * D + 32 * c + 8 * t : kb, tok < t1);
-            }
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int tok = tb + 2 * t + (e & 1) + 8 * (e >> 1);
-#pragma unroll
-                for (int hh = 0; hh < 2; ++hh) {
-                    const T* src = tok < t1 ? vb + (long long)tok * D + CW * (g + 8 * hh) : vb;
-                    if (VW == 4) cp_async16(sb + (KCH + 2 * e + hh) * 32, src, tok < t1);
-                    else cp_async8(sb + (KCH + 2 * e + hh) * 32, src, tok < t1);
-                }
-            }
-        };
-#pragma unroll
-        for (int st = 0; st < NS - 1; ++st) {
-            issue(st, tb0 + st * ST);
-            cp_commit();
-        }
-        int st = 0;
-        for (int kt = 0; tb0 + kt * ST < t1; ++kt) {
-            issue(st == 0 ? NS - 1 : st - 1, tb0 + (kt + NS - 1) * ST);
-            cp_commit();
-            cp_wait<NS - 1>();  // tile kt's copies (this lane's) have landed
-            const uint4* sb = wbuf + st * CH * 32;
-            unsigned kr[2][DC][4], vr[4][2][VW];
-#pragma unroll
-            for (int j = 0; j < 2; ++j)
-#pragma unroll
-                for (int c = 0; c < DC; ++c) {
-                    const uint4 w = sb[(j * DC + c) * 32];
-                    kr[j][c][0] = w.x; kr[j][c][1] = w.y; kr[j][c][2] = w.z; kr[j][c][3] = w.w;
-                }
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-#pragma unroll
-                for (int hh = 0; hh < 2; ++hh) {
-                    const uint4 w = sb[(KCH + 2 * e + hh) * 32];
-                    vr[e][hh][0] = w.x; vr[e][hh][1] = w.y;
-                    if (VW == 4) { vr[e][hh][VW == 4 ? 2 : 0] = w.z; vr[e][hh][VW == 4 ? 3 : 1] = w.w; }
-                }
-            decode_tile_compute<D>(qa, kr, vr, tb0 + kt * ST, t1, scale_log2, t, o, m, l);
-            st = st + 1 == NS ? 0 : st + 1;
-        }
-        cp_wait<0>();
-    }
+    // Two register slots of tiles: tile k + 2's loads are issued into the slot of tile k as soon
+    // as tile k is consumed (ptxas hoists them above tile k's PV products once its K registers
+    // are free), so a warp has one tile in flight while it computes and two while it waits.
+    constexpr int ST = 16 * NW;  // tokens between a warp's tiles
     unsigned kr[2][2][DC][4], vr[2][4][2][VW];
-    if (PIPE == 1) {
-        constexpr int ST = 16 * NW;  // tokens between a warp's tiles
-        int tb = t0 + 16 * warp;
-        decode_tile_loads<D>(kr[0], vr[0], kb, vb, tb, t1, g, t);
-        decode_tile_loads<D>(kr[1], vr[1], kb, vb, tb + ST, t1, g, t);
-        for (; tb < t1; tb += 2 * ST) {  // uniform in the warp
-            decode_tile_compute<D>(qa, kr[0], vr[0], tb, t1, scale_log2, t, o, m, l);
-            decode_tile_loads<D>(kr[0], vr[0], kb, vb, tb + 2 * ST, t1, g, t);
-            if (tb + ST >= t1) break;
-            decode_tile_compute<D>(qa, kr[1], vr[1], tb + ST, t1, scale_log2, t, o, m, l);
-            decode_tile_loads<D>(kr[1], vr[1], kb, vb, tb + 3 * ST, t1, g, t);
-        }
-    } else if (PIPE == 0) {
-        for (int tw = t0 + 32 * warp; tw < t1; tw += 32 * NW) {
-#pragma unroll
-            for (int u = 0; u < 2; ++u) decode_tile_loads<D>(kr[u], vr[u], kb, vb, tw + 16 * u, t1, g, t);
-#pragma unroll
-            for (int u = 0; u < 2; ++u) {
-                if (tw + 16 * u >= t1) break;  // uniform in the warp
-                decode_tile_compute<D>(qa, kr[u], vr[u], tw + 16 * u, t1, scale_log2, t, o, m, l);
-            }
-        }
+    int tb = t0 + 16 * warp;
+    decode_tile_loads<D>(kr[0], vr[0], kb, vb, tb, t1, g, t);
+    decode_tile_loads<D>(kr[1], vr[1], kb, vb, tb + ST, t1, g, t);
+    for (; tb < t1; tb += 2 * ST) {  // uniform in the warp
+        decode_tile_compute<D>(qa, kr[0], vr[0], tb, t1, scale_log2, t, o, m, l);
+        decode_tile_loads<D>(kr[0], vr[0], kb, vb, tb + 2 * ST, t1, g, t);
+        if (tb + ST >= t1) break;
+        decode_tile_compute<D>(qa, kr[1], vr[1], tb + ST, t1, scale_log2, t, o, m, l);
+        decode_tile_loads<D>(kr[1], vr[1], kb, vb, tb + 3 * ST, t1, g, t);
     }
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
@@ -761,74 +676,7 @@ __device__ __forceinline__ void attn_decode_merge_head(const float* part_o, cons
 }
 
 // out [B, HQ, D]: inactive heads exactly 0, others the merged splits. Grid (HQ, B), 256
-// threads, dynamic shared memory NB floats. Three passes, none with a chain of dependent loads
-// (a running merge over hundreds of splits would wait on one load after another): the maximum
-// over the splits, each split's weight exp2(m_s - M) and the total sum, then the weighted sum of
-// the outputs (NSL slices of D/4 threads, 16-byte loads), merged through shared memory.
-__device__ __forceinline__ float block_reduce(float v, float* sh, bool is_max) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float y = __shfl_xor_sync(0xffffffffu, v, o);
-        v = is_max ? fmaxf(v, y) : v + y;
-    }
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
-    __syncthreads();
-    float r = sh[0];
-    for (int i = 1; i < (int)(blockDim.x >> 5); ++i) r = is_max ? fmaxf(r, sh[i]) : r + sh[i];
-    return r;
-}
-
-template <int D, int QPK>
-__device__ __forceinline__ void attn_decode_combine3(const float* __restrict__ part_o, const float* __restrict__ part_ml,
-                                                    const int* __restrict__ lengths, const unsigned char* __restrict__ mask,
-                                                    T* __restrict__ out, int HQ, int HKV, int TCAP, int NB, int GH, int NG) {
-    pdl_wait();
-    pdl_trigger();
-    constexpr int DV = D / 4, NSL = 256 / DV;
-    extern __shared__ float sm_c[];  // NB split weights
-    __shared__ float sm_o[NSL][D];
-    __shared__ float sh[8];
-    const int hq = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, sl = tid / DV, dv = tid % DV;
-    T* o = out + ((long long)b * HQ + hq) * D;
-    if (!mask[(long long)b * NG + hq / GH]) {
-        if (tid < D) o[tid] = (T)0.0f;
-        return;
-    }
-    const int S = decode_splits(NB, __popcll(active_kv_heads<QPK>(mask, b, HKV, GH, NG)), min(lengths[b], TCAP));
-    const float NEG_INF = -__int_as_float(0x7f800000);
-    const long long row0 = ((long long)b * HQ + hq) * NB;
-    float m = NEG_INF;
-    for (int s = tid; s < S; s += blockDim.x) m = fmaxf(m, part_ml[(row0 + s) * 2]);
-    const float M = block_reduce(m, sh, true);
-    float l = 0.f;
-    for (int s = tid; s < S; s += blockDim.x) {
-        const float ms = part_ml[(row0 + s) * 2];
-        const float c = ms == NEG_INF ? 0.f : exp2f(ms - M);  // a split past the length: weight 0
-        sm_c[s] = c;
-        l += c * part_ml[(row0 + s) * 2 + 1];
-    }
-    const float L = block_reduce(l, sh, false);  // its barriers also publish sm_c
-    float4 O = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
-    for (int s = sl; s < S; s += NSL) {
-        const float c = sm_c[s];
-        const float4 os = *reinterpret_cast<const float4*>(part_o + (row0 + s) * D + dv * 4);
-        O.x += c * os.x;
-        O.y += c * os.y;
-        O.z += c * os.z;
-        O.w += c * os.w;
-    }
-    *reinterpret_cast<float4*>(&sm_o[sl][dv * 4]) = O;
-    __syncthreads();
-    if (tid < D) {
-        float OO = 0.f;
-        for (int i = 0; i < NSL; ++i) OO += sm_o[i][tid];
-        o[tid] = (T)(L > 0.f ? OO / L : 0.0f);
-    }
-}
-
-// One pass: the thread of slice sl and dims [4 dv, +4) takes splits sl, sl + NSL, ... with U of
+// threads. One pass: the thread of slice sl and dims [4 dv, +4) takes splits sl, sl + NSL, ... with U of
 // them (their max/sum pairs and outputs) loaded at once, rescaling its running sums by a running
 // maximum; the NSL slices are merged through shared memory. The mask and lengths come from
 // launches before the split kernel, which had all finished before any split block passed its
@@ -914,32 +762,12 @@ __device__ __forceinline__ void attn_decode_combine(const float* __restrict__ pa
     extern "C" __global__ void __launch_bounds__(128) attn_decode_split_##D##_##QPK(                                 \
         const T* q, const T* k, const T* v, const int* lengths, const unsigned char* mask, float* part_o, float* part_ml, \
         T* out, int HQ, int HKV, int TCAP, int NB, int GH, int NG, float scale_log2) {                                \
-        attn_decode_split<D, QPK, 1>(q, k, v, lengths, mask, part_o, part_ml, out, HQ, HKV, TCAP, NB, GH, NG, scale_log2); \
-    }                                                                                                                \
-    extern "C" __global__ void __launch_bounds__(128) attn_decode_split0_##D##_##QPK(                                \
-        const T* q, const T* k, const T* v, const int* lengths, const unsigned char* mask, float* part_o, float* part_ml, \
-        T* out, int HQ, int HKV, int TCAP, int NB, int GH, int NG, float scale_log2) {                                \
-        attn_decode_split<D, QPK, 0>(q, k, v, lengths, mask, part_o, part_ml, out, HQ, HKV, TCAP, NB, GH, NG, scale_log2); \
-    }                                                                                                                \
-    extern "C" __global__ void __launch_bounds__(256) attn_decode_split8_##D##_##QPK(                                \
-        const T* q, const T* k, const T* v, const int* lengths, const unsigned char* mask, float* part_o, float* part_ml, \
-        T* out, int HQ, int HKV, int TCAP, int NB, int GH, int NG, float scale_log2) {                                \
-        attn_decode_split<D, QPK, 1, 8>(q, k, v, lengths, mask, part_o, part_ml, out, HQ, HKV, TCAP, NB, GH, NG, scale_log2); \
-    }                                                                                                                \
-    extern "C" __global__ void __launch_bounds__(128) attn_decode_splitc_##D##_##QPK(                                \
-        const T* q, const T* k, const T* v, const int* lengths, const unsigned char* mask, float* part_o, float* part_ml, \
-        T* out, int HQ, int HKV, int TCAP, int NB, int GH, int NG, float scale_log2) {                                \
-        attn_decode_split<D, QPK, 2>(q, k, v, lengths, mask, part_o, part_ml, out, HQ, HKV, TCAP, NB, GH, NG, scale_log2); \
+        attn_decode_split<D, QPK>(q, k, v, lengths, mask, part_o, part_ml, out, HQ, HKV, TCAP, NB, GH, NG, scale_log2); \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(256) attn_decode_combine_##D##_##QPK(                               \
         const float* part_o, const float* part_ml, const int* lengths, const unsigned char* mask, T* out, int HQ, int HKV,     \
         int TCAP, int NB, int GH, int NG) {                                                                           \
         attn_decode_combine<D, QPK>(part_o, part_ml, lengths, mask, out, HQ, HKV, TCAP, NB, GH, NG);                  \
-    }                                                                                                                \
-    extern "C" __global__ void __launch_bounds__(256) attn_decode_combine3_##D##_##QPK(                              \
-        const float* part_o, const float* part_ml, const int* lengths, const unsigned char* mask, T* out, int HQ, int HKV,     \
-        int TCAP, int NB, int GH, int NG) {                                                                           \
-        attn_decode_combine3<D, QPK>(part_o, part_ml, lengths, mask, out, HQ, HKV, TCAP, NB, GH, NG);                 \
     }
 ATTN_DECODE(64, 1)
 ATTN_DECODE(64, 2)
