@@ -93,8 +93,9 @@ pub fn attention_decode_with(q: &Tensor, k: &Tensor, v: &Tensor, lengths: &Tenso
         k => bail!("attention_decode: mask must be bool or u8, got {k:?}"),
     };
     // NB blocks a sequence, shared out on the device among its active KV heads, and at least
-    // one for each KV head. More blocks do not stream faster (the kernel is at ~3.7 TB/s with 2
-    // a multiprocessor) but each adds a fixed cost: a partial result to write and to merge.
+    // one for each KV head. More blocks do not stream faster (with the two-slot load pipeline,
+    // one block of 4 warps a multiprocessor streams as fast as two) but each adds a fixed cost:
+    // a partial result to write and to merge.
     // No more than one split of 64 positions a KV head can use: a short cache needs few blocks
     // (the splits, hence the results, are the same; the rest would only exit).
     let nb = (blocks_per_sm() * crate::cuda::multiprocessor_count(device)? as i64 / s.b)
@@ -137,7 +138,7 @@ pub fn attention_decode_with(q: &Tensor, k: &Tensor, v: &Tensor, lengths: &Tenso
         }
         let combine = routed_kernel(f16, None, &format!("attn_decode_combine_{}_{qpk}", s.d), device)?;
         combine.launch_pdl(
-            LaunchConfig { grid: (s.hq as u32, s.b as u32, 1), block: (256, 1, 1), shared_mem_bytes: 4 * nb as u32 },
+            LaunchConfig { grid: (s.hq as u32, s.b as u32, 1), block: (256, 1, 1), shared_mem_bytes: 0 },
             &[
                 KernelArg::tensor(&part_o)?,
                 KernelArg::tensor(&part_ml)?,
@@ -192,12 +193,16 @@ fn separate_combine() -> bool {
     *V.get_or_init(|| std::env::var("WIDE_DECODE_COMBINE").map(|v| v == "separate").unwrap_or(false))
 }
 
-/// Decode-kernel blocks a multiprocessor (shared among the sequences of a batch): 2, or
-/// `WIDE_DECODE_BLOCKS_PER_SM` (read once; for benchmark sweeps). Measured on the H200 (32768
-/// tokens, 50% skip): 1, 2, 3, 4 blocks a multiprocessor ran 32.3, 31.6, 35.2, 34.4 us.
+/// Decode-kernel blocks a multiprocessor (shared among the sequences of a batch): 1, or
+/// `WIDE_DECODE_BLOCKS_PER_SM` (read once; for benchmark sweeps). The split kernel takes ~255
+/// registers a thread, so at most 2 of its 128-thread blocks fit on a multiprocessor (3 or 4
+/// run in two waves). Measured on the H200 (s = 0.5, cold, 30 timed calls, two runs each): 1
+/// and 2 blocks ran 28.3-28.5 against 28.8-29.0 us at 32768 tokens, 15.5-15.7 against
+/// 16.2-16.3 at 8192, 11.0 against 11.0-11.1 at 2048 (our kernel with every group on: 45.6-45.7
+/// against 47.1-47.2 at 32768).
 fn blocks_per_sm() -> i64 {
     static V: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("WIDE_DECODE_BLOCKS_PER_SM").ok().and_then(|v| v.parse().ok()).filter(|&v| v > 0).unwrap_or(2))
+    *V.get_or_init(|| std::env::var("WIDE_DECODE_BLOCKS_PER_SM").ok().and_then(|v| v.parse().ok()).filter(|&v| v > 0).unwrap_or(1))
 }
 
 /// Causal prefill attention with padding and head-group routing, reference in tch. q

@@ -411,7 +411,7 @@ extern "C" __global__ void apply_group_mask(const T* __restrict__ a, const T* __
 // active heads are read. The NB blocks of a sequence are shared out on the device among its n
 // active KV heads, NB / n splits each (so every block works whatever the skip rate, which the
 // host cannot know without a sync); a split is a run of the sequence rounded up to 64 tokens.
-// Each of the 4 warps of a block takes runs of 2 tiles of 16 tokens (warp w: runs w, w+4, ...):
+// Each of the 4 warps of a block takes the 16-token tiles w, w + 4, w + 8, ... of its split:
 //   S = Q K^T: mma m16n8k16 with the query heads as rows (rows >= QPK are zero) and 8 tokens as
 //     columns. K is read straight from global memory into B fragments: lane (g = lane/4,
 //     t = lane%4) loads dims [32c + 8t, +8) of token g, and the mma's k index is permuted
@@ -483,6 +483,81 @@ template <int D, int QPK>
 __device__ __forceinline__ void attn_decode_merge_head(const float* part_o, const float* part_ml, const unsigned char* __restrict__ mask,
                                                        T* __restrict__ out, int b, int h, int HQ, int NB, int S, int GH, int NG);
 
+// Loads of one 16-token tile at tb for lane (g, t) (tokens at or past t1 read as zeros):
+// K: tokens tb + 8j + g, dims 32c + 8t .. +8.   V: tokens tb + {2t, 2t+1, 2t+8, 2t+9}, dims
+// [CW g, +CW) and [CW (g+8), +CW). 8 KB a warp at D = 128.
+template <int D>
+__device__ __forceinline__ void decode_tile_loads(unsigned (&kr)[2][D / 32][4], unsigned (&vr)[4][2][D / 32], const T* kb, const T* vb,
+                                                  int tb, int t1, int g, int t) {
+    constexpr int DC = D / 32, CW = D / 16, VW = CW / 2;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const int tok = tb + 8 * j + g;
+#pragma unroll
+        for (int c = 0; c < DC; ++c) ld_words<4>(kr[j][c], kb + (long long)tok * D + 32 * c + 8 * t, tok < t1);
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const int tok = tb + 2 * t + (e & 1) + 8 * (e >> 1);
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) ld_words<VW>(vr[e][hh], vb + (long long)tok * D + CW * (g + 8 * hh), tok < t1);
+    }
+}
+
+// One tile (tb < t1) into the running softmax state of this lane: m (head g's running max,
+// log2 domain), l (this lane's share of head g's sum), o (O^T accumulators).
+template <int D>
+__device__ __forceinline__ void decode_tile_compute(const unsigned (&qa)[D / 32][4], const unsigned (&kr)[2][D / 32][4], const unsigned (&vr)[4][2][D / 32],
+                                                    int tb, int t1, float scale_log2, int t, float (&o)[D / 16][4], float& m, float& l) {
+    constexpr int DC = D / 32, CW = D / 16;
+    const float NEG_INF = -__int_as_float(0x7f800000);
+    float sc[2][4];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+#pragma unroll
+        for (int c = 0; c < DC; ++c)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const unsigned a[4] = {qa[c][2 * hh], 0u, qa[c][2 * hh + 1], 0u};
+                const unsigned bb[2] = {kr[j][c][2 * hh], kr[j][c][2 * hh + 1]};
+                mma16816(sc[j], a, bb);
+            }
+    }
+    // sc[j][e] (e < 2) = score of head g with token tb + 8j + 2t + e.
+    float mt = NEG_INF;
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            sc[j][e] = tb + 8 * j + 2 * t + e < t1 ? sc[j][e] * scale_log2 : NEG_INF;
+            mt = fmaxf(mt, sc[j][e]);
+        }
+    mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
+    mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 2));
+    const float mn = fmaxf(m, mt);  // finite: token tb is valid
+    const float alpha = exp2f(m - mn);
+    m = mn;
+    float p[2][2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) p[j][e] = exp2f(sc[j][e] - mn);
+    l = l * alpha + (p[0][0] + p[0][1]) + (p[1][0] + p[1][1]);
+    // This lane's outputs belong to heads 2t and 2t + 1, whose alphas live in lanes 8t, 8t + 4.
+    const float al0 = __shfl_sync(0xffffffffu, alpha, 8 * t), al1 = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);
+    const unsigned pb[2] = {from_f2(p[0][0], p[0][1]), from_f2(p[1][0], p[1][1])};
+#pragma unroll
+    for (int i = 0; i < CW; ++i) {
+        o[i][0] *= al0; o[i][2] *= al0;
+        o[i][1] *= al1; o[i][3] *= al1;
+        const int w = i >> 1, hf = i & 1;
+        const unsigned a[4] = {pack_half(vr[0][0][w], vr[1][0][w], hf), pack_half(vr[0][1][w], vr[1][1][w], hf),
+                               pack_half(vr[2][0][w], vr[3][0][w], hf), pack_half(vr[2][1][w], vr[3][1][w], hf)};
+        mma16816(o[i], a, pb);
+    }
+}
+
 template <int D, int QPK>
 __device__ __forceinline__ void attn_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                                   const int* __restrict__ lengths, const unsigned char* __restrict__ mask,
@@ -499,9 +574,12 @@ __device__ __forceinline__ void attn_decode_split(const T* __restrict__ q, const
     pdl_trigger();
     const int b = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    // The length is loaded before the mask bits are reduced, so that both loads are in flight
+    // together (after the ballot it cost one more memory round trip before the first K/V load).
+    const int len_b = __ldg(lengths + b);
     const unsigned long long heads = active_kv_heads<QPK>(mask, b, HKV, GH, NG);
     const int n_act = __popcll(heads);
-    const int len = min(lengths[b], TCAP);
+    const int len = min(len_b, TCAP);
     const int splits = decode_splits(NB, n_act, len);
     if (out != nullptr) {
         // Merged here: block x writes the zeros of the x-th KV head with no active query head
@@ -533,79 +611,20 @@ __device__ __forceinline__ void attn_decode_split(const T* __restrict__ q, const
     const long long head = ((long long)b * HKV + h) * TCAP;
     const T* kb = k + head * D;
     const T* vb = v + head * D;
-    // A warp takes TW tiles of 16 tokens an iteration and issues all of their loads first (the
-    // loads and the mma are volatile asm, so they stay in this order): 16 KB in flight a warp.
-    constexpr int TW = 2;
-    for (int tw = t0 + 16 * TW * warp; tw < t1; tw += 16 * TW * NW) {
-        // K: tokens tb + 8j + g, dims 32c + 8t .. +8.   V: tokens tb + {2t, 2t+1, 2t+8, 2t+9}, dims
-        // [CW g, +CW) and [CW (g+8), +CW).
-        unsigned kr[TW][2][DC][4], vr[TW][4][2][VW];
-#pragma unroll
-        for (int u = 0; u < TW; ++u) {
-            const int tb = tw + 16 * u;
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                const int tok = tb + 8 * j + g;
-#pragma unroll
-                for (int c = 0; c < DC; ++c) ld_words<4>(kr[u][j][c], kb + (long long)tok * D + 32 * c + 8 * t, tok < t1);
-            }
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int tok = tb + 2 * t + (e & 1) + 8 * (e >> 1);
-#pragma unroll
-                for (int hh = 0; hh < 2; ++hh) ld_words<VW>(vr[u][e][hh], vb + (long long)tok * D + CW * (g + 8 * hh), tok < t1);
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < TW; ++u) {
-            const int tb = tw + 16 * u;
-            if (tb >= t1) break;  // uniform in the warp
-            float sc[2][4];
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
-#pragma unroll
-                for (int c = 0; c < DC; ++c)
-#pragma unroll
-                    for (int hh = 0; hh < 2; ++hh) {
-                        const unsigned a[4] = {qa[c][2 * hh], 0u, qa[c][2 * hh + 1], 0u};
-                        const unsigned bb[2] = {kr[u][j][c][2 * hh], kr[u][j][c][2 * hh + 1]};
-                        mma16816(sc[j], a, bb);
-                    }
-            }
-            // sc[j][e] (e < 2) = score of head g with token tb + 8j + 2t + e.
-            float mt = NEG_INF;
-#pragma unroll
-            for (int j = 0; j < 2; ++j)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    sc[j][e] = tb + 8 * j + 2 * t + e < t1 ? sc[j][e] * scale_log2 : NEG_INF;
-                    mt = fmaxf(mt, sc[j][e]);
-                }
-            mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
-            mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 2));
-            const float mn = fmaxf(m, mt);  // finite: token tb is valid
-            const float alpha = exp2f(m - mn);
-            m = mn;
-            float p[2][2];
-#pragma unroll
-            for (int j = 0; j < 2; ++j)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) p[j][e] = exp2f(sc[j][e] - mn);
-            l = l * alpha + (p[0][0] + p[0][1]) + (p[1][0] + p[1][1]);
-            // This lane's outputs belong to heads 2t and 2t + 1, whose alphas live in lanes 8t, 8t + 4.
-            const float al0 = __shfl_sync(0xffffffffu, alpha, 8 * t), al1 = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);
-            const unsigned pb[2] = {from_f2(p[0][0], p[0][1]), from_f2(p[1][0], p[1][1])};
-#pragma unroll
-            for (int i = 0; i < CW; ++i) {
-                o[i][0] *= al0; o[i][2] *= al0;
-                o[i][1] *= al1; o[i][3] *= al1;
-                const int w = i >> 1, hf = i & 1;
-                const unsigned a[4] = {pack_half(vr[u][0][0][w], vr[u][1][0][w], hf), pack_half(vr[u][0][1][w], vr[u][1][1][w], hf),
-                                       pack_half(vr[u][2][0][w], vr[u][3][0][w], hf), pack_half(vr[u][2][1][w], vr[u][3][1][w], hf)};
-                mma16816(o[i], a, pb);
-            }
-        }
+    // Two register slots of tiles: tile k + 2's loads are issued into the slot of tile k as soon
+    // as tile k is consumed (ptxas hoists them above tile k's PV products once its K registers
+    // are free), so a warp has one tile in flight while it computes and two while it waits.
+    constexpr int ST = 16 * NW;  // tokens between a warp's tiles
+    unsigned kr[2][2][DC][4], vr[2][4][2][VW];
+    int tb = t0 + 16 * warp;
+    decode_tile_loads<D>(kr[0], vr[0], kb, vb, tb, t1, g, t);
+    decode_tile_loads<D>(kr[1], vr[1], kb, vb, tb + ST, t1, g, t);
+    for (; tb < t1; tb += 2 * ST) {  // uniform in the warp
+        decode_tile_compute<D>(qa, kr[0], vr[0], tb, t1, scale_log2, t, o, m, l);
+        decode_tile_loads<D>(kr[0], vr[0], kb, vb, tb + 2 * ST, t1, g, t);
+        if (tb + ST >= t1) break;
+        decode_tile_compute<D>(qa, kr[1], vr[1], tb + ST, t1, scale_log2, t, o, m, l);
+        decode_tile_loads<D>(kr[1], vr[1], kb, vb, tb + 3 * ST, t1, g, t);
     }
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
@@ -697,69 +716,84 @@ __device__ __forceinline__ void attn_decode_merge_head(const float* part_o, cons
 }
 
 // out [B, HQ, D]: inactive heads exactly 0, others the merged splits. Grid (HQ, B), 256
-// threads, dynamic shared memory NB floats. Three passes, none with a chain of dependent loads
-// (a running merge over hundreds of splits would wait on one load after another): the maximum
-// over the splits, each split's weight exp2(m_s - M) and the total sum, then the weighted sum of
-// the outputs (NSL slices of D/4 threads, 16-byte loads), merged through shared memory.
-__device__ __forceinline__ float block_reduce(float v, float* sh, bool is_max) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float y = __shfl_xor_sync(0xffffffffu, v, o);
-        v = is_max ? fmaxf(v, y) : v + y;
-    }
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
-    __syncthreads();
-    float r = sh[0];
-    for (int i = 1; i < (int)(blockDim.x >> 5); ++i) r = is_max ? fmaxf(r, sh[i]) : r + sh[i];
-    return r;
-}
-
+// threads. One pass: the thread of slice sl and dims [4 dv, +4) takes splits sl, sl + NSL, ... with U of
+// them (their max/sum pairs and outputs) loaded at once, rescaling its running sums by a running
+// maximum; the NSL slices are merged through shared memory. The mask and lengths come from
+// launches before the split kernel, which had all finished before any split block passed its
+// own wait, hence before this grid started: they are read before the wait, so only the
+// partials' loads (one round trip for up to NSL * U splits) follow the split kernel's end.
 template <int D, int QPK>
 __device__ __forceinline__ void attn_decode_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                                     const int* __restrict__ lengths, const unsigned char* __restrict__ mask,
                                                     T* __restrict__ out, int HQ, int HKV, int TCAP, int NB, int GH, int NG) {
+    constexpr int DV = D / 4, NSL = 256 / DV, U = 8;
+    __shared__ float sm_o[NSL][D];
+    __shared__ float sm_m[NSL], sm_l[NSL];
+    const int hq = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, sl = tid / DV, dv = tid % DV;
+    const bool on = mask[(long long)b * NG + hq / GH] != 0;  // uniform in the block
+    int S = 0;
+    if (on) S = decode_splits(NB, __popcll(active_kv_heads<QPK>(mask, b, HKV, GH, NG)), min(lengths[b], TCAP));
     pdl_wait();
     pdl_trigger();
-    constexpr int DV = D / 4, NSL = 256 / DV;
-    extern __shared__ float sm_c[];  // NB split weights
-    __shared__ float sm_o[NSL][D];
-    __shared__ float sh[8];
-    const int hq = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, sl = tid / DV, dv = tid % DV;
     T* o = out + ((long long)b * HQ + hq) * D;
-    if (!mask[(long long)b * NG + hq / GH]) {
+    if (!on) {
         if (tid < D) o[tid] = (T)0.0f;
         return;
     }
-    const int S = decode_splits(NB, __popcll(active_kv_heads<QPK>(mask, b, HKV, GH, NG)), min(lengths[b], TCAP));
     const float NEG_INF = -__int_as_float(0x7f800000);
     const long long row0 = ((long long)b * HQ + hq) * NB;
-    float m = NEG_INF;
-    for (int s = tid; s < S; s += blockDim.x) m = fmaxf(m, part_ml[(row0 + s) * 2]);
-    const float M = block_reduce(m, sh, true);
-    float l = 0.f;
-    for (int s = tid; s < S; s += blockDim.x) {
-        const float ms = part_ml[(row0 + s) * 2];
-        const float c = ms == NEG_INF ? 0.f : exp2f(ms - M);  // a split past the length: weight 0
-        sm_c[s] = c;
-        l += c * part_ml[(row0 + s) * 2 + 1];
-    }
-    const float L = block_reduce(l, sh, false);  // its barriers also publish sm_c
+    float m = NEG_INF, l = 0.f;
     float4 O = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
-    for (int s = sl; s < S; s += NSL) {
-        const float c = sm_c[s];
-        const float4 os = *reinterpret_cast<const float4*>(part_o + (row0 + s) * D + dv * 4);
-        O.x += c * os.x;
-        O.y += c * os.y;
-        O.z += c * os.z;
-        O.w += c * os.w;
+    for (int s0 = sl; s0 < S; s0 += NSL * U) {
+        float2 ml[U];
+        float4 os[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int s = s0 + NSL * u;
+            ml[u] = make_float2(NEG_INF, 0.f);
+            os[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (s < S) {
+                ml[u] = __ldcg(reinterpret_cast<const float2*>(part_ml + (row0 + s) * 2));
+                os[u] = __ldcg(reinterpret_cast<const float4*>(part_o + (row0 + s) * D + 4 * dv));
+            }
+        }
+        float mc = m;
+#pragma unroll
+        for (int u = 0; u < U; ++u) mc = fmaxf(mc, ml[u].x);
+        if (mc == NEG_INF) continue;  // only splits past the length so far
+        const float a = exp2f(m - mc);  // 0 while m is -inf (l and O are 0 then)
+        l *= a;
+        O.x *= a; O.y *= a; O.z *= a; O.w *= a;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const float c = ml[u].x == NEG_INF ? 0.f : exp2f(ml[u].x - mc);  // a split past the length: weight 0
+            l += c * ml[u].y;
+            O.x += c * os[u].x;
+            O.y += c * os[u].y;
+            O.z += c * os[u].z;
+            O.w += c * os[u].w;
+        }
+        m = mc;
     }
-    *reinterpret_cast<float4*>(&sm_o[sl][dv * 4]) = O;
+    *reinterpret_cast<float4*>(&sm_o[sl][4 * dv]) = O;
+    if (dv == 0) {
+        sm_m[sl] = m;
+        sm_l[sl] = l;
+    }
     __syncthreads();
     if (tid < D) {
-        float OO = 0.f;
-        for (int i = 0; i < NSL; ++i) OO += sm_o[i][tid];
+        float M = NEG_INF;
+#pragma unroll
+        for (int i = 0; i < NSL; ++i) M = fmaxf(M, sm_m[i]);
+        float L = 0.f, OO = 0.f;
+        if (M != NEG_INF) {
+#pragma unroll
+            for (int i = 0; i < NSL; ++i) {
+                const float c = sm_m[i] == NEG_INF ? 0.f : exp2f(sm_m[i] - M);
+                L += c * sm_l[i];
+                OO += c * sm_o[i][tid];
+            }
+        }
         o[tid] = (T)(L > 0.f ? OO / L : 0.0f);
     }
 }
