@@ -204,13 +204,6 @@ fn is_fast_dtype(t: &Tensor) -> bool {
     matches!(t.device(), Device::Cuda(_)) && matches!(t.kind(), Kind::BFloat16 | Kind::Half)
 }
 
-/// Leading bytes of each row of a running group that the decode gate pulls into L2 for the
-/// projection after it (`WIDE_ROUTER_WARM`, read once; 0 turns it off).
-fn router_warm_bytes() -> i64 {
-    static V: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("WIDE_ROUTER_WARM").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(512).max(0))
-}
-
 /// Up to this many tokens, dense projections run on the project's GEMV kernels (every group on)
 /// rather than cuBLAS: with programmatic dependent launch they overlap the launch before them.
 const DENSE_GEMV_MAX_M: i64 = 1;
@@ -467,18 +460,7 @@ impl<'m> Engine<'m> {
                 };
                 let off = self.offsets.borrow()[i][kind_index(kind)];
                 let w2 = RouterWeights { w1: &r.compressor_w, b1: &r.compressor_b, w2: &r.router_w, b2: &r.router_b };
-                // The gate also warms, in L2, the leading bytes of the rows it turns on of the
-                // projection that reads them next (Q of the fused q|k|v; gate and up).
-                let c = &self.model.config;
-                let f = &self.fused[i];
-                let inter = c.intermediate_size;
-                let (gate_w, up_w) = (f.gate_up.narrow(0, 0, inter), f.gate_up.narrow(0, inter, inter));
-                let bytes_per_row = router_warm_bytes();
-                let warm = match kind {
-                    RouterKind::Attention => fused::GateWarm { a: &f.qkv, b: None, group_rows: c.num_attention_heads / r.groups * c.head_dim, bytes_per_row },
-                    _ => fused::GateWarm { a: &gate_w, b: Some(&up_w), group_rows: inter / r.groups, bytes_per_row },
-                };
-                let g = fused::add_rmsnorm_router_gate_warm(x, delta, w, eps, &w2, off, extra, (bytes_per_row > 0).then_some(&warm))?;
+                let g = fused::add_rmsnorm_router_gate(x, delta, w, eps, &w2, off, extra)?;
                 rc.gated = Some((kind, extra, g.mask, g.ext));
                 Ok((g.res, g.norm))
             }

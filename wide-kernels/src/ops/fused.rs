@@ -78,7 +78,7 @@ pub fn rmsnorm_reference(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
 
 /// `x, delta: [M, H]` (delta optional), `w: [H]` -> `(x + delta, rmsnorm(x + delta) * w)`.
 pub fn add_rmsnorm(x: &Tensor, delta: Option<&Tensor>, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
-    let (res, out, _, _) = add_rmsnorm_impl(x, delta, w, eps, None, None, None)?;
+    let (res, out, _, _) = add_rmsnorm_impl(x, delta, w, eps, None, None)?;
     Ok((res, out))
 }
 
@@ -86,7 +86,7 @@ pub fn add_rmsnorm(x: &Tensor, delta: Option<&Tensor>, w: &Tensor, eps: f64) -> 
 /// `b1: [R]`): returns `(res, norm, res W1^T + b1)`. On CUDA one launch does both (decode: a
 /// GEMV launch fewer per router); the hidden `[M, R]` then feeds [`router_gate_from_hidden`].
 pub fn add_rmsnorm_router(x: &Tensor, delta: Option<&Tensor>, w: &Tensor, eps: f64, w1: &Tensor, b1: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
-    let (res, out, h1, _) = add_rmsnorm_impl(x, delta, w, eps, Some((w1, b1)), None, None)?;
+    let (res, out, h1, _) = add_rmsnorm_impl(x, delta, w, eps, Some((w1, b1)), None)?;
     let h1 = match h1 {
         Some(h) => h,
         None => res.linear(w1, Some(b1)),
@@ -110,36 +110,7 @@ pub struct NormRouterGate {
 /// launch does all of it: the last block to finish a token's router hidden runs the second
 /// layer and the gate (decode: no router launch at all).
 pub fn add_rmsnorm_router_gate(x: &Tensor, delta: Option<&Tensor>, w: &Tensor, eps: f64, r: &RouterWeights, offset: f64, extra: i64) -> Result<NormRouterGate> {
-    add_rmsnorm_router_gate_warm(x, delta, w, eps, r, offset, extra, None)
-}
-
-/// The rows of the projection that a gate decides, for [`add_rmsnorm_router_gate_warm`]:
-/// group g owns rows `g * group_rows .. (g + 1) * group_rows` of `a` (and of `b`, e.g. gate and
-/// up), rows of `a.size(1)` elements.
-pub struct GateWarm<'a> {
-    pub a: &'a Tensor,
-    pub b: Option<&'a Tensor>,
-    pub group_rows: i64,
-    /// Leading bytes of each row of a running group to pull into L2 (rounded down to 128; 0: none).
-    pub bytes_per_row: i64,
-}
-
-/// [`add_rmsnorm_router_gate`]; with `warm` on the clustered launch (Hopper), the gate also
-/// pulls the leading bytes of the rows of its running groups into L2 for the projection that
-/// reads them next (which cannot know those rows before this launch ends). Outputs unchanged.
-#[allow(clippy::too_many_arguments)]
-pub fn add_rmsnorm_router_gate_warm(x: &Tensor, delta: Option<&Tensor>, w: &Tensor, eps: f64, r: &RouterWeights, offset: f64, extra: i64, warm: Option<&GateWarm>) -> Result<NormRouterGate> {
-    if let Some(wm) = warm {
-        let ng = r.w2.size()[0] / 2;
-        for t in std::iter::once(wm.a).chain(wm.b) {
-            ensure!(t.dim() == 2 && t.is_contiguous() && t.size()[0] >= ng * wm.group_rows && t.device() == x.device(),
-                "add_rmsnorm_router_gate: rows to warm {:?} must be a contiguous [>= {} x {}, K] tensor on {:?}", t.size(), ng, wm.group_rows, x.device());
-        }
-        if let Some(b) = wm.b {
-            ensure!(b.size() == wm.a.size(), "add_rmsnorm_router_gate: the two tensors to warm differ in shape ({:?} and {:?})", wm.a.size(), b.size());
-        }
-    }
-    let (res, norm, h1, gated) = add_rmsnorm_impl(x, delta, w, eps, Some((r.w1, r.b1)), Some((r, offset, extra)), warm)?;
+    let (res, norm, h1, gated) = add_rmsnorm_impl(x, delta, w, eps, Some((r.w1, r.b1)), Some((r, offset, extra)))?;
     let hidden = match h1 {
         Some(h) => h,
         None => res.linear(r.w1, Some(r.b1)),
@@ -163,7 +134,6 @@ fn add_rmsnorm_impl(
     eps: f64,
     router: Option<(&Tensor, &Tensor)>,
     gate: Option<(&RouterWeights, f64, i64)>,
-    warm: Option<&GateWarm>,
 ) -> Result<(Tensor, Tensor, Option<Tensor>, Gated)> {
     let (m, h) = x.size2()?;
     if let Some(d) = delta {
@@ -235,16 +205,6 @@ fn add_rmsnorm_impl(
                         None => args.extend([KernelArg::Ptr(0), KernelArg::Ptr(0), KernelArg::F32(0.0), KernelArg::Ptr(0), KernelArg::Ptr(0), KernelArg::I32(0), KernelArg::I32(0)]),
                     }
                     // The residual row in shared memory (H floats; the gate reuses it for h1).
-                    if cluster.is_some() {
-                        let (pa, pb, gr, row_bytes, pf) = match warm {
-                            Some(wm) => {
-                                let row_bytes = wm.a.size()[1] * wm.a.kind().elt_size_in_bytes() as i64;
-                                (KernelArg::tensor(wm.a)?, wm.b.map(KernelArg::tensor).transpose()?.unwrap_or(KernelArg::Ptr(0)), wm.group_rows, row_bytes, wm.bytes_per_row.clamp(0, row_bytes) / 128 * 128)
-                            }
-                            None => (KernelArg::Ptr(0), KernelArg::Ptr(0), 0, 0, 0),
-                        };
-                        args.extend([pa, pb, KernelArg::I32(gr as i32), KernelArg::I64(row_bytes), KernelArg::I32(pf as i32)]);
-                    }
                     match cluster {
                         Some(nb) => ("add_rmsnorm_router_cluster", (m as u32, nb, 1), 4 * h as u32, Some(h1)),
                         None => ("add_rmsnorm_router", (m as u32, 1 + (r as u32).div_ceil(rpb), 1), 4 * h as u32, Some(h1)),

@@ -76,49 +76,39 @@ extern "C" __global__ void __launch_bounds__(512) add_rmsnorm(const T* x, const 
 // (f32 values of the stored h1): logits = h W2^T + b2 viewed [NG, 2] = (execute, skip); group g
 // runs iff skip - execute + offset <= 0. Writes mask u8 [M, NG] and, when ext != null, ext
 // [M, NG + EXTRA] with the EXTRA trailing groups on. Threads of the block share the groups.
-// Whether group g (< NG) runs, from hs (see gate_row).
-__device__ __forceinline__ unsigned char gate_one(const float* hs, const T* __restrict__ w2, const T* __restrict__ b2, float offset,
-                                                  int R, int g) {
-    float e = 0.f, s = 0.f;
-    const T* we = w2 + (long long)(2 * g) * R;
-    const T* wsk = we + R;
-    if ((R & 7) == 0) {
-        // 16-byte loads (the two rows are contiguous), a few in flight; the same sequential
-        // accumulation order as the scalar loop.
-#pragma unroll 4
-        for (int c = 0; c < R; c += 8) {
-            const uint4 ev = __ldg(reinterpret_cast<const uint4*>(we + c));
-            const uint4 sv = __ldg(reinterpret_cast<const uint4*>(wsk + c));
-            const T* ee = reinterpret_cast<const T*>(&ev);
-            const T* ss = reinterpret_cast<const T*>(&sv);
-#pragma unroll
-            for (int u = 0; u < 8; ++u) {
-                e = fmaf(tf(ee[u]), hs[c + u], e);
-                s = fmaf(tf(ss[u]), hs[c + u], s);
-            }
-        }
-    } else {
-        for (int r = 0; r < R; ++r) {
-            e = fmaf(tf(we[r]), hs[r], e);
-            s = fmaf(tf(wsk[r]), hs[r], s);
-        }
-    }
-    e = rt(rt(e) + tf(b2[2 * g]));
-    s = rt(rt(s) + tf(b2[2 * g + 1]));
-    return (s - e + offset) <= 0.f;
-}
-
-// Second router layer and deterministic gate of token m on its first layer's output hs[R]
-// (f32 values of the stored h1): logits = h W2^T + b2 viewed [NG, 2] = (execute, skip); group g
-// runs iff skip - execute + offset <= 0. Writes mask u8 [M, NG] and, when ext != null, ext
-// [M, NG + EXTRA] with the EXTRA trailing groups on. Threads of the block share the groups.
 __device__ __forceinline__ void gate_row(const float* hs, const T* __restrict__ w2, const T* __restrict__ b2, float offset,
                                          unsigned char* __restrict__ mask, unsigned char* __restrict__ ext, int R, int NG,
                                          int EXTRA, long long m) {
     for (int g = threadIdx.x; g < NG + EXTRA; g += blockDim.x) {
         unsigned char on = 1;
         if (g < NG) {
-            on = gate_one(hs, w2, b2, offset, R, g);
+            float e = 0.f, s = 0.f;
+            const T* we = w2 + (long long)(2 * g) * R;
+            const T* wsk = we + R;
+            if ((R & 7) == 0) {
+                // 16-byte loads (the two rows are contiguous), a few in flight; the same
+                // sequential accumulation order as the scalar loop.
+#pragma unroll 4
+                for (int c = 0; c < R; c += 8) {
+                    const uint4 ev = __ldg(reinterpret_cast<const uint4*>(we + c));
+                    const uint4 sv = __ldg(reinterpret_cast<const uint4*>(wsk + c));
+                    const T* ee = reinterpret_cast<const T*>(&ev);
+                    const T* ss = reinterpret_cast<const T*>(&sv);
+#pragma unroll
+                    for (int u = 0; u < 8; ++u) {
+                        e = fmaf(tf(ee[u]), hs[c + u], e);
+                        s = fmaf(tf(ss[u]), hs[c + u], s);
+                    }
+                }
+            } else {
+                for (int r = 0; r < R; ++r) {
+                    e = fmaf(tf(we[r]), hs[r], e);
+                    s = fmaf(tf(wsk[r]), hs[r], s);
+                }
+            }
+            e = rt(rt(e) + tf(b2[2 * g]));
+            s = rt(rt(s) + tf(b2[2 * g + 1]));
+            on = (s - e + offset) <= 0.f;
             mask[m * NG + g] = on;
         }
         if (ext != nullptr) ext[m * (NG + EXTRA) + g] = on;
@@ -248,10 +238,9 @@ extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router(const T* x,
 // threads, H floats of dynamic shared memory). Every block of the cluster rebuilds the residual
 // row in shared memory, computes the row's RMS (each the same way, so all agree) and writes its
 // 1/NB slice of res and out; its RPB first-layer outputs (W1 rows loaded before the wait, as in
-// add_rmsnorm_router) go straight into every block's shared memory (distributed shared memory),
-// so the gate needs no global round trip, fence or arrival counter, only one cluster barrier;
-// then the blocks share out the groups to gate (and may warm the next projection's rows of the
-// running groups in L2, see below). h1 is still written to global memory for the caller.
+// add_rmsnorm_router) go straight into block 0's shared memory (distributed shared memory), so
+// the gate needs no global round trip, fence or arrival counter, only one cluster barrier; then
+// block 0 gates the row. h1 is still written to global memory for the caller.
 __device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
 __device__ __forceinline__ void cluster_arrive_release() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
@@ -262,22 +251,19 @@ extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router_cluster(con
                                                                              T* __restrict__ h1, int R, int RPB, const T* __restrict__ w2,
                                                                              const T* __restrict__ b2, float offset,
                                                                              unsigned char* __restrict__ mask, unsigned char* __restrict__ ext,
-                                                                             int NG, int EXTRA, const T* __restrict__ pa,
-                                                                             const T* __restrict__ pb, int GR, long long row_bytes, int pf) {
+                                                                             int NG, int EXTRA) {
 #if __CUDA_ARCH__ >= 900
     extern __shared__ float xs[];
     __shared__ float part[16];
     __shared__ float sh[32];
-    __shared__ float hs[256];  // the token's first-layer outputs, written into every block by the whole cluster
-    __shared__ int s_on[64];    // this block's groups that run (for the L2 warm-up)
-    __shared__ int s_non;
+    __shared__ float hs[256];  // in block 0: the token's first-layer outputs, written by the whole cluster
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int wpr = warps / RPB, j = warp / wpr, piece = warp % wpr;
     const int y = blockIdx.y, nb = gridDim.y;
     const int r = y * RPB + j;
     const bool mine = j < RPB && r < R;
     const T* wr = w1 + (long long)(mine ? r : 0) * H;
-    // Every block must be running before the others write its shared memory: each arrives now
+    // Block 0 must be running before others write its shared memory: every block arrives now
     // and waits just before those writes.
     cluster_arrive_relaxed();
     constexpr int PRE = 4;
@@ -287,7 +273,6 @@ extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router_cluster(con
         const int c = piece * 32 + lane + u * 32 * wpr;
         pre[u] = mine && c < H / 8 ? __ldg(reinterpret_cast<const uint4*>(wr + 8 * c)) : make_uint4(0, 0, 0, 0);
     }
-    if (threadIdx.x == 0) s_non = 0;
     if (y == 0) {  // the gate's weights, into L2 while the launch before finishes
         const long long n2 = 2LL * NG * R * (long long)sizeof(T);
         for (long long off = 128LL * threadIdx.x; off < n2; off += 128LL * blockDim.x)
@@ -349,45 +334,15 @@ extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router_cluster(con
             const T hv = ft(acc + tf(b1[rr]));
             h1[(long long)blockIdx.x * R + rr] = hv;
             const unsigned local = (unsigned)__cvta_generic_to_shared(&hs[rr]);
-            for (int dst = 0; dst < nb; ++dst) {
-                unsigned remote;
-                asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(dst));
-                asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(tf(hv)) : "memory");
-            }
+            unsigned remote;
+            asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(0));
+            asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(tf(hv)) : "memory");
         }
     }
-    cluster_arrive_release();  // publishes this block's outputs to every block
+    cluster_arrive_release();  // publishes this block's outputs to block 0
     cluster_wait();
-    // Block y gates groups y, y + NB, ... (the same arithmetic as gate_row) and, with pf > 0,
-    // pulls the first pf bytes of each row of its running groups of the next projection (pa, and
-    // pb: GR rows a group, row_bytes apart) into L2: the launch that reads those rows cannot
-    // know them before this one ends, so its first loads would otherwise all go to DRAM.
-    const long long m = blockIdx.x;
-    for (int g = y + nb * (int)threadIdx.x; g < NG + EXTRA; g += nb * (int)blockDim.x) {
-        unsigned char on = 1;
-        if (g < NG) {
-            on = gate_one(hs, w2, b2, offset, R, g);
-            mask[m * NG + g] = on;
-            if (on && pf > 0) {
-                const int k = atomicAdd(&s_non, 1);
-                if (k < 64) s_on[k] = g;
-            }
-        }
-        if (ext != nullptr) ext[m * (NG + EXTRA) + g] = on;
-    }
-    if (pf <= 0) return;
-    __syncthreads();
-    const int n = min(s_non, 64), lines = pf >> 7, mats = pb != nullptr ? 2 : 1;
-    const long long per_group = (long long)GR * lines * mats, total = n * per_group;
-    for (long long i = threadIdx.x; i < total; i += blockDim.x) {
-        const int gi = (int)(i / per_group);
-        long long rem = i - gi * per_group;
-        const int mat = (int)(rem % mats);
-        rem /= mats;
-        const int line = (int)(rem % lines), row = (int)(rem / lines);
-        const char* p = reinterpret_cast<const char*>(mat ? pb : pa) + ((long long)s_on[gi] * GR + row) * row_bytes + 128LL * line;
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-    }
+    if (y != 0) return;
+    gate_row(hs, w2, b2, offset, mask, ext, R, NG, EXTRA, blockIdx.x);
 #endif
 }
 
