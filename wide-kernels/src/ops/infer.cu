@@ -115,6 +115,55 @@ __device__ __forceinline__ void gate_row(const float* hs, const T* __restrict__ 
     }
 }
 
+// The router's first layer in the norm launches: a block's RPB outputs, each over WPR warps
+// that split the row's 16-byte chunks (chunk c = piece * 32 + lane + k * 32 * WPR). W1 is a
+// weight, so the first ROUTER_PRE chunks of a lane are loaded before the programmatic-launch wait.
+#define ROUTER_PRE 4
+__device__ __forceinline__ void router_w1_preload(const T* __restrict__ wr, bool mine, int piece, int lane, int wpr, int H,
+                                                  uint4 (&pre)[ROUTER_PRE]) {
+#pragma unroll
+    for (int u = 0; u < ROUTER_PRE; ++u) {
+        const int c = piece * 32 + lane + u * 32 * wpr;
+        pre[u] = mine && c < H / 8 ? __ldg(reinterpret_cast<const uint4*>(wr + 8 * c)) : make_uint4(0, 0, 0, 0);
+    }
+}
+
+// This warp's share of row . w1[r] over the residual row xs (shared memory), summed over the warp.
+__device__ __forceinline__ float router_w1_dot(const T* __restrict__ wr, const uint4 (&pre)[ROUTER_PRE], const float* xs, int piece,
+                                               int lane, int wpr, int H) {
+    float acc = 0.f;
+#pragma unroll
+    for (int u = 0; u < ROUTER_PRE; ++u) {
+        const int c = piece * 32 + lane + u * 32 * wpr;
+        if (c < H / 8) {
+            const T* we = reinterpret_cast<const T*>(&pre[u]);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc = fmaf(tf(we[e]), xs[8 * c + e], acc);
+        }
+    }
+#pragma unroll 4
+    for (int c = piece * 32 + lane + ROUTER_PRE * 32 * wpr; c < H / 8; c += 32 * wpr) {
+        const uint4 wv = __ldg(reinterpret_cast<const uint4*>(wr + 8 * c));
+        const T* we = reinterpret_cast<const T*>(&wv);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc = fmaf(tf(we[e]), xs[8 * c + e], acc);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    return acc;
+}
+
+// The gate's weights (second layer [2 NG, R] and its bias), pulled into L2 by one block before the
+// wait, so the gate does not wait on memory after the first layer.
+__device__ __forceinline__ void router_gate_prefetch(const T* __restrict__ w2, const T* __restrict__ b2, int NG, int R) {
+    const long long n2 = 2LL * NG * R * (long long)sizeof(T);
+    for (long long off = 128LL * threadIdx.x; off < n2; off += 128LL * blockDim.x)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(w2) + off));
+    if (threadIdx.x == 0)
+        for (long long off = 0; off < 2LL * NG * (long long)sizeof(T); off += 128)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(b2) + off));
+}
+
 // Arrival counters of the blocks computing one row's router hidden (add_rmsnorm_router with the
 // gate): the last block to arrive runs the gate and puts its counter back to 0, so the array
 // is all zero between launches (launches on one stream do not overlap).
@@ -152,25 +201,11 @@ extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router(const T* x,
     const int r = (blockIdx.y - 1) * RPB + j;
     const bool mine = j < RPB && r < R;
     const T* wr = w1 + (long long)(mine ? r : 0) * H;
-    // W1 is a weight: its first chunks are loaded before the wait (programmatic dependent
-    // launch), while the launch that writes x and delta finishes.
-    constexpr int PRE = 4;
-    uint4 pre[PRE];
-#pragma unroll
-    for (int u = 0; u < PRE; ++u) {
-        const int c = piece * 32 + lane + u * 32 * wpr;
-        pre[u] = mine && c < H / 8 ? __ldg(reinterpret_cast<const uint4*>(wr + 8 * c)) : make_uint4(0, 0, 0, 0);
-    }
-    // The gate's weights (second layer and its bias), read by whichever block arrives last: one
-    // block pulls them into L2 now, so the gate does not wait on memory after the first layer.
-    if (w2 != nullptr && blockIdx.y == 1) {
-        const long long n2 = 2LL * NG * R * (long long)sizeof(T);
-        for (long long off = 128LL * threadIdx.x; off < n2; off += 128LL * blockDim.x)
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(w2) + off));
-        if (threadIdx.x == 0)
-            for (long long off = 0; off < 2LL * NG * (long long)sizeof(T); off += 128)
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(b2) + off));
-    }
+    // W1's first chunks before the wait, while the launch that writes x and delta finishes; the
+    // gate's weights (read by whichever block arrives last) into L2 by one block.
+    uint4 pre[ROUTER_PRE];
+    router_w1_preload(wr, mine, piece, lane, wpr, H, pre);
+    if (w2 != nullptr && blockIdx.y == 1) router_gate_prefetch(w2, b2, NG, R);
     pdl_wait();
     pdl_trigger();
     const long long row = (long long)blockIdx.x * H;
@@ -181,25 +216,7 @@ extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router(const T* x,
     }
     __syncthreads();
     if (mine) {
-        float acc = 0.f;
-#pragma unroll
-        for (int u = 0; u < PRE; ++u) {
-            const int c = piece * 32 + lane + u * 32 * wpr;
-            if (c < H / 8) {
-                const T* we = reinterpret_cast<const T*>(&pre[u]);
-#pragma unroll
-                for (int e = 0; e < 8; ++e) acc = fmaf(tf(we[e]), xs[8 * c + e], acc);
-            }
-        }
-#pragma unroll 4
-        for (int c = piece * 32 + lane + PRE * 32 * wpr; c < H / 8; c += 32 * wpr) {
-            const uint4 wv = __ldg(reinterpret_cast<const uint4*>(wr + 8 * c));
-            const T* we = reinterpret_cast<const T*>(&wv);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc = fmaf(tf(we[e]), xs[8 * c + e], acc);
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        const float acc = router_w1_dot(wr, pre, xs, piece, lane, wpr, H);
         if (lane == 0) part[warp] = acc;
     }
     __syncthreads();
@@ -266,21 +283,9 @@ extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router_cluster(con
     // Block 0 must be running before others write its shared memory: every block arrives now
     // and waits just before those writes.
     cluster_arrive_relaxed();
-    constexpr int PRE = 4;
-    uint4 pre[PRE];
-#pragma unroll
-    for (int u = 0; u < PRE; ++u) {
-        const int c = piece * 32 + lane + u * 32 * wpr;
-        pre[u] = mine && c < H / 8 ? __ldg(reinterpret_cast<const uint4*>(wr + 8 * c)) : make_uint4(0, 0, 0, 0);
-    }
-    if (y == 0) {  // the gate's weights, into L2 while the launch before finishes
-        const long long n2 = 2LL * NG * R * (long long)sizeof(T);
-        for (long long off = 128LL * threadIdx.x; off < n2; off += 128LL * blockDim.x)
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(w2) + off));
-        if (threadIdx.x == 0)
-            for (long long off = 0; off < 2LL * NG * (long long)sizeof(T); off += 128)
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(b2) + off));
-    }
+    uint4 pre[ROUTER_PRE];
+    router_w1_preload(wr, mine, piece, lane, wpr, H, pre);
+    if (y == 0) router_gate_prefetch(w2, b2, NG, R);  // block 0 gates
     pdl_wait();
     pdl_trigger();
     const long long row = (long long)blockIdx.x * H;
@@ -303,25 +308,7 @@ extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router_cluster(con
         out[row + i] = ft(tf(w[i]) * rt(xs[i] * inv));
     }
     if (mine) {
-        float acc = 0.f;
-#pragma unroll
-        for (int u = 0; u < PRE; ++u) {
-            const int c = piece * 32 + lane + u * 32 * wpr;
-            if (c < H / 8) {
-                const T* we = reinterpret_cast<const T*>(&pre[u]);
-#pragma unroll
-                for (int e = 0; e < 8; ++e) acc = fmaf(tf(we[e]), xs[8 * c + e], acc);
-            }
-        }
-#pragma unroll 4
-        for (int c = piece * 32 + lane + PRE * 32 * wpr; c < H / 8; c += 32 * wpr) {
-            const uint4 wv = __ldg(reinterpret_cast<const uint4*>(wr + 8 * c));
-            const T* we = reinterpret_cast<const T*>(&wv);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc = fmaf(tf(we[e]), xs[8 * c + e], acc);
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        const float acc = router_w1_dot(wr, pre, xs, piece, lane, wpr, H);
         if (lane == 0) part[warp] = acc;
     }
     __syncthreads();
