@@ -153,6 +153,17 @@ __device__ __forceinline__ float router_w1_dot(const T* __restrict__ wr, const u
     return acc;
 }
 
+// xs[i] = x[row + i] (+ delta[row + i], rounded to storage like the residual), then a barrier.
+__device__ __forceinline__ void residual_row_to_shared(const T* x, const T* __restrict__ delta, int has_delta, long long row, int H,
+                                                       float* xs) {
+    for (int i = threadIdx.x; i < H; i += blockDim.x) {
+        float a = tf(x[row + i]);
+        if (has_delta) a = rt(a + tf(delta[row + i]));
+        xs[i] = a;
+    }
+    __syncthreads();
+}
+
 // The gate's weights (second layer [2 NG, R] and its bias), pulled into L2 by one block before the
 // wait, so the gate does not wait on memory after the first layer.
 __device__ __forceinline__ void router_gate_prefetch(const T* __restrict__ w2, const T* __restrict__ b2, int NG, int R) {
@@ -209,12 +220,7 @@ extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router(const T* x,
     pdl_wait();
     pdl_trigger();
     const long long row = (long long)blockIdx.x * H;
-    for (int i = threadIdx.x; i < H; i += blockDim.x) {
-        float a = tf(x[row + i]);
-        if (has_delta) a = rt(a + tf(delta[row + i]));
-        xs[i] = a;
-    }
-    __syncthreads();
+    residual_row_to_shared(x, delta, has_delta, row, H, xs);
     if (mine) {
         const float acc = router_w1_dot(wr, pre, xs, piece, lane, wpr, H);
         if (lane == 0) part[warp] = acc;
@@ -289,12 +295,7 @@ extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router_cluster(con
     pdl_wait();
     pdl_trigger();
     const long long row = (long long)blockIdx.x * H;
-    for (int i = threadIdx.x; i < H; i += blockDim.x) {
-        float a = tf(x[row + i]);
-        if (has_delta) a = rt(a + tf(delta[row + i]));
-        xs[i] = a;
-    }
-    __syncthreads();
+    residual_row_to_shared(x, delta, has_delta, row, H, xs);
     // The sum of squares in add_rmsnorm's order (its NT threads, each over i = t + j NT; the
     // other threads add exact zeros), so the outputs are bit for bit those of add_rmsnorm.
     const int NT = (min(512, max(32, (H + 15) / 16)) + 31) / 32 * 32;
