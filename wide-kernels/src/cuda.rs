@@ -252,14 +252,19 @@ pub fn pdl_enabled(device: usize) -> Result<bool> {
     if *OFF.get_or_init(|| std::env::var("WIDE_PDL").is_ok_and(|v| v.trim() == "0")) {
         return Ok(false);
     }
+    Ok(compute_major(device)? >= 9)
+}
+
+/// The major compute capability of `device` (read from the driver once per device).
+pub fn compute_major(device: usize) -> Result<usize> {
     static MAJOR: OnceLock<Mutex<HashMap<usize, usize>>> = OnceLock::new();
     let cache = MAJOR.get_or_init(Default::default);
     if let Some(&m) = cache.lock().unwrap().get(&device) {
-        return Ok(m >= 9);
+        return Ok(m);
     }
     let major = device_attribute(device, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, "reading the compute capability")?;
     cache.lock().unwrap().insert(device, major);
-    Ok(major >= 9)
+    Ok(major)
 }
 
 /// A 2-D tiled tensor map (`cuTensorMapEncodeTiled`) of a contiguous 2-byte-element CUDA

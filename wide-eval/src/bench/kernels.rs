@@ -99,10 +99,7 @@ pub fn run(cfg: &KernelBenchConfig) -> Result<serde_json::Value> {
         l2_cold(mode)?;
     }
     let device = cfg.device;
-    let dev = match device {
-        Device::Cuda(d) => d,
-        _ => bail!("bench kernels needs a CUDA device (--device cuda)"),
-    };
+    let dev = cuda_index(device)?;
     let kind = cfg.kind;
     if !matches!(kind, Kind::BFloat16 | Kind::Half) {
         bail!("bench kernels runs bf16 or f16, got {kind:?}");
@@ -319,16 +316,24 @@ fn median_ms<S>(
     Ok(super::median(&mut v))
 }
 
+/// The attention benchmarks' heads: Llama-3.1-8B's 32 query and 8 KV heads of 128, in groups of
+/// 4 query heads (one KV head).
+const LLAMA_8B_HEADS: (i64, i64, i64, i64) = (32, 8, 128, 4);
+
+fn cuda_index(device: Device) -> Result<usize> {
+    match device {
+        Device::Cuda(d) => Ok(d),
+        _ => bail!("bench kernels needs a CUDA device (--device cuda)"),
+    }
+}
+
 /// Decode attention, Llama-3.1-8B heads (32 query, 8 KV, head dim 128, groups of 4 query
 /// heads = one KV head), batch 1. Dense = the faster of SDPA (GQA) and our kernel with every
 /// group active; routed = our kernel with a fresh random head-group mask.
 fn bench_attn_decode(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Tensor) -> Result<Vec<serde_json::Value>> {
     let device = cfg.device;
-    let dev = match device {
-        Device::Cuda(d) => d,
-        _ => bail!("bench kernels needs a CUDA device"),
-    };
-    let (hq, hkv, d, gh) = (32i64, 8i64, 128i64, 4i64);
+    let dev = cuda_index(device)?;
+    let (hq, hkv, d, gh) = LLAMA_8B_HEADS;
     let scale = 1.0 / (d as f64).sqrt();
     let mut out = vec![];
     for &t in &cfg.contexts {
@@ -421,11 +426,8 @@ fn bench_attn_decode(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Tens
 fn bench_attn_prefill(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Tensor) -> Result<Vec<serde_json::Value>> {
     use wide_kernels::ops::attention::{attention_prefill_dense, attention_prefill_routed, PrefillTile, PREFILL_TILES};
     let device = cfg.device;
-    let dev = match device {
-        Device::Cuda(d) => d,
-        _ => bail!("bench kernels needs a CUDA device"),
-    };
-    let (hq, hkv, d, gh) = (32i64, 8i64, 128i64, 4i64);
+    let dev = cuda_index(device)?;
+    let (hq, hkv, d, gh) = LLAMA_8B_HEADS;
     let ng = hq / gh;
     let scale = 1.0 / (d as f64).sqrt();
     let mut out = vec![];

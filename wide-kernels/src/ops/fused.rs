@@ -47,10 +47,7 @@ fn cluster_router(device: usize) -> Result<bool> {
     if *OFF.get_or_init(|| std::env::var("WIDE_ROUTER_CLUSTER").is_ok_and(|v| v.trim() == "0")) {
         return Ok(false);
     }
-    // "compute_90" -> 9 (the last digit is the minor version).
-    let arch = crate::cuda::compute_arch(device)?;
-    let digits = arch.trim_start_matches("compute_").trim_end_matches(|c: char| c.is_ascii_alphabetic());
-    Ok(digits.len() >= 2 && digits[..digits.len() - 1].parse::<u32>().is_ok_and(|major| major >= 9))
+    Ok(crate::cuda::compute_major(device)? >= 9)
 }
 
 /// The CUDA device and f16 flag when `t` can take the kernels (CUDA, bf16 or f16), unless
