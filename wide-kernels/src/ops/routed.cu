@@ -78,7 +78,7 @@ __device__ __forceinline__ void gemv_mn(const T* __restrict__ x, const T* __rest
     if (fixed) {
         const int g = FIXED + wi / wpg;
         n0 = g * G + (wi % wpg) * R;
-        act = MAXM >= 32 ? 0xffffffffu : (1u << M) - 1u;
+        act = (1u << M) - 1u;  // every token (M <= MAXM <= 16)
     } else {
         pdl_wait();  // x and the mask come from the launches just before
         pdl_trigger();
