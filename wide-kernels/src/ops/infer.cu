@@ -32,10 +32,13 @@ __device__ __forceinline__ float block_sum(float v, float* sh) {
     return s;
 }
 
-// res[m] = x[m] (+ delta[m]); out[m] = w * rms_normalise(res[m]) for row m, by one block.
-// x may alias res (in-place residual update). H <= 16 * blockDim.x.
+// res[m] = x[m] (+ delta[m]); out[m] = w * rms_normalise(res[m]) for row m, by one block, which
+// writes elements [i0, i1) (the whole row's statistics either way, so blocks that split a row's
+// writes agree bit for bit). x may alias res (in-place residual update) only when one block
+// writes the whole row. H <= 16 * blockDim.x.
 __device__ __forceinline__ void add_rmsnorm_row(const T* x, const T* __restrict__ delta, const T* __restrict__ w, T* res,
-                                                T* __restrict__ out, int H, float eps, int has_delta, long long m) {
+                                                T* __restrict__ out, int H, float eps, int has_delta, long long m,
+                                                int i0, int i1) {
     __shared__ float sh[32];
     const long long row = m * H;
     constexpr int PER = 16;  // elements a thread holds
@@ -57,19 +60,21 @@ __device__ __forceinline__ void add_rmsnorm_row(const T* x, const T* __restrict_
 #pragma unroll
     for (int j = 0; j < PER; ++j) {
         const int i = threadIdx.x + j * blockDim.x;
-        if (i < H) {
+        if (i >= i0 && i < i1) {
             if (has_delta) res[row + i] = ft(v[j]);
             out[row + i] = ft(tf(w[i]) * rt(v[j] * inv));
         }
     }
 }
 
-// One block per row.
+// Grid (M, S): block (m, y) writes slice y of S of row m (S > 1 at decode sizes: the row's
+// writes spread over S multiprocessors; x must not alias res then).
 extern "C" __global__ void __launch_bounds__(512) add_rmsnorm(const T* x, const T* __restrict__ delta, const T* __restrict__ w,
                                                               T* res, T* __restrict__ out, int H, float eps, int has_delta) {
     pdl_wait();
     pdl_trigger();
-    add_rmsnorm_row(x, delta, w, res, out, H, eps, has_delta, blockIdx.x);
+    const int per = (H + gridDim.y - 1) / gridDim.y, i0 = blockIdx.y * per;
+    add_rmsnorm_row(x, delta, w, res, out, H, eps, has_delta, blockIdx.x, i0, min(H, i0 + per));
 }
 
 // Second router layer and deterministic gate of token m on its first layer's output hs[R]
@@ -202,7 +207,7 @@ extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router(const T* x,
     if (blockIdx.y == 0) {
         pdl_wait();
         pdl_trigger();
-        add_rmsnorm_row(x, delta, w, res, out, H, eps, has_delta, blockIdx.x);
+        add_rmsnorm_row(x, delta, w, res, out, H, eps, has_delta, blockIdx.x, 0, H);
         return;
     }
     extern __shared__ float xs[];
