@@ -121,7 +121,11 @@ pub fn add_rmsnorm_router_gate(x: &Tensor, delta: Option<&Tensor>, w: &Tensor, e
 
 /// Blocks that share one row's writes in the plain norm launch, for up to NORM_SPLIT_MAX_M rows
 /// (decode batches; every block reads the row and computes its statistics, the same way).
-const NORM_SPLIT: u32 = 8;
+/// `WIDE_NORM_SPLIT=N` (read once, 1-32) sets the count; 1 is one block a row.
+fn norm_split() -> u32 {
+    static V: OnceLock<u32> = OnceLock::new();
+    *V.get_or_init(|| std::env::var("WIDE_NORM_SPLIT").ok().and_then(|v| v.trim().parse().ok()).map_or(8, |n: u32| n.clamp(1, 32)))
+}
 const NORM_SPLIT_MAX_M: i64 = 16;
 
 /// Tokens the fused gate takes (the kernel's arrival counters, `ROUTER_TICKETS` in infer.cu).
@@ -212,9 +216,9 @@ fn add_rmsnorm_impl(
                         None => ("add_rmsnorm_router", (m as u32, 1 + (r as u32).div_ceil(rpb), 1), 4 * h as u32, Some(h1)),
                     }
                 }
-                // A few tokens (decode): each row's writes over NORM_SPLIT blocks (res is a new
+                // A few tokens (decode): each row's writes over norm_split() blocks (res is a new
                 // tensor whenever there is a delta; without one nothing is written to res).
-                None => ("add_rmsnorm", (m as u32, if m <= NORM_SPLIT_MAX_M { NORM_SPLIT } else { 1 }, 1), 0, None),
+                None => ("add_rmsnorm", (m as u32, if m <= NORM_SPLIT_MAX_M { norm_split() } else { 1 }, 1), 0, None),
             };
             let k = kernel(f16, entry, dev)?;
             match cluster {
