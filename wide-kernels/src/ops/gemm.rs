@@ -220,7 +220,7 @@ fn launch_gemv(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layou
     if s.op.reduces_over_groups() {
         args.push(KernelArg::I32(layout.settled() as i32));
     } else {
-        args.extend([KernelArg::I32(layout.always_on_from() as i32), KernelArg::I32(gemv_l2_prefetch_bytes())]);
+        args.push(KernelArg::I32(layout.always_on_from() as i32));
     }
     // gemm_mn: 4 warps a block, r rows a warp. gemm_k: 8 warps share r rows (split over the used
     // chunks); shared memory holds the block's group list (a group index, and with several
@@ -262,16 +262,6 @@ pub fn gemv_k_rows_per_block(mm: i64, n: i64) -> i64 {
         r *= 2;
     }
     r
-}
-
-/// Bytes of each row the gemm_mn GEMV pulls into L2 before its programmatic-launch wait
-/// (`WIDE_GEMV_PREFETCH`, read once; a multiple of 128, default 0): a routed warp does not know
-/// its group before the wait, so it pulls the rows of every group, used or not, while the
-/// launch before it (the norm + router) leaves the memory idle; an always-on warp pulls the
-/// bytes past the first chunks it loads into registers.
-pub fn gemv_l2_prefetch_bytes() -> i32 {
-    static V: OnceLock<i32> = OnceLock::new();
-    *V.get_or_init(|| std::env::var("WIDE_GEMV_PREFETCH").ok().and_then(|v| v.parse::<i32>().ok()).map_or(0, |b| b.clamp(0, 1 << 20) & !127))
 }
 
 /// Rows a warp (gemm_mn) or a block (gemm_k) forced by `WIDE_GEMV_ROWS` (read once; for

@@ -63,7 +63,7 @@ extern "C" __global__ void __launch_bounds__(1024) route_layout(const unsigned c
 template <int MAXM, int R, bool FUSE>
 __device__ __forceinline__ void gemv_mn(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ w2,
                                         const unsigned char* __restrict__ mask, T* __restrict__ out,
-                                        int M, int N, int K, int G, int NG, int FIXED, int PF) {
+                                        int M, int N, int K, int G, int NG, int FIXED) {
     const int lane = threadIdx.x & 31;
     const int wi = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int wpg = G / R;  // warps a group
@@ -72,23 +72,6 @@ __device__ __forceinline__ void gemv_mn(const T* __restrict__ x, const T* __rest
     const bool fixed = wi < nfix;
     constexpr int U = R >= 8 ? 1 : 8 / R;  // R * U weight loads in flight per lane
     const int chunks = K >> 3;
-    if (PF > 0) {
-        // Before the wait, pull PF bytes of each of this warp's rows into L2 (the rows it would own
-        // with warps in plain order: a routed warp cannot know its group yet, so the rows of the
-        // groups no token uses are pulled too). An always-on warp starts past the first chunks it
-        // loads into registers below.
-        const long long row0 = fixed ? (long long)FIXED * G + (long long)wi * R : (long long)(wi - nfix) * R;
-        const int from = fixed ? U * 32 * 16 : 0, row_bytes = K * (int)sizeof(T);
-        const int lines = PF >> 7;  // 128-byte lines a row
-        for (int i = lane; i < (FUSE ? 2 : 1) * R * lines; i += 32) {
-            const int r = i / lines, at = from + ((i % lines) << 7);
-            if (at < row_bytes) {
-                const T* base = (FUSE && r >= R) ? w2 : w;
-                const char* p = reinterpret_cast<const char*>(base + (row0 + r % R) * K) + at;
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-            }
-        }
-    }
     uint4 wv[U][R], wv2[U][FUSE ? R : 1];
     int n0;
     unsigned act;
@@ -346,13 +329,13 @@ __device__ __forceinline__ void gemv_k(const T* __restrict__ x, const T* __restr
 
 #define GEMV_ENTRIES(MM, R)                                                                                          \
     extern "C" __global__ void __launch_bounds__(128) gemv_mn_##MM##_##R(const T* x, const T* w, const unsigned char* mask, \
-                                                                         T* out, int M, int N, int K, int G, int NG, int FIXED, int PF) { \
-        gemv_mn<MM, R, false>(x, w, nullptr, mask, out, M, N, K, G, NG, FIXED, PF);                                       \
+                                                                         T* out, int M, int N, int K, int G, int NG, int FIXED) { \
+        gemv_mn<MM, R, false>(x, w, nullptr, mask, out, M, N, K, G, NG, FIXED);                                       \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(128) gemv_mn_swiglu_##MM##_##R(const T* x, const T* w, const T* w2,  \
                                                                                 const unsigned char* mask, T* out, int M, \
-                                                                                int N, int K, int G, int NG, int FIXED, int PF) { \
-        gemv_mn<MM, R, true>(x, w, w2, mask, out, M, N, K, G, NG, FIXED, PF);                                             \
+                                                                                int N, int K, int G, int NG, int FIXED) { \
+        gemv_mn<MM, R, true>(x, w, w2, mask, out, M, N, K, G, NG, FIXED);                                             \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(256) gemv_k_##MM##_##R(const T* x, const T* w, const unsigned char* mask, \
                                                                         T* out, int M, int N, int K, int G, int NG, int settled) { \
