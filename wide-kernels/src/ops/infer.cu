@@ -38,7 +38,7 @@ __device__ __forceinline__ float block_sum(float v, float* sh) {
 // writes the whole row. H <= 16 * blockDim.x.
 __device__ __forceinline__ void add_rmsnorm_row(const T* x, const T* __restrict__ delta, const T* __restrict__ w, T* res,
                                                 T* __restrict__ out, int H, float eps, int has_delta, long long m,
-                                                int i0, int i1) {
+                                                int i0, int i1, int trigger_after_read = 0) {
     __shared__ float sh[32];
     const long long row = m * H;
     constexpr int PER = 16;  // elements a thread holds
@@ -55,6 +55,7 @@ __device__ __forceinline__ void add_rmsnorm_row(const T* x, const T* __restrict_
             ss += a * a;
         }
     }
+    if (trigger_after_read) pdl_trigger();
     const float var = block_sum(ss, sh) / (float)H;
     const float inv = rsqrtf(var + eps);
 #pragma unroll
@@ -69,18 +70,22 @@ __device__ __forceinline__ void add_rmsnorm_row(const T* x, const T* __restrict_
 
 // Grid (M, S): block (m, y) writes slice y of S of row m (S > 1 at decode sizes: the row's
 // writes spread over S multiprocessors; x must not alias res then).
+// late: let the next launch start only once the row is read (its blocks' early weight loads
+// then do not queue ahead of this launch's reads).
 extern "C" __global__ void __launch_bounds__(512) add_rmsnorm(const T* x, const T* __restrict__ delta, const T* __restrict__ w,
-                                                              T* res, T* __restrict__ out, int H, float eps, int has_delta) {
+                                                              T* res, T* __restrict__ out, int H, float eps, int has_delta, int late) {
     pdl_wait();
-    pdl_trigger();
+    if (!late) pdl_trigger();
     const int per = (H + gridDim.y - 1) / gridDim.y, i0 = blockIdx.y * per;
-    add_rmsnorm_row(x, delta, w, res, out, H, eps, has_delta, blockIdx.x, i0, min(H, i0 + per));
+    add_rmsnorm_row(x, delta, w, res, out, H, eps, has_delta, blockIdx.x, i0, min(H, i0 + per), late);
 }
 
 // Second router layer and deterministic gate of token m on its first layer's output hs[R]
 // (f32 values of the stored h1): logits = h W2^T + b2 viewed [NG, 2] = (execute, skip); group g
 // runs iff skip - execute + offset <= 0. Writes mask u8 [M, NG] and, when ext != null, ext
 // [M, NG + EXTRA] with the EXTRA trailing groups on. Threads of the block share the groups.
+// With SH, w2 and b2 are copies in shared memory (plain loads) instead of global memory (__ldg).
+template <bool SH = false>
 __device__ __forceinline__ void gate_row(const float* hs, const T* __restrict__ w2, const T* __restrict__ b2, float offset,
                                          unsigned char* __restrict__ mask, unsigned char* __restrict__ ext, int R, int NG,
                                          int EXTRA, long long m) {
@@ -95,8 +100,8 @@ __device__ __forceinline__ void gate_row(const float* hs, const T* __restrict__ 
                 // sequential accumulation order as the scalar loop.
 #pragma unroll 4
                 for (int c = 0; c < R; c += 8) {
-                    const uint4 ev = __ldg(reinterpret_cast<const uint4*>(we + c));
-                    const uint4 sv = __ldg(reinterpret_cast<const uint4*>(wsk + c));
+                    const uint4 ev = SH ? *reinterpret_cast<const uint4*>(we + c) : __ldg(reinterpret_cast<const uint4*>(we + c));
+                    const uint4 sv = SH ? *reinterpret_cast<const uint4*>(wsk + c) : __ldg(reinterpret_cast<const uint4*>(wsk + c));
                     const T* ee = reinterpret_cast<const T*>(&ev);
                     const T* ss = reinterpret_cast<const T*>(&sv);
 #pragma unroll
@@ -159,12 +164,32 @@ __device__ __forceinline__ float router_w1_dot(const T* __restrict__ wr, const u
 }
 
 // xs[i] = x[row + i] (+ delta[row + i], rounded to storage like the residual), then a barrier.
+// 16-byte loads, all of a thread's in flight at once (H % 8 == 0, H <= 16 * blockDim.x; the
+// callers' conditions): one round trip to L2, where a loop of 2-byte loads took one a pass.
 __device__ __forceinline__ void residual_row_to_shared(const T* x, const T* __restrict__ delta, int has_delta, long long row, int H,
                                                        float* xs) {
-    for (int i = threadIdx.x; i < H; i += blockDim.x) {
-        float a = tf(x[row + i]);
-        if (has_delta) a = rt(a + tf(delta[row + i]));
-        xs[i] = a;
+    uint4 xv[2], dv[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const int c = threadIdx.x + j * blockDim.x;
+        if (8 * c < H) {
+            xv[j] = *reinterpret_cast<const uint4*>(x + row + 8 * c);
+            dv[j] = has_delta ? *reinterpret_cast<const uint4*>(delta + row + 8 * c) : make_uint4(0, 0, 0, 0);
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const int c = threadIdx.x + j * blockDim.x;
+        if (8 * c < H) {
+            const T* xe = reinterpret_cast<const T*>(&xv[j]);
+            const T* de = reinterpret_cast<const T*>(&dv[j]);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                float a = tf(xe[e]);
+                if (has_delta) a = rt(a + tf(de[e]));
+                xs[8 * c + e] = a;
+            }
+        }
     }
     __syncthreads();
 }
@@ -203,7 +228,7 @@ extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router(const T* x,
                                                                      T* __restrict__ h1, int R, int RPB, const T* __restrict__ w2,
                                                                      const T* __restrict__ b2, float offset,
                                                                      unsigned char* __restrict__ mask, unsigned char* __restrict__ ext,
-                                                                     int NG, int EXTRA) {
+                                                                     int NG, int EXTRA, int late, int w2_shared) {
     if (blockIdx.y == 0) {
         pdl_wait();
         pdl_trigger();
@@ -279,9 +304,9 @@ extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router_cluster(con
                                                                              T* __restrict__ h1, int R, int RPB, const T* __restrict__ w2,
                                                                              const T* __restrict__ b2, float offset,
                                                                              unsigned char* __restrict__ mask, unsigned char* __restrict__ ext,
-                                                                             int NG, int EXTRA) {
+                                                                             int NG, int EXTRA, int late, int w2_shared) {
 #if __CUDA_ARCH__ >= 900
-    extern __shared__ float xs[];
+    extern __shared__ float xs[];  // H floats, then (w2_shared) block 0's copies of w2 and b2
     __shared__ float part[16];
     __shared__ float sh[32];
     __shared__ float hs[256];  // in block 0: the token's first-layer outputs, written by the whole cluster
@@ -296,11 +321,24 @@ extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router_cluster(con
     cluster_arrive_relaxed();
     uint4 pre[ROUTER_PRE];
     router_w1_preload(wr, mine, piece, lane, wpr, H, pre);
-    if (y == 0) router_gate_prefetch(w2, b2, NG, R);  // block 0 gates
+    // Block 0 gates: its weights into its shared memory (w2_shared; 16-byte rows, R % 8 == 0)
+    // or into L2, before the wait.
+    T* w2s = reinterpret_cast<T*>(xs + H);
+    T* b2s = w2s + 2 * NG * R;
+    if (y == 0) {
+        if (w2_shared) {
+            for (int c = threadIdx.x; c < NG * R / 4; c += blockDim.x)
+                reinterpret_cast<uint4*>(w2s)[c] = __ldg(reinterpret_cast<const uint4*>(w2) + c);
+            for (int i = threadIdx.x; i < 2 * NG; i += blockDim.x) b2s[i] = b2[i];
+        } else {
+            router_gate_prefetch(w2, b2, NG, R);
+        }
+    }
     pdl_wait();
-    pdl_trigger();
+    if (!late) pdl_trigger();
     const long long row = (long long)blockIdx.x * H;
     residual_row_to_shared(x, delta, has_delta, row, H, xs);
+    if (late) pdl_trigger();
     // The sum of squares in add_rmsnorm's order (its NT threads, each over i = t + j NT; the
     // other threads add exact zeros), so the outputs are bit for bit those of add_rmsnorm.
     const int NT = (min(512, max(32, (H + 15) / 16)) + 31) / 32 * 32;
@@ -335,7 +373,10 @@ extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router_cluster(con
     cluster_arrive_release();  // publishes this block's outputs to block 0
     cluster_wait();
     if (y != 0) return;
-    gate_row(hs, w2, b2, offset, mask, ext, R, NG, EXTRA, blockIdx.x);
+    if (w2_shared)
+        gate_row<true>(hs, w2s, b2s, offset, mask, ext, R, NG, EXTRA, blockIdx.x);
+    else
+        gate_row(hs, w2, b2, offset, mask, ext, R, NG, EXTRA, blockIdx.x);
 #endif
 }
 
