@@ -432,36 +432,12 @@ impl<'m> Engine<'m> {
             x = xr;
             let mut layer_mask = layer_mask;
             let ffn_d = self.timed("router", || self.ffn_decision(i, &x, rc, layer_mask.take()))?;
-            let pf = self.next_kv_prefetch(i, b * t, ffn_d.is_some());
-            if let Some((ptr, bytes)) = pf {
-                wide_kernels::ops::gemm::set_next_l2_prefetch(ptr, bytes);
-            }
-            let hid = self.timed("gate_up", || self.project_gate_up(i, &h2, ffn_d.as_ref()));
-            if pf.is_some() {
-                wide_kernels::ops::gemm::set_next_l2_prefetch(0, 0);
-            }
-            let hid = hid?;
+            let hid = self.timed("gate_up", || self.project_gate_up(i, &h2, ffn_d.as_ref()))?;
             let down = self.timed("down", || self.project_k(&hid, &layer.mlp.down_proj.weight, layer.mlp.down_proj.bias.as_ref(), ffn_d.as_ref(), 1, 1))?;
             delta = Some(down);
         }
         let (_, hn) = self.timed("norm", || fused::add_rmsnorm(&x, delta.as_ref(), &m.norm.weight, eps))?;
         Ok(hn)
-    }
-
-    /// At decode sizes, with `WIDE_PREFETCH_NEXT_KV` = 1 (routed gate+up only) or 2 (dense too),
-    /// read once: the next layer's K|V rows of the fused q|k|v weight (read whatever its mask
-    /// says), for layer `i`'s gate+up GEMV to pull into L2 while it waits on the router.
-    fn next_kv_prefetch(&self, i: usize, m: i64, routed: bool) -> Option<(u64, i64)> {
-        static MODE: std::sync::OnceLock<u8> = std::sync::OnceLock::new();
-        let mode = *MODE.get_or_init(|| std::env::var("WIDE_PREFETCH_NEXT_KV").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(0));
-        if mode == 0 || (mode == 1 && !routed) || m > GEMV_MAX_M || i + 1 >= self.fused.len() {
-            return None;
-        }
-        let w = &self.fused[i + 1].qkv;
-        let c = &self.model.config;
-        let (row, elt) = (w.size()[1], w.kind().elt_size_in_bytes() as i64);
-        let q_rows = c.num_attention_heads * c.head_dim;
-        Some((w.data_ptr() as u64 + (q_rows * row * elt) as u64, 2 * c.num_key_value_heads * c.head_dim * row * elt))
     }
 
     /// Residual add + RMSNorm; for a few tokens whose next router (`kind`, of layer `i`) runs,

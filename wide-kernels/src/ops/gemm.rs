@@ -220,8 +220,7 @@ fn launch_gemv(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layou
     if s.op.reduces_over_groups() {
         args.push(KernelArg::I32(layout.settled() as i32));
     } else {
-        let (pf, pf_bytes) = take_l2_prefetch().unwrap_or((0, 0));
-        args.extend([KernelArg::I32(layout.always_on_from() as i32), KernelArg::I32(gemv_speculate() as i32), KernelArg::Ptr(pf), KernelArg::I64(pf_bytes)]);
+        args.push(KernelArg::I32(layout.always_on_from() as i32));
     }
     // gemm_mn: 4 warps a block, r rows a warp. gemm_k: 8 warps share r rows (split over the used
     // chunks); shared memory holds the block's group list (a group index, and with several
@@ -263,30 +262,6 @@ pub fn gemv_k_rows_per_block(mm: i64, n: i64) -> i64 {
         r *= 2;
     }
     r
-}
-
-/// Whether the gemm_mn GEMV's routed warps take the group of their own index and load its first
-/// chunks before the programmatic-launch wait, keeping them only if the mask then runs the group
-/// (`WIDE_GEMV_SPECULATE=1`, read once), instead of reading the mask first and being dealt to
-/// the used groups.
-pub fn gemv_speculate() -> bool {
-    static V: OnceLock<bool> = OnceLock::new();
-    *V.get_or_init(|| std::env::var("WIDE_GEMV_SPECULATE").is_ok_and(|v| v.trim() == "1"))
-}
-
-thread_local! {
-    static L2_PREFETCH: std::cell::Cell<Option<(u64, i64)>> = const { std::cell::Cell::new(None) };
-}
-
-/// Asks the next gemm_mn GEMV launched on this thread to pull `bytes` of device memory at `ptr`
-/// (weights a later launch reads whatever the masks say) into L2 while it waits for the launch
-/// before it. The memory must stay allocated until that launch has run (or its graph is gone).
-pub fn set_next_l2_prefetch(ptr: u64, bytes: i64) {
-    L2_PREFETCH.with(|c| c.set((bytes > 0).then_some((ptr, bytes))));
-}
-
-fn take_l2_prefetch() -> Option<(u64, i64)> {
-    L2_PREFETCH.with(|c| c.take())
 }
 
 /// Rows a warp (gemm_mn) or a block (gemm_k) forced by `WIDE_GEMV_ROWS` (read once; for

@@ -63,25 +63,13 @@ extern "C" __global__ void __launch_bounds__(1024) route_layout(const unsigned c
 template <int MAXM, int R, bool FUSE>
 __device__ __forceinline__ void gemv_mn(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ w2,
                                         const unsigned char* __restrict__ mask, T* __restrict__ out,
-                                        int M, int N, int K, int G, int NG, int FIXED, int SPEC,
-                                        const char* __restrict__ pf, long long pf_bytes) {
+                                        int M, int N, int K, int G, int NG, int FIXED) {
     const int lane = threadIdx.x & 31;
     const int wi = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int wpg = G / R;  // warps a group
-    if (pf_bytes > 0) {
-        // Weights a later launch reads whatever the masks say, pulled into L2 (evict-last) while
-        // this launch waits: warp wi takes its share of the 128-byte lines.
-        const long long lines = (pf_bytes + 127) >> 7, nw = (long long)gridDim.x * (blockDim.x >> 5);
-        const long long per = (lines + nw - 1) / nw;
-        for (long long l = wi * per + lane; l < min(lines, (wi + 1) * per); l += 32)
-            asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(pf + (l << 7)));
-    }
     if (wi >= NG * wpg) return;
     const int nfix = (NG - FIXED) * wpg;  // warps on the always-on groups
     const bool fixed = wi < nfix;
-    // SPEC: a routed warp takes the group of its own index and loads its first chunks before the
-    // wait, as an always-on warp does; the mask then says whether it keeps them.
-    const bool spec = !fixed && SPEC;
     constexpr int U = R >= 8 ? 1 : 8 / R;  // R * U weight loads in flight per lane
     const int chunks = K >> 3;
     uint4 wv[U][R], wv2[U][FUSE ? R : 1];
@@ -91,9 +79,6 @@ __device__ __forceinline__ void gemv_mn(const T* __restrict__ x, const T* __rest
         const int g = FIXED + wi / wpg;
         n0 = g * G + (wi % wpg) * R;
         act = (1u << M) - 1u;  // every token (M <= MAXM <= 16)
-    } else if (spec) {
-        n0 = (wi - nfix) * R;  // group (wi - nfix) / wpg
-        act = 0;
     } else {
         pdl_wait();  // x and the mask come from the launches just before
         pdl_trigger();
@@ -172,19 +157,9 @@ __device__ __forceinline__ void gemv_mn(const T* __restrict__ x, const T* __rest
                 }
             }
         }
-        if ((fixed || spec) && c0 == lane) {  // the first weight chunks are on their way: now wait for x
+        if (fixed && c0 == lane) {  // the first weight chunks are on their way: now wait for x
             pdl_wait();
             pdl_trigger();
-            if (spec) {
-                const int g = n0 / G;
-#pragma unroll
-                for (int m = 0; m < MAXM; ++m)
-                    if (m < M && mask[(long long)m * NG + g]) act |= 1u << m;
-                if (act == 0) {
-                    for (int i = lane; i < M * R; i += 32) out[(long long)(i / R) * N + n0 + i % R] = (T)0.0f;
-                    return;
-                }
-            }
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -204,14 +179,9 @@ __device__ __forceinline__ void gemv_mn(const T* __restrict__ x, const T* __rest
             }
         }
     }
-    if ((fixed || spec) && chunks == 0) {
+    if (fixed && chunks == 0) {
         pdl_wait();
         pdl_trigger();
-        if (spec) {
-#pragma unroll
-            for (int m = 0; m < MAXM; ++m)
-                if (m < M && mask[(long long)m * NG + n0 / G]) act |= 1u << m;
-        }
     }
 #pragma unroll
     for (int r = 0; r < R; ++r)
@@ -359,15 +329,13 @@ __device__ __forceinline__ void gemv_k(const T* __restrict__ x, const T* __restr
 
 #define GEMV_ENTRIES(MM, R)                                                                                          \
     extern "C" __global__ void __launch_bounds__(128) gemv_mn_##MM##_##R(const T* x, const T* w, const unsigned char* mask, \
-                                                                         T* out, int M, int N, int K, int G, int NG, int FIXED, int SPEC, \
-                                                                         const char* pf, long long pf_bytes) { \
-        gemv_mn<MM, R, false>(x, w, nullptr, mask, out, M, N, K, G, NG, FIXED, SPEC, pf, pf_bytes);                                       \
+                                                                         T* out, int M, int N, int K, int G, int NG, int FIXED) { \
+        gemv_mn<MM, R, false>(x, w, nullptr, mask, out, M, N, K, G, NG, FIXED);                                       \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(128) gemv_mn_swiglu_##MM##_##R(const T* x, const T* w, const T* w2,  \
                                                                                 const unsigned char* mask, T* out, int M, \
-                                                                                int N, int K, int G, int NG, int FIXED, int SPEC, \
-                                                                                const char* pf, long long pf_bytes) { \
-        gemv_mn<MM, R, true>(x, w, w2, mask, out, M, N, K, G, NG, FIXED, SPEC, pf, pf_bytes);                                             \
+                                                                                int N, int K, int G, int NG, int FIXED) { \
+        gemv_mn<MM, R, true>(x, w, w2, mask, out, M, N, K, G, NG, FIXED);                                             \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(256) gemv_k_##MM##_##R(const T* x, const T* w, const unsigned char* mask, \
                                                                         T* out, int M, int N, int K, int G, int NG, int settled) { \
