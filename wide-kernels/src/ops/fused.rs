@@ -128,17 +128,10 @@ fn norm_split() -> u32 {
 }
 const NORM_SPLIT_MAX_M: i64 = 16;
 
-/// Whether the decode norm launches (plain, and with the router) let the next launch start only
-/// after they have read the residual row, rather than right after their own wait
-/// (`WIDE_NORM_TRIGGER=late|early`, read once; default early).
-fn norm_trigger_late() -> bool {
-    static V: OnceLock<bool> = OnceLock::new();
-    *V.get_or_init(|| std::env::var("WIDE_NORM_TRIGGER").is_ok_and(|v| v.trim() == "late"))
-}
-
-/// Largest gate (second router layer and its bias) that the clustered norm + router's block 0
-/// copies into its shared memory before the wait, in bytes.
-const GATE_SHARED_MAX_BYTES: i64 = 32 * 1024;
+/// Dynamic shared memory a launch may use without opting in (48 KiB): the clustered norm +
+/// router's block 0 copies the gate (second router layer and its bias) next to the residual row
+/// only while both fit.
+const DEFAULT_DYNAMIC_SMEM: i64 = 48 * 1024;
 
 /// Tokens the fused gate takes (the kernel's arrival counters, `ROUTER_TICKETS` in infer.cu).
 const ROUTER_TICKETS: i64 = 65536;
@@ -227,8 +220,8 @@ fn add_rmsnorm_impl(
                     // The clustered kernel's block 0 holds the gate's weights in shared memory
                     // (16-byte rows) when they are small.
                     let gate_bytes = g.map_or(0, |(rw, _, _)| (rw.w2.numel() + rw.b2.numel()) as i64 * x.kind().elt_size_in_bytes() as i64);
-                    let w2_shared = cluster.is_some() && r % 8 == 0 && gate_bytes <= GATE_SHARED_MAX_BYTES;
-                    args.extend([KernelArg::I32(norm_trigger_late() as i32), KernelArg::I32(w2_shared as i32)]);
+                    let w2_shared = cluster.is_some() && r % 8 == 0 && 4 * h + gate_bytes <= DEFAULT_DYNAMIC_SMEM;
+                    args.push(KernelArg::I32(w2_shared as i32));
                     // The residual row in shared memory (H floats; the gate reuses it for h1).
                     match cluster {
                         Some(nb) => ("add_rmsnorm_router_cluster", (m as u32, nb, 1), 4 * h as u32 + if w2_shared { gate_bytes as u32 } else { 0 }, Some(h1)),
@@ -237,10 +230,7 @@ fn add_rmsnorm_impl(
                 }
                 // A few tokens (decode): each row's writes over norm_split() blocks (res is a new
                 // tensor whenever there is a delta; without one nothing is written to res).
-                None => {
-                    args.push(KernelArg::I32(norm_trigger_late() as i32));
-                    ("add_rmsnorm", (m as u32, if m <= NORM_SPLIT_MAX_M { norm_split() } else { 1 }, 1), 0, None)
-                }
+                None => ("add_rmsnorm", (m as u32, if m <= NORM_SPLIT_MAX_M { norm_split() } else { 1 }, 1), 0, None),
             };
             let k = kernel(f16, entry, dev)?;
             match cluster {

@@ -38,7 +38,7 @@ __device__ __forceinline__ float block_sum(float v, float* sh) {
 // writes the whole row. H <= 16 * blockDim.x.
 __device__ __forceinline__ void add_rmsnorm_row(const T* x, const T* __restrict__ delta, const T* __restrict__ w, T* res,
                                                 T* __restrict__ out, int H, float eps, int has_delta, long long m,
-                                                int i0, int i1, int trigger_after_read = 0) {
+                                                int i0, int i1) {
     __shared__ float sh[32];
     const long long row = m * H;
     constexpr int PER = 16;  // elements a thread holds
@@ -55,7 +55,6 @@ __device__ __forceinline__ void add_rmsnorm_row(const T* x, const T* __restrict_
             ss += a * a;
         }
     }
-    if (trigger_after_read) pdl_trigger();
     const float var = block_sum(ss, sh) / (float)H;
     const float inv = rsqrtf(var + eps);
 #pragma unroll
@@ -70,14 +69,12 @@ __device__ __forceinline__ void add_rmsnorm_row(const T* x, const T* __restrict_
 
 // Grid (M, S): block (m, y) writes slice y of S of row m (S > 1 at decode sizes: the row's
 // writes spread over S multiprocessors; x must not alias res then).
-// late: let the next launch start only once the row is read (its blocks' early weight loads
-// then do not queue ahead of this launch's reads).
 extern "C" __global__ void __launch_bounds__(512) add_rmsnorm(const T* x, const T* __restrict__ delta, const T* __restrict__ w,
-                                                              T* res, T* __restrict__ out, int H, float eps, int has_delta, int late) {
+                                                              T* res, T* __restrict__ out, int H, float eps, int has_delta) {
     pdl_wait();
-    if (!late) pdl_trigger();
+    pdl_trigger();
     const int per = (H + gridDim.y - 1) / gridDim.y, i0 = blockIdx.y * per;
-    add_rmsnorm_row(x, delta, w, res, out, H, eps, has_delta, blockIdx.x, i0, min(H, i0 + per), late);
+    add_rmsnorm_row(x, delta, w, res, out, H, eps, has_delta, blockIdx.x, i0, min(H, i0 + per));
 }
 
 // Second router layer and deterministic gate of token m on its first layer's output hs[R]
@@ -221,14 +218,14 @@ __device__ unsigned int router_tickets[ROUTER_TICKETS];
 // like cuBLAS's linear with bias. H % 8 == 0.
 // With w2 != null (M <= ROUTER_TICKETS, R <= min(256, H)) the last of row m's y > 0 blocks to
 // finish also runs the second layer and the gate on h1[m] (gate_row): the router costs no
-// launch of its own.
+// launch of its own. w2_shared is read by add_rmsnorm_router_cluster only (one argument list).
 extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router(const T* x, const T* __restrict__ delta, const T* __restrict__ w,
                                                                      T* res, T* __restrict__ out, int H, float eps, int has_delta,
                                                                      const T* __restrict__ w1, const T* __restrict__ b1,
                                                                      T* __restrict__ h1, int R, int RPB, const T* __restrict__ w2,
                                                                      const T* __restrict__ b2, float offset,
                                                                      unsigned char* __restrict__ mask, unsigned char* __restrict__ ext,
-                                                                     int NG, int EXTRA, int late, int w2_shared) {
+                                                                     int NG, int EXTRA, int w2_shared) {
     if (blockIdx.y == 0) {
         pdl_wait();
         pdl_trigger();
@@ -304,7 +301,7 @@ extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router_cluster(con
                                                                              T* __restrict__ h1, int R, int RPB, const T* __restrict__ w2,
                                                                              const T* __restrict__ b2, float offset,
                                                                              unsigned char* __restrict__ mask, unsigned char* __restrict__ ext,
-                                                                             int NG, int EXTRA, int late, int w2_shared) {
+                                                                             int NG, int EXTRA, int w2_shared) {
 #if __CUDA_ARCH__ >= 900
     extern __shared__ float xs[];  // H floats, then (w2_shared) block 0's copies of w2 and b2
     __shared__ float part[16];
@@ -335,10 +332,9 @@ extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router_cluster(con
         }
     }
     pdl_wait();
-    if (!late) pdl_trigger();
+    pdl_trigger();
     const long long row = (long long)blockIdx.x * H;
     residual_row_to_shared(x, delta, has_delta, row, H, xs);
-    if (late) pdl_trigger();
     // The sum of squares in add_rmsnorm's order (its NT threads, each over i = t + j NT; the
     // other threads add exact zeros), so the outputs are bit for bit those of add_rmsnorm.
     const int NT = (min(512, max(32, (H + 15) / 16)) + 31) / 32 * 32;
