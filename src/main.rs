@@ -205,6 +205,9 @@ enum Command {
     /// Benchmark programs (GPU machine): print a table and write JSON results.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// The CUDA kernels: compile them ahead of time for a GPU architecture.
+    #[command(subcommand)]
+    Kernels(KernelsCommand),
     /// Evaluate models: perplexity, multiple-choice tasks, cloze task building.
     #[command(subcommand)]
     Eval(wide_eval::cli::EvalCommand),
@@ -245,6 +248,25 @@ struct ExportArgs {
     /// Replace an earlier export at OUT (only once the new one is complete).
     #[arg(long)]
     overwrite: bool,
+}
+
+#[derive(Subcommand)]
+enum KernelsCommand {
+    /// Compile every shipped kernel variant for one GPU architecture into a directory (NVRTC,
+    /// no GPU needed). On the GPU machine, `WIDE_KERNEL_CACHE=DIR` then loads them with no
+    /// compiler at all; images already in DIR for the same source are kept.
+    Precompile {
+        /// Target: sm_90 (H100/H200; also builds the Hopper-only sm_90a variants), sm_80, ...;
+        /// compute_XY writes PTX instead of machine code.
+        #[arg(long, default_value = "sm_90")]
+        arch: String,
+        /// Output directory (created if missing).
+        #[arg(long)]
+        out: PathBuf,
+        /// Only these kernel families, comma-separated (e.g. infer,routed).
+        #[arg(long, value_delimiter = ',')]
+        only: Vec<String>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -599,6 +621,39 @@ fn run(cli: Cli) -> Result<()> {
                 report.baselines.bigram_validation_perplexity,
                 report.baselines.unigram_validation_perplexity,
                 report.model_dir.display()
+            );
+            Ok(())
+        }
+        Command::Kernels(KernelsCommand::Precompile { arch, out, only }) => {
+            wide_kernels::nvrtc::check_arch(&arch)?;
+            let list = wide_kernels::ops::precompile_list(&arch, &only)?;
+            let t0 = std::time::Instant::now();
+            let pb = wide_train::progress::bar(list.len() as u64, "precompile");
+            let done = wide_kernels::ops::precompile(&arch, &out, &only, |p| {
+                pb.set_message(p.name);
+                pb.inc(1);
+            })?;
+            pb.finish_and_clear();
+            let mut fams: std::collections::BTreeMap<(&str, &str), (usize, u64, usize)> = Default::default();
+            for p in &done {
+                let e = fams.entry((p.name, p.arch.as_str())).or_default();
+                e.0 += 1;
+                e.1 += p.bytes;
+                e.2 += p.compiled as usize;
+            }
+            println!("{:<14} {:<8} {:>8} {:>10} {:>9}", "family", "arch", "images", "MiB", "compiled");
+            for ((name, a), (n, bytes, compiled)) in &fams {
+                println!("{name:<14} {a:<8} {n:>8} {:>10.1} {compiled:>9}", *bytes as f64 / (1 << 20) as f64);
+            }
+            let total: u64 = done.iter().map(|p| p.bytes).sum();
+            println!(
+                "{} images, {:.1} MiB in {} ({} compiled, {:.1} s); use them with WIDE_KERNEL_CACHE={}",
+                done.len(),
+                total as f64 / (1 << 20) as f64,
+                out.display(),
+                done.iter().filter(|p| p.compiled).count(),
+                t0.elapsed().as_secs_f64(),
+                out.display()
             );
             Ok(())
         }

@@ -142,3 +142,12 @@ fn bench_e2e_names_an_op_it_cannot_repeat() {
     let out = run_wide(&["bench", "e2e", "--device", "cpu", "--repeat-ops", "qkv,router"]);
     assert_clear_error(&out, "unknown op `router` for --repeat-ops: use embed, norm, qkv");
 }
+
+#[test]
+fn kernels_precompile_names_a_bad_architecture_or_family() {
+    let root = tempfile::tempdir().unwrap();
+    let out = root.path().join("k");
+    assert_clear_error(&run_wide(&["kernels", "precompile", "--arch", "hopper", "--out", s(&out)]), "unknown GPU architecture `hopper`: use sm_XY");
+    assert_clear_error(&run_wide(&["kernels", "precompile", "--only", "infer,gemm", "--out", s(&out)]), "unknown kernel family `gemm`: choose from");
+    assert!(!out.exists(), "nothing is written when the arguments are wrong");
+}

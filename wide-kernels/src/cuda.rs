@@ -108,8 +108,28 @@ impl CudaKernel {
             Some(t) if t.trim_end_matches('a') == dev_arch => t.to_string(),
             Some(t) => bail!("kernel `{}` is built for {t} only, but device {device} is {dev_arch}", src.name),
         };
-        let compiled = nvrtc::compile(src, &arch)?;
+        // Machine code for the device's real architecture (a precompiled or cached cubin loads
+        // without any compiler); `WIDE_KERNEL_IMAGE=ptx` (read once) runs PTX through the
+        // driver's compiler instead, as does a cubin the driver refuses.
+        static PTX_ONLY: OnceLock<bool> = OnceLock::new();
+        let ptx_only = *PTX_ONLY.get_or_init(|| std::env::var("WIDE_KERNEL_IMAGE").is_ok_and(|v| v.trim() == "ptx"));
+        let real = arch.replacen("compute_", "sm_", 1);
         let loaded = LOADED.get_or_init(Default::default);
+        if !ptx_only {
+            let compiled = nvrtc::compile(src, &real)?;
+            let k = (compiled.key, entry.to_string(), device);
+            if let Some(f) = loaded.lock().unwrap().get(&k) {
+                return Ok(Self { func: *f as sys::CUfunction, device });
+            }
+            match Self::load(&compiled, entry, device) {
+                Ok(func) => {
+                    loaded.lock().unwrap().insert(k, func as usize);
+                    return Ok(Self { func, device });
+                }
+                Err(e) => eprintln!("warning: kernel `{}` for {real} did not load as machine code ({e:#}); compiling its PTX instead", src.name),
+            }
+        }
+        let compiled = nvrtc::compile(src, &arch)?;
         let mut loaded = loaded.lock().unwrap();
         let k = (compiled.key, entry.to_string(), device);
         if let Some(f) = loaded.get(&k) {
@@ -122,7 +142,7 @@ impl CudaKernel {
 
     fn load(compiled: &CompiledKernel, entry: &str, device: usize) -> Result<sys::CUfunction> {
         ensure_context(device)?;
-        let module = unsafe { drv::module::load_data(compiled.ptx.as_ptr() as *const c_void) }
+        let module = unsafe { drv::module::load_data(compiled.image.as_ptr() as *const c_void) }
             .map_err(|e| driver_err(e, "loading a compiled module"))?;
         let name = CString::new(entry).context("kernel entry name")?;
         unsafe { drv::module::get_function(module, name) }

@@ -4,6 +4,11 @@
 //! shape/tile specialisation). The cache key is a hash of source, defines, options and target
 //! architecture, so an edited kernel never reuses a stale image. The disk cache lives in
 //! `$WIDE_KERNEL_CACHE` or `~/.cache/wide/kernels`.
+//!
+//! Two images: PTX for a virtual target (`compute_XY`, what the tests inspect) and a cubin for a
+//! real one (`sm_XY`, machine code the driver loads without compiling; what the GPU path runs).
+//! NVRTC needs no GPU, so `wide kernels precompile` fills a cache directory with every shipped
+//! variant's cubin on any machine, for a GPU machine that keeps no cache of its own.
 use anyhow::{anyhow, bail, Context, Result};
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 use std::collections::HashMap;
@@ -40,12 +45,35 @@ impl KernelSource {
     }
 }
 
-/// Compiled device code: PTX text (for `compute_XY` targets).
+/// Compiled device code: PTX text (NUL-terminated) for a `compute_XY` target, a cubin (ELF
+/// machine code) for an `sm_XY` one.
 #[derive(Debug, Clone)]
 pub struct CompiledKernel {
     pub arch: String,
-    pub ptx: Arc<Vec<u8>>,
+    pub image: Arc<Vec<u8>>,
     pub key: u64,
+}
+
+impl CompiledKernel {
+    pub fn is_cubin(&self) -> bool {
+        self.image.starts_with(b"\x7fELF")
+    }
+}
+
+/// Whether `arch` names a real architecture (`sm_90`, `sm_90a`: NVRTC emits a cubin) rather than
+/// a virtual one (`compute_90`: PTX).
+pub fn is_real_arch(arch: &str) -> bool {
+    arch.starts_with("sm_")
+}
+
+/// Checks an architecture name for `--arch`-style user input: `sm_` or `compute_` and a
+/// compute capability of two or three digits, optionally with the `a` suffix.
+pub fn check_arch(arch: &str) -> Result<()> {
+    let digits = arch.strip_prefix("sm_").or_else(|| arch.strip_prefix("compute_")).map(|d| d.trim_end_matches('a'));
+    match digits {
+        Some(d) if (2..=3).contains(&d.len()) && d.bytes().all(|b| b.is_ascii_digit()) => Ok(()),
+        _ => bail!("unknown GPU architecture `{arch}`: use sm_XY for machine code (sm_90 for an H100/H200, sm_80 for an A100) or compute_XY for PTX"),
+    }
 }
 
 fn options(src: &KernelSource, arch: &str) -> Vec<String> {
@@ -106,6 +134,9 @@ fn key_of(src: &KernelSource, opts: &[String]) -> u64 {
     }
     let mut h = Fnv(0xcbf29ce484222325);
     src.source.hash(&mut h);
+    // Where the CUDA headers sit differs between machines (a precompiled image must be found
+    // on the GPU machine), so the include path is not part of the key.
+    let opts: Vec<&String> = opts.iter().filter(|o| !o.starts_with("--include-path=")).collect();
     opts.hash(&mut h);
     h.finish()
 }
@@ -115,28 +146,61 @@ pub fn nvrtc_available() -> bool {
     unsafe { nvrtc_sys::is_culib_present() }
 }
 
-/// Compiles `src` for `arch` (e.g. `compute_90`), from the in-process cache, the disk cache,
-/// or NVRTC, in that order.
-pub fn compile(src: &KernelSource, arch: &str) -> Result<CompiledKernel> {
+/// Where the disk cache keeps the image of `src` for `arch`, and its key.
+pub fn cache_file(src: &KernelSource, arch: &str) -> (PathBuf, u64) {
+    let key = key_of(src, &options(src, arch));
+    let ext = if is_real_arch(arch) { "cubin" } else { "ptx" };
+    (cache_dir().join(format!("{}-{arch}-{key:016x}.{ext}", src.name)), key)
+}
+
+/// Compiles `src` for `arch` (`compute_90`: PTX; `sm_90`: a cubin), from the in-process cache,
+/// the disk cache, or NVRTC, in that order. The second value says whether NVRTC ran.
+pub fn compile_traced(src: &KernelSource, arch: &str) -> Result<(CompiledKernel, bool)> {
     static MEM: OnceLock<Mutex<HashMap<u64, CompiledKernel>>> = OnceLock::new();
     let opts = options(src, arch);
-    let key = key_of(src, &opts);
+    let (file, key) = cache_file(src, arch);
     let mem = MEM.get_or_init(Default::default);
     if let Some(k) = mem.lock().unwrap().get(&key) {
-        return Ok(k.clone());
+        return Ok((k.clone(), false));
     }
-    let file = cache_dir().join(format!("{}-{arch}-{key:016x}.ptx", src.name));
-    let ptx = match std::fs::read(&file) {
-        Ok(bytes) if !bytes.is_empty() => bytes,
+    let real = is_real_arch(arch);
+    let (image, compiled) = match std::fs::read(&file) {
+        // A truncated or foreign file is recompiled (and replaced), never loaded.
+        Ok(bytes) if !bytes.is_empty() && (!real || bytes.starts_with(b"\x7fELF")) => (bytes, false),
         _ => {
-            let ptx = compile_uncached(src, &opts)?;
-            store(&file, &ptx);
-            ptx
+            let image = compile_uncached(src, &opts, real)?;
+            store(&file, &image);
+            (image, true)
         }
     };
-    let k = CompiledKernel { arch: arch.to_string(), ptx: Arc::new(ptx), key };
+    let k = CompiledKernel { arch: arch.to_string(), image: Arc::new(image), key };
     mem.lock().unwrap().insert(key, k.clone());
-    Ok(k)
+    Ok((k, compiled))
+}
+
+/// Compiles `src` for `arch` into the cache directory `dir` (the file the run-time cache reads
+/// when `WIDE_KERNEL_CACHE` names `dir`), unless a valid image is already there. Returns the
+/// file, its size and whether NVRTC ran.
+pub fn compile_into(src: &KernelSource, arch: &str, dir: &std::path::Path) -> Result<(PathBuf, u64, bool)> {
+    let (file, _) = cache_file(src, arch);
+    let file = dir.join(file.file_name().expect("cache files have names"));
+    let real = is_real_arch(arch);
+    if let Ok(bytes) = std::fs::read(&file) {
+        if !bytes.is_empty() && (!real || bytes.starts_with(b"\x7fELF")) {
+            return Ok((file, bytes.len() as u64, false));
+        }
+    }
+    let image = compile_uncached(src, &options(src, arch), real)?;
+    std::fs::create_dir_all(dir).with_context(|| format!("creating the kernel directory {}", dir.display()))?;
+    let tmp = file.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::write(&tmp, &image).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, &file).with_context(|| format!("renaming {} to {}", tmp.display(), file.display()))?;
+    Ok((file, image.len() as u64, true))
+}
+
+/// [`compile_traced`] without the trace.
+pub fn compile(src: &KernelSource, arch: &str) -> Result<CompiledKernel> {
+    Ok(compile_traced(src, arch)?.0)
 }
 
 fn store(file: &PathBuf, ptx: &[u8]) {
@@ -151,7 +215,7 @@ fn store(file: &PathBuf, ptx: &[u8]) {
     }
 }
 
-fn compile_uncached(src: &KernelSource, opts: &[String]) -> Result<Vec<u8>> {
+fn compile_uncached(src: &KernelSource, opts: &[String], cubin: bool) -> Result<Vec<u8>> {
     if !nvrtc_available() {
         bail!(
             "NVRTC (libnvrtc.so) was not found, so kernel `{}` cannot be compiled: put the CUDA runtime's lib directory on LD_LIBRARY_PATH (scripts/setup.sh --print-env does)",
@@ -170,9 +234,46 @@ fn compile_uncached(src: &KernelSource, opts: &[String]) -> Result<Vec<u8>> {
         let _ = unsafe { nvrtc::destroy_program(prog) };
         bail!("compiling kernel `{}` with NVRTC failed ({e:?}), options {opts:?}:\n{log}", src.name);
     }
+    if cubin {
+        let image = unsafe { get_cubin(prog) };
+        let _ = unsafe { nvrtc::destroy_program(prog) };
+        return image.map_err(|e| anyhow!("reading the cubin of `{}`: {e:?}", src.name));
+    }
     let ptx = unsafe { nvrtc::get_ptx(prog) };
     let _ = unsafe { nvrtc::destroy_program(prog) };
     let ptx = ptx.map_err(|e| anyhow!("reading PTX of `{}`: {e:?}", src.name))?;
     // NVRTC returns the text with its terminating NUL, which cuModuleLoadData needs.
     Ok(ptx.into_iter().map(|c| c as u8).collect())
+}
+
+/// The machine code of a program compiled for a real architecture.
+unsafe fn get_cubin(prog: nvrtc_sys::nvrtcProgram) -> Result<Vec<u8>, nvrtc_sys::nvrtcResult> {
+    let mut size: usize = 0;
+    let r = nvrtc_sys::nvrtcGetCUBINSize(prog, &mut size);
+    if r != nvrtc_sys::nvrtcResult::NVRTC_SUCCESS {
+        return Err(r);
+    }
+    let mut buf = vec![0u8; size];
+    let r = nvrtc_sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut std::ffi::c_char);
+    if r != nvrtc_sys::nvrtcResult::NVRTC_SUCCESS {
+        return Err(r);
+    }
+    Ok(buf)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn architecture_names() {
+        for ok in ["sm_90", "sm_90a", "sm_80", "compute_90", "compute_90a", "sm_100"] {
+            check_arch(ok).unwrap_or_else(|e| panic!("{ok}: {e}"));
+        }
+        for bad in ["", "sm_", "sm_9", "hopper", "sm_90x", "compute_1000", "90"] {
+            let e = check_arch(bad).unwrap_err().to_string();
+            assert!(e.contains(&format!("unknown GPU architecture `{bad}`")), "{e}");
+        }
+        assert!(is_real_arch("sm_90a") && !is_real_arch("compute_90"));
+    }
 }

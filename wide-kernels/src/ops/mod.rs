@@ -81,6 +81,61 @@ pub fn all_kernel_variants() -> Vec<KernelSource> {
     v
 }
 
+/// One kernel image written by [`precompile`].
+#[derive(Debug, Clone)]
+pub struct Precompiled {
+    pub name: &'static str,
+    pub arch: String,
+    pub file: std::path::PathBuf,
+    pub bytes: u64,
+    /// False when a valid image was already there.
+    pub compiled: bool,
+}
+
+/// Compiles every shipped kernel variant ([`all_kernel_variants`]; with `only`, the families
+/// (`KernelSource::name`) named there) for `arch` (`sm_90`:
+/// cubins; `compute_90`: PTX) into the cache directory `dir`, for `WIDE_KERNEL_CACHE=dir` on a
+/// GPU machine of that architecture. Hopper-only variants (sm_90a) are built when `arch` is
+/// compute capability 9.0 and skipped otherwise. `each` sees every image as it is done.
+pub fn precompile(arch: &str, dir: &std::path::Path, only: &[String], mut each: impl FnMut(&Precompiled)) -> anyhow::Result<Vec<Precompiled>> {
+    crate::nvrtc::check_arch(arch)?;
+    let variants = precompile_list(arch, only)?;
+    let mut done = Vec::with_capacity(variants.len());
+    for (k, target) in variants {
+        let (file, bytes, compiled) = crate::nvrtc::compile_into(&k, &target, dir)?;
+        let p = Precompiled { name: k.name, arch: target, file, bytes, compiled };
+        each(&p);
+        done.push(p);
+    }
+    Ok(done)
+}
+
+/// The variants [`precompile`] builds for `arch`, each with its own target.
+pub fn precompile_list(arch: &str, only: &[String]) -> anyhow::Result<Vec<(crate::KernelSource, String)>> {
+    let all = all_kernel_variants();
+    for o in only {
+        anyhow::ensure!(
+            all.iter().any(|k| k.name == o),
+            "unknown kernel family `{o}`: choose from {}",
+            all.iter().map(|k| k.name).collect::<std::collections::BTreeSet<_>>().into_iter().collect::<Vec<_>>().join(", ")
+        );
+    }
+    let digits = |a: &str| a.trim_start_matches("sm_").trim_start_matches("compute_").trim_end_matches('a').to_string();
+    let prefix = if crate::nvrtc::is_real_arch(arch) { "sm_" } else { "compute_" };
+    Ok(all
+        .into_iter()
+        .filter(|k| only.is_empty() || only.iter().any(|o| o == k.name))
+        .filter_map(|k| match k.target {
+            None => Some((k, arch.to_string())),
+            Some(t) if digits(t) == digits(arch) => {
+                let target = format!("{prefix}{}", t.trim_start_matches("compute_"));
+                Some((k, target))
+            }
+            Some(_) => None,
+        })
+        .collect())
+}
+
 #[cfg(test)]
 mod tests {
     /// Every shipped kernel variant must compile for the GPUs we target, here on a CPU-only
@@ -97,7 +152,7 @@ mod tests {
                 // Architecture-specific modules (sm_90a wgmma) compile for their own target only.
                 let arch = k.target.unwrap_or(arch);
                 let c = crate::nvrtc::compile(&k, arch).unwrap_or_else(|e| panic!("{e:#}"));
-                let text = String::from_utf8_lossy(&c.ptx);
+                let text = String::from_utf8_lossy(&c.image);
                 assert!(text.contains(".entry"), "{}: no kernel entry in PTX", k.name);
                 // The decode launches (launch_pdl) wait for their predecessor on sm_90.
                 let untiled = !k.defines.iter().any(|(d, _)| d == "BM");
