@@ -108,15 +108,15 @@ impl CudaKernel {
             Some(t) if t.trim_end_matches('a') == dev_arch => t.to_string(),
             Some(t) => bail!("kernel `{}` is built for {t} only, but device {device} is {dev_arch}", src.name),
         };
-        // Machine code for the device's real architecture (a precompiled or cached cubin loads
-        // without any compiler); `WIDE_KERNEL_IMAGE=ptx` (read once) runs PTX through the
-        // driver's compiler instead, as does a cubin the driver refuses.
+        // Machine code for the device's real architecture when the cache holds it (`wide kernels
+        // precompile`: loads without any compiler), else PTX, compiled by the driver as it loads.
+        // `WIDE_KERNEL_IMAGE=ptx` (read once) ignores cached machine code; a cubin the driver
+        // refuses falls back to PTX too.
         static PTX_ONLY: OnceLock<bool> = OnceLock::new();
         let ptx_only = *PTX_ONLY.get_or_init(|| std::env::var("WIDE_KERNEL_IMAGE").is_ok_and(|v| v.trim() == "ptx"));
         let real = arch.replacen("compute_", "sm_", 1);
         let loaded = LOADED.get_or_init(Default::default);
-        if !ptx_only {
-            let compiled = nvrtc::compile(src, &real)?;
+        if let Some(compiled) = (!ptx_only).then(|| nvrtc::cached(src, &real)).flatten() {
             let k = (compiled.key, entry.to_string(), device);
             if let Some(f) = loaded.lock().unwrap().get(&k) {
                 return Ok(Self { func: *f as sys::CUfunction, device });

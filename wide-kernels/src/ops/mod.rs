@@ -140,6 +140,23 @@ pub fn precompile_list(arch: &str, only: &[String]) -> anyhow::Result<Vec<(crate
 mod tests {
     /// Every shipped kernel variant must compile for the GPUs we target, here on a CPU-only
     /// machine too (NVRTC from the PyPI CUDA runtime). A missing NVRTC fails, never skips.
+    /// The same variants through NVRTC's machine-code step for the H200 (sm_90, and sm_90a for the
+    /// Hopper-only ones): what `wide kernels precompile` ships. Catches what PTX alone does not
+    /// (register or shared-memory limits the assembler enforces).
+    #[test]
+    fn every_kernel_variant_assembles_for_sm_90() {
+        let dir = std::env::temp_dir().join(format!("wide-cubins-{}", std::process::id()));
+        let all = super::precompile_list("sm_90", &[]).unwrap();
+        let done = super::precompile("sm_90", &dir, &[], |_| {}).unwrap_or_else(|e| panic!("{e:#}"));
+        assert_eq!(done.len(), all.len());
+        assert!(done.iter().any(|p| p.arch == "sm_90a"), "the wgmma variants build for sm_90a");
+        for p in &done {
+            let bytes = std::fs::read(&p.file).unwrap();
+            assert!(bytes.starts_with(b"\x7fELF"), "{}: not machine code", p.file.display());
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     #[test]
     fn every_kernel_variant_compiles_with_nvrtc() {
         assert!(
