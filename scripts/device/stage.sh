@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Builds the release binary (and the GPU test binaries with --tests) here, strips them and
-# stages them in .device/ (git-ignored) with env.sh, for the device tool to carry:
-#   scripts/device/stage.sh [--tests] [extra files...]
+# stages them in .device/ (git-ignored) with env.sh, for the device tool to carry; --kernels
+# also compiles every CUDA kernel for the H200 (sm_90 machine code, `wide kernels precompile`)
+# into .device/kernels, which env.sh then names as the kernel cache (no compiling there):
+#   scripts/device/stage.sh [--tests] [--kernels] [extra files...]
 #   device run, carry [".device"], command ". .device/env.sh && .device/wide ..."
 # WIDE_STAGE_DIR=.device-x stages into another ignored folder (two stagings side by side);
 # CARGO_TARGET_DIR is honoured.
@@ -10,7 +12,14 @@ top=$(git rev-parse --show-toplevel)
 cd "$top"
 eval "$(bash scripts/setup.sh --print-env)"
 tests=0
-if [ "${1:-}" = "--tests" ]; then tests=1; shift; fi
+kernels=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --tests) tests=1; shift ;;
+    --kernels) kernels=1; shift ;;
+    *) break ;;
+  esac
+done
 S=${WIDE_STAGE_DIR:-.device}
 grep -qx "/$S/" .git/info/exclude 2>/dev/null || echo "/$S/" >> .git/info/exclude
 rm -rf "$S" && mkdir -p "$S"
@@ -25,6 +34,9 @@ for l in sys.stdin:
         print(m["target"]["name"], m["executable"])' \
     | while read -r name exe; do strip -o "$S/test-$name" "$exe"; done
 fi
+if [ $kernels -eq 1 ]; then
+  "${CARGO_TARGET_DIR:-target}/release/wide" kernels precompile --arch sm_90 --out "$S/kernels" >&2
+fi
 for f in "$@"; do cp -r "$f" "$S/"; done
 cat > "$S/env.sh" <<'ENV'
 # Source on the GPU machine: use its own libtorch (PyTorch 2.11.0+cu130) for the tch binary,
@@ -35,7 +47,9 @@ NCCL_DIR=$(python3 -c 'import os, nvidia.nccl as n; print(list(n.__path__)[0] + 
 NCCL_LINK_DIR=$(mktemp -d) && ln -sf "$NCCL_DIR/libnccl.so.2" "$NCCL_LINK_DIR/libnccl.so"
 export LD_LIBRARY_PATH="$NCCL_LINK_DIR:$TORCH_LIB:$CUDA_PY/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 [ -f "$CUDA_PY/include/cuda_bf16.h" ] && export WIDE_CUDA_INCLUDE="$CUDA_PY/include"
-export WIDE_KERNEL_CACHE=/tmp/wide-kernels
+# Precompiled kernels staged beside this file (stage.sh --kernels), else a cache in /tmp.
+STAGED=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/kernels
+if [ -d "$STAGED" ]; then export WIDE_KERNEL_CACHE="$STAGED"; else export WIDE_KERNEL_CACHE=/tmp/wide-kernels; fi
 # No system fonts there: plots use the DejaVu Sans that matplotlib ships.
 WIDE_FONT=$(python3 -c 'import os, matplotlib; print(os.path.join(os.path.dirname(matplotlib.__file__), "mpl-data/fonts/ttf/DejaVuSans.ttf"))' 2>/dev/null) && export WIDE_FONT
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
