@@ -625,11 +625,10 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Kernels(KernelsCommand::Precompile { arch, out, only }) => {
-            wide_kernels::nvrtc::check_arch(&arch)?;
             let list = wide_kernels::ops::precompile_list(&arch, &only)?;
             let t0 = std::time::Instant::now();
             let pb = wide_train::progress::bar(list.len() as u64, "precompile");
-            let done = wide_kernels::ops::precompile(&arch, &out, &only, |p| {
+            let done = wide_kernels::ops::precompile(list, &out, |p| {
                 pb.set_message(p.name);
                 pb.inc(1);
             })?;

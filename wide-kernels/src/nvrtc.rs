@@ -56,12 +56,6 @@ pub struct CompiledKernel {
     pub key: u64,
 }
 
-impl CompiledKernel {
-    pub fn is_cubin(&self) -> bool {
-        self.image.starts_with(b"\x7fELF")
-    }
-}
-
 /// Whether `arch` names a real architecture (`sm_90`, `sm_90a`: NVRTC emits a cubin) rather than
 /// a virtual one (`compute_90`: PTX).
 pub fn is_real_arch(arch: &str) -> bool {
@@ -155,28 +149,25 @@ pub fn cache_file(src: &KernelSource, arch: &str) -> (PathBuf, u64) {
     (cache_dir().join(format!("{}-{arch}-{key:016x}.{ext}", src.name)), key)
 }
 
+/// Whether a cache file's bytes can be loaded for `arch`: not empty, and machine code (ELF) for
+/// a real architecture. A truncated or foreign file is recompiled (and replaced), never loaded.
+fn valid_image(bytes: &[u8], arch: &str) -> bool {
+    !bytes.is_empty() && (!is_real_arch(arch) || bytes.starts_with(b"\x7fELF"))
+}
+
 /// Compiles `src` for `arch` (`compute_90`: PTX; `sm_90`: a cubin), from the in-process cache,
-/// the disk cache, or NVRTC, in that order. The second value says whether NVRTC ran.
-pub fn compile_traced(src: &KernelSource, arch: &str) -> Result<(CompiledKernel, bool)> {
-    let opts = options(src, arch);
-    let (file, key) = cache_file(src, arch);
-    let mem = mem_cache();
-    if let Some(k) = mem.lock().unwrap().get(&key) {
-        return Ok((k.clone(), false));
+/// the disk cache, or NVRTC, in that order.
+pub fn compile(src: &KernelSource, arch: &str) -> Result<CompiledKernel> {
+    if let Some(k) = cached(src, arch) {
+        return Ok(k);
     }
-    let real = is_real_arch(arch);
-    let (image, compiled) = match std::fs::read(&file) {
-        // A truncated or foreign file is recompiled (and replaced), never loaded.
-        Ok(bytes) if !bytes.is_empty() && (!real || bytes.starts_with(b"\x7fELF")) => (bytes, false),
-        _ => {
-            let image = compile_uncached(src, &opts, real)?;
-            store(&file, &image);
-            (image, true)
-        }
-    };
+    let (file, key) = cache_file(src, arch);
+    let image = compile_uncached(src, &options(src, arch), is_real_arch(arch))?;
+    // Best effort: a read-only cache directory only costs a recompile next time.
+    let _ = write_atomically(&file, &image);
     let k = CompiledKernel { arch: arch.to_string(), image: Arc::new(image), key };
-    mem.lock().unwrap().insert(key, k.clone());
-    Ok((k, compiled))
+    mem_cache().lock().unwrap().insert(key, k.clone());
+    Ok(k)
 }
 
 /// Compiles `src` for `arch` into the cache directory `dir` (the file the run-time cache reads
@@ -185,17 +176,13 @@ pub fn compile_traced(src: &KernelSource, arch: &str) -> Result<(CompiledKernel,
 pub fn compile_into(src: &KernelSource, arch: &str, dir: &std::path::Path) -> Result<(PathBuf, u64, bool)> {
     let (file, _) = cache_file(src, arch);
     let file = dir.join(file.file_name().expect("cache files have names"));
-    let real = is_real_arch(arch);
     if let Ok(bytes) = std::fs::read(&file) {
-        if !bytes.is_empty() && (!real || bytes.starts_with(b"\x7fELF")) {
+        if valid_image(&bytes, arch) {
             return Ok((file, bytes.len() as u64, false));
         }
     }
-    let image = compile_uncached(src, &options(src, arch), real)?;
-    std::fs::create_dir_all(dir).with_context(|| format!("creating the kernel directory {}", dir.display()))?;
-    let tmp = file.with_extension(format!("tmp{}", std::process::id()));
-    std::fs::write(&tmp, &image).with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, &file).with_context(|| format!("renaming {} to {}", tmp.display(), file.display()))?;
+    let image = compile_uncached(src, &options(src, arch), is_real_arch(arch))?;
+    write_atomically(&file, &image)?;
     Ok((file, image.len() as u64, true))
 }
 
@@ -205,7 +192,7 @@ pub fn cached(src: &KernelSource, arch: &str) -> Option<CompiledKernel> {
     if let Some(k) = mem_cache().lock().unwrap().get(&key) {
         return Some(k.clone());
     }
-    let bytes = std::fs::read(&file).ok().filter(|b| !b.is_empty() && (!is_real_arch(arch) || b.starts_with(b"\x7fELF")))?;
+    let bytes = std::fs::read(&file).ok().filter(|b| valid_image(b, arch))?;
     let k = CompiledKernel { arch: arch.to_string(), image: Arc::new(bytes), key };
     mem_cache().lock().unwrap().insert(key, k.clone());
     Some(k)
@@ -216,21 +203,14 @@ fn mem_cache() -> &'static Mutex<HashMap<u64, CompiledKernel>> {
     MEM.get_or_init(Default::default)
 }
 
-/// [`compile_traced`] without the trace.
-pub fn compile(src: &KernelSource, arch: &str) -> Result<CompiledKernel> {
-    Ok(compile_traced(src, arch)?.0)
-}
-
-fn store(file: &PathBuf, ptx: &[u8]) {
-    // Best effort: a read-only cache directory only costs a recompile next time.
-    if let Some(dir) = file.parent() {
-        if std::fs::create_dir_all(dir).is_ok() {
-            let tmp = file.with_extension(format!("tmp{}", std::process::id()));
-            if std::fs::write(&tmp, ptx).is_ok() {
-                let _ = std::fs::rename(&tmp, file);
-            }
-        }
-    }
+/// Writes `file` through a temporary name in its directory (created if missing), then renames
+/// it: a reader never sees half an image.
+fn write_atomically(file: &std::path::Path, bytes: &[u8]) -> Result<()> {
+    let dir = file.parent().context("a cache file has a directory")?;
+    std::fs::create_dir_all(dir).with_context(|| format!("creating the kernel directory {}", dir.display()))?;
+    let tmp = file.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, file).with_context(|| format!("renaming {} to {}", tmp.display(), file.display()))
 }
 
 fn compile_uncached(src: &KernelSource, opts: &[String], cubin: bool) -> Result<Vec<u8>> {

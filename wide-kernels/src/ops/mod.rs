@@ -92,14 +92,10 @@ pub struct Precompiled {
     pub compiled: bool,
 }
 
-/// Compiles every shipped kernel variant ([`all_kernel_variants`]; with `only`, the families
-/// (`KernelSource::name`) named there) for `arch` (`sm_90`:
-/// cubins; `compute_90`: PTX) into the cache directory `dir`, for `WIDE_KERNEL_CACHE=dir` on a
-/// GPU machine of that architecture. Hopper-only variants (sm_90a) are built when `arch` is
-/// compute capability 9.0 and skipped otherwise. `each` sees every image as it is done.
-pub fn precompile(arch: &str, dir: &std::path::Path, only: &[String], mut each: impl FnMut(&Precompiled)) -> anyhow::Result<Vec<Precompiled>> {
-    crate::nvrtc::check_arch(arch)?;
-    let variants = precompile_list(arch, only)?;
+/// Compiles the variants of [`precompile_list`] into the cache directory `dir`, for
+/// `WIDE_KERNEL_CACHE=dir` on a GPU machine of that architecture. `each` sees every image as it
+/// is done.
+pub fn precompile(variants: Vec<(crate::KernelSource, String)>, dir: &std::path::Path, mut each: impl FnMut(&Precompiled)) -> anyhow::Result<Vec<Precompiled>> {
     let mut done = Vec::with_capacity(variants.len());
     for (k, target) in variants {
         let (file, bytes, compiled) = crate::nvrtc::compile_into(&k, &target, dir)?;
@@ -110,8 +106,12 @@ pub fn precompile(arch: &str, dir: &std::path::Path, only: &[String], mut each: 
     Ok(done)
 }
 
-/// The variants [`precompile`] builds for `arch`, each with its own target.
+/// Every shipped kernel variant ([`all_kernel_variants`]; with `only`, the families
+/// (`KernelSource::name`) named there) with its target for `arch` (`sm_90`: cubins;
+/// `compute_90`: PTX). Hopper-only variants (sm_90a) come with compute capability 9.0 and are
+/// left out otherwise.
 pub fn precompile_list(arch: &str, only: &[String]) -> anyhow::Result<Vec<(crate::KernelSource, String)>> {
+    crate::nvrtc::check_arch(arch)?;
     let all = all_kernel_variants();
     for o in only {
         anyhow::ensure!(
@@ -147,8 +147,9 @@ mod tests {
     fn every_kernel_variant_assembles_for_sm_90() {
         let dir = std::env::temp_dir().join(format!("wide-cubins-{}", std::process::id()));
         let all = super::precompile_list("sm_90", &[]).unwrap();
-        let done = super::precompile("sm_90", &dir, &[], |_| {}).unwrap_or_else(|e| panic!("{e:#}"));
-        assert_eq!(done.len(), all.len());
+        let n = all.len();
+        let done = super::precompile(all, &dir, |_| {}).unwrap_or_else(|e| panic!("{e:#}"));
+        assert_eq!(done.len(), n);
         assert!(done.iter().any(|p| p.arch == "sm_90a"), "the wgmma variants build for sm_90a");
         for p in &done {
             let bytes = std::fs::read(&p.file).unwrap();
