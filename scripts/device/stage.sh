@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the release binary (and the GPU test binaries with --tests) here, strips them and
+# Builds the release binary (and the GPU test binaries, tests/cuda*.rs, with --tests) here, strips them and
 # stages them in .device/ (git-ignored) with env.sh, for the device tool to carry; --kernels
 # also compiles every CUDA kernel for the H200 (sm_90 machine code, `wide kernels precompile`)
 # into .device/kernels, which env.sh then names as the kernel cache (no compiling there):
@@ -30,7 +30,8 @@ if [ $tests -eq 1 ]; then
     | python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"] \
+            and m["target"]["name"].startswith("cuda"):
         print(m["target"]["name"], m["executable"])' \
     | while read -r name exe; do strip -o "$S/test-$name" "$exe"; done
 fi
