@@ -347,8 +347,8 @@ pub fn attention_prefill_dense(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor
         Device::Cuda(dv) if aligned && matches!(o.kind(), Kind::BFloat16 | Kind::Half) && matches!(mask.kind(), Kind::Bool | Kind::Uint8) => {
             let m = if mask.kind() == Kind::Bool { mask.contiguous().view_dtype(Kind::Uint8) } else { mask.contiguous() };
             let zero = prefill_kernel(o.kind() == Kind::Half, "attn_prefill_zero", 0, dv)?;
-            let rows = b * t * hq;
-            let grid = ((rows + 7) / 8).min(16 * crate::cuda::multiprocessor_count(dv)? as i64).max(1);
+            // One warp a token, 8 a block.
+            let grid = ((b * t + 7) / 8).min(64 * crate::cuda::multiprocessor_count(dv)? as i64).max(1);
             unsafe {
                 zero.launch(
                     LaunchConfig { grid: (grid as u32, 1, 1), block: (256, 1, 1), shared_mem_bytes: 0 },

@@ -275,21 +275,25 @@ ATTN_PREFILL(64, 8, 1, 64, 1)
 ATTN_PREFILL(64, 4, 2, 32, 2)
 
 // ---------------------------------------------------------------------------------------
-// The dense path's zero pass, in place: one warp a (batch, token, head) row of o (any strides
-// in elements, rows of D contiguous and 16-byte aligned); rows of skipped (token, head) pairs
-// become 0, others are not touched. Only the mask and the skipped rows move.
+// The dense path's zero pass, in place: one warp a (batch, token) of o (any strides in elements,
+// rows of D contiguous and 16-byte aligned); the rows of the token's skipped heads become 0,
+// others are not touched. Only the mask and the skipped rows move. A lane takes the 16-byte
+// chunks lane, lane + 32, ... of the token's HQ rows: its mask reads are independent of its
+// stores (one warp a row made each store wait for that row's mask byte, ~15 times a warp).
 // ---------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(256) attn_prefill_zero(T* __restrict__ o, const unsigned char* __restrict__ mask, int B, int HQ,
                                                                     int Tn, int D, int GH, int NG, long long sb, long long sh, long long st) {
-    const long long rows = (long long)B * Tn * HQ;
+    const long long tokens = (long long)B * Tn;
     const int lane = threadIdx.x & 31;
     const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
-    for (long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < rows; r += warps) {
-        const int h = (int)(r % HQ);
-        const long long bt = r / HQ;  // b * T + t
-        if (mask[bt * NG + h / GH]) continue;
-        const long long b = bt / Tn, t = bt % Tn;
-        T* row = o + b * sb + h * sh + t * st;
-        for (int c = lane; c < D / 8; c += 32) reinterpret_cast<uint4*>(row)[c] = make_uint4(0, 0, 0, 0);
+    const int cpr = D >> 3, chunks = HQ * cpr;
+    for (long long bt = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); bt < tokens; bt += warps) {
+        const long long b = bt / Tn, t = bt - b * Tn;
+        const unsigned char* mrow = mask + bt * NG;
+        T* base = o + b * sb + t * st;
+        for (int c = lane; c < chunks; c += 32) {
+            const int h = c / cpr;
+            if (!mrow[h / GH]) reinterpret_cast<uint4*>(base + h * sh)[c - h * cpr] = make_uint4(0, 0, 0, 0);
+        }
     }
 }
