@@ -307,23 +307,18 @@ pub const PREFILL_MEASURE_MIN_TOKENS: i64 = 8192;
 
 /// Dispatch rule of [`attention_prefill`]: does the routed kernel (layout included) beat SDPA +
 /// the zero pass at `tokens` prompt tokens and skip rate `sparsity`? Fitted to the H200 (bf16,
-/// 32/8 heads, head_dim 128, cold L2, routed with the skip rate given; benchmarks/RESULTS.md):
-/// routed / (SDPA + zero) at s = 0.375 / 0.5 / 0.625: 1024 tokens 0.93 / 0.95 / 1.00x, 2048
-/// 0.84 / 1.04 / 1.29x, 4096 0.78 / 0.96 / 1.17x, 8192 0.75 / 0.93 / 1.16x, 32768 0.80 / 1.01 /
-/// 1.38x. The routed kernel does (1 - s) of the FLOPs at 180-300 TFLOP/s (mma.sync), SDPA all of
-/// them at 390 (2048 tokens) to 610 TFLOP/s (8192), so the break-even skip rate is near 0.5.
+/// 32/8 heads, head_dim 128, cold L2, routed with the skip rate given; benchmarks/RESULTS.md),
+/// with the one-warp-a-token zero pass: routed / (SDPA + zero) at s = 0.375 / 0.5 / 0.625: 1024
+/// tokens 0.85 / 0.88 / 0.90x, 2048 0.79 / 0.98 / 1.20x, 4096 0.76 / 0.93 / 1.14x, 8192 0.75 /
+/// 0.90 / 1.14x, 32768 0.80 / 1.04 / 1.37x. The routed kernel does (1 - s) of the FLOPs at
+/// 180-300 TFLOP/s (mma.sync), SDPA all of them at 390 (2048 tokens) to 610 TFLOP/s (8192), so
+/// the break-even skip rate is a little above 0.5.
 pub fn prefill_routed_pays(tokens: i64, sparsity: f64) -> bool {
-    tokens >= PREFILL_ROUTED_MIN_TOKENS && sparsity >= prefill_min_sparsity(tokens)
+    tokens >= PREFILL_ROUTED_MIN_TOKENS && sparsity >= PREFILL_MIN_SPARSITY
 }
 
-/// The skip rate from which the routed kernel wins at `tokens` (see [`prefill_routed_pays`]).
-pub fn prefill_min_sparsity(tokens: i64) -> f64 {
-    if tokens < 4096 {
-        0.5
-    } else {
-        0.55
-    }
-}
+/// The skip rate from which the routed kernel wins (see [`prefill_routed_pays`]).
+pub const PREFILL_MIN_SPARSITY: f64 = 0.55;
 
 /// `WIDE_ATTN_PREFILL=routed|dense`: force the prefill attention path (read once).
 fn prefill_override() -> Option<bool> {
@@ -585,7 +580,7 @@ mod tests {
     #[test]
     fn prefill_dispatch_rule() {
         assert!(!prefill_routed_pays(1024, 0.9));
-        assert!(!prefill_routed_pays(2048, 0.375) && prefill_routed_pays(2048, 0.5));
+        assert!(!prefill_routed_pays(2048, 0.5) && prefill_routed_pays(2048, 0.625));
         assert!(!prefill_routed_pays(8192, 0.5) && prefill_routed_pays(8192, 0.625));
         // 128-row blocks only with enough of them (Llama-3.1-8B: 32 heads).
         assert_eq!(PrefillTile::choose(1, 32, 2048, 0.5), PREFILL_TILES[0]);
