@@ -115,29 +115,27 @@ impl CudaKernel {
         static PTX_ONLY: OnceLock<bool> = OnceLock::new();
         let ptx_only = *PTX_ONLY.get_or_init(|| std::env::var("WIDE_KERNEL_IMAGE").is_ok_and(|v| v.trim() == "ptx"));
         let real = arch.replacen("compute_", "sm_", 1);
-        let loaded = LOADED.get_or_init(Default::default);
-        if let Some(compiled) = (!ptx_only).then(|| nvrtc::cached(src, &real)).flatten() {
+        // Each (image, entry, device) is loaded once per process.
+        let load_once = |compiled: &CompiledKernel| -> Result<Self> {
+            let mut loaded = LOADED.get_or_init(Default::default).lock().unwrap();
             let k = (compiled.key, entry.to_string(), device);
-            if let Some(f) = loaded.lock().unwrap().get(&k) {
-                return Ok(Self { func: *f as sys::CUfunction, device });
-            }
-            match Self::load(&compiled, entry, device) {
-                Ok(func) => {
-                    loaded.lock().unwrap().insert(k, func as usize);
-                    return Ok(Self { func, device });
+            let func = match loaded.get(&k) {
+                Some(&f) => f as sys::CUfunction,
+                None => {
+                    let f = Self::load(compiled, entry, device)?;
+                    loaded.insert(k, f as usize);
+                    f
                 }
+            };
+            Ok(Self { func, device })
+        };
+        if let Some(compiled) = (!ptx_only).then(|| nvrtc::cached(src, &real)).flatten() {
+            match load_once(&compiled) {
+                Ok(k) => return Ok(k),
                 Err(e) => eprintln!("warning: kernel `{}` for {real} did not load as machine code ({e:#}); compiling its PTX instead", src.name),
             }
         }
-        let compiled = nvrtc::compile(src, &arch)?;
-        let mut loaded = loaded.lock().unwrap();
-        let k = (compiled.key, entry.to_string(), device);
-        if let Some(f) = loaded.get(&k) {
-            return Ok(Self { func: *f as sys::CUfunction, device });
-        }
-        let func = Self::load(&compiled, entry, device)?;
-        loaded.insert(k, func as usize);
-        Ok(Self { func, device })
+        load_once(&nvrtc::compile(src, &arch)?)
     }
 
     fn load(compiled: &CompiledKernel, entry: &str, device: usize) -> Result<sys::CUfunction> {

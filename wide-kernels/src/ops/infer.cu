@@ -208,6 +208,13 @@ __device__ __forceinline__ void router_gate_prefetch(const T* __restrict__ w2, c
 #define ROUTER_TICKETS 65536
 __device__ unsigned int router_tickets[ROUTER_TICKETS];
 
+// The parameters of both norm + router kernels (the host builds one argument list for either).
+#define NORM_ROUTER_PARAMS                                                                                        \
+    const T *x, const T *__restrict__ delta, const T *__restrict__ w, T *res, T *__restrict__ out, int H, float eps, \
+        int has_delta, const T *__restrict__ w1, const T *__restrict__ b1, T *__restrict__ h1, int R, int RPB,       \
+        const T *__restrict__ w2, const T *__restrict__ b2, float offset, unsigned char *__restrict__ mask,          \
+        unsigned char *__restrict__ ext, int NG, int EXTRA, int w2_shared
+
 // add_rmsnorm and the first layer of the router that reads the same residual, in one launch
 // (decode: saves a GEMV launch per router). Grid (M, 1 + ceil(R / RPB)): block (m, 0) is
 // add_rmsnorm of row m; block (m, y > 0) rebuilds the residual row in shared memory (H floats
@@ -219,13 +226,7 @@ __device__ unsigned int router_tickets[ROUTER_TICKETS];
 // With w2 != null (M <= ROUTER_TICKETS, R <= min(256, H)) the last of row m's y > 0 blocks to
 // finish also runs the second layer and the gate on h1[m] (gate_row): the router costs no
 // launch of its own. w2_shared is read by add_rmsnorm_router_cluster only (one argument list).
-extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router(const T* x, const T* __restrict__ delta, const T* __restrict__ w,
-                                                                     T* res, T* __restrict__ out, int H, float eps, int has_delta,
-                                                                     const T* __restrict__ w1, const T* __restrict__ b1,
-                                                                     T* __restrict__ h1, int R, int RPB, const T* __restrict__ w2,
-                                                                     const T* __restrict__ b2, float offset,
-                                                                     unsigned char* __restrict__ mask, unsigned char* __restrict__ ext,
-                                                                     int NG, int EXTRA, int w2_shared) {
+extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router(NORM_ROUTER_PARAMS) {
     if (blockIdx.y == 0) {
         pdl_wait();
         pdl_trigger();
@@ -295,13 +296,7 @@ __device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier
 __device__ __forceinline__ void cluster_arrive_release() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
 
-extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router_cluster(const T* x, const T* __restrict__ delta, const T* __restrict__ w,
-                                                                             T* res, T* __restrict__ out, int H, float eps, int has_delta,
-                                                                             const T* __restrict__ w1, const T* __restrict__ b1,
-                                                                             T* __restrict__ h1, int R, int RPB, const T* __restrict__ w2,
-                                                                             const T* __restrict__ b2, float offset,
-                                                                             unsigned char* __restrict__ mask, unsigned char* __restrict__ ext,
-                                                                             int NG, int EXTRA, int w2_shared) {
+extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router_cluster(NORM_ROUTER_PARAMS) {
 #if __CUDA_ARCH__ >= 900
     extern __shared__ float xs[];  // H floats, then (w2_shared) block 0's copies of w2 and b2
     __shared__ float part[16];
