@@ -340,7 +340,11 @@ fn run_prefill_case(kind: Kind, b: i64, hq: i64, hkv: i64, t: i64, cap: i64, d: 
     let r = wide_kernels::attention_prefill_reference(&f(&q), &f(&k), &f(&v), None, &msk, gh, scale);
     let off = msk.logical_not().repeat_interleave_self_int(gh, 2, None::<i64>).transpose(1, 2).unsqueeze(-1).expand([b, hq, t, d], false);
     let what = format!("attention_prefill {kind:?} B={b} HQ={hq} HKV={hkv} T={t} cap={cap} D={d} gh={gh} active={p_active}");
-    for tile in PREFILL_TILES {
+    let dev_index = match dev {
+        Device::Cuda(i) => i,
+        _ => unreachable!(),
+    };
+    for tile in PREFILL_TILES.into_iter().filter(|x| x.supports(d, dev_index)) {
         poison(b * hq * t, d, kind);
         let y = wide_kernels::attention_prefill_routed(&q, &k, &v, &msk, gh, scale, tile).unwrap();
         check(&y, &r, Some(&off), &format!("{what} routed {}", tile.name()));

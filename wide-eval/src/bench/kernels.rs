@@ -438,7 +438,7 @@ fn bench_attn_prefill(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Ten
         // Causal FLOPs of the dense op (QK^T and PV over the lower triangle incl. the diagonal).
         let dense_flops = 4.0 * (hq * d) as f64 * (t as f64) * (t as f64 + 1.0) / 2.0;
         for &s in &cfg.sparsity {
-            let default_tile = PrefillTile::choose(1, hq, t, s);
+            let default_tile = PrefillTile::choose_for(dev, d, 1, hq, t, s);
             let new_mask = || Tensor::rand([1, t, ng], (Kind::Float, device)).ge(s);
             let msk = new_mask();
             // f32 reference on one KV head's 4 query heads (group 0): SDPA in f32 (the
@@ -455,7 +455,7 @@ fn bench_attn_prefill(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Ten
                 if rn == 0.0 { e } else { e / rn }
             };
             let mut errs = vec![];
-            for tile in PREFILL_TILES {
+            for tile in PREFILL_TILES.into_iter().filter(|x| x.supports(d, dev)) {
                 let y = attention_prefill_routed(&q, &k, &v, &msk, gh, scale, tile)?;
                 let nan = y.isnan().any().int64_value(&[]);
                 let err = rel(&y);
@@ -495,7 +495,7 @@ fn bench_attn_prefill(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Ten
                 let zero_ms = time("sdpa_zero")?;
                 let mut tiles = vec![];
                 let mut routed_ms = f64::NAN;
-                for tile in PREFILL_TILES {
+                for tile in PREFILL_TILES.into_iter().filter(|x| x.supports(d, dev)) {
                     let ms = time(&tile.name())?;
                     if tile == default_tile {
                         routed_ms = ms;

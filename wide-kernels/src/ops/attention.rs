@@ -292,7 +292,11 @@ pub fn attention_prefill_with(
     };
     if routed {
         let (b, hq) = (q.size()[0], q.size()[1]);
-        attention_prefill_routed(q, k, v, mask, group_heads, scale, PrefillTile::choose(b, hq, t, s))
+        let device = match q.device() {
+            Device::Cuda(dv) => dv,
+            _ => unreachable!("checked above"),
+        };
+        attention_prefill_routed(q, k, v, mask, group_heads, scale, PrefillTile::choose_for(device, d, b, hq, t, s))
     } else {
         attention_prefill_dense(q, k, v, mask, group_heads, scale)
     }
@@ -371,33 +375,67 @@ pub fn attention_prefill_dense(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor
     }
 }
 
-/// Block shape of the routed prefill kernel: `warps` warps of `mi` x 16 gathered query rows
-/// each, key tiles of `bn`.
+/// Block shape of the routed prefill kernel: `warps` (computing) warps of `mi` x 16 gathered
+/// query rows each, key tiles of `bn`; `wgmma`: the Hopper kernel (`attn_wgmma.cu`: two
+/// consumer warpgroups of 64 rows and a producer warpgroup), else the `mma.sync` one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct PrefillTile {
     pub warps: u32,
     pub mi: u32,
     pub bn: u32,
+    pub wgmma: bool,
 }
 
-/// The shipped block shapes (each compiled for head_dim 64 and 128, bf16 and f16).
-pub const PREFILL_TILES: [PrefillTile; 3] = [
-    PrefillTile { warps: 4, mi: 1, bn: 64 },
-    PrefillTile { warps: 8, mi: 1, bn: 64 },
-    PrefillTile { warps: 4, mi: 2, bn: 32 },
+/// The shipped block shapes: the `mma.sync` ones compiled for head_dim 64 and 128, the wgmma
+/// one (last) for head_dim 128 on compute capability 9.0; each for bf16 and f16.
+pub const PREFILL_TILES: [PrefillTile; 4] = [
+    PrefillTile { warps: 4, mi: 1, bn: 64, wgmma: false },
+    PrefillTile { warps: 8, mi: 1, bn: 64, wgmma: false },
+    PrefillTile { warps: 4, mi: 2, bn: 32, wgmma: false },
+    PREFILL_WGMMA,
 ];
+
+/// The Hopper prefill kernel's block: 8 consumer warps of 16 rows (128 list entries), 64-key
+/// tiles in a ring of [`PREFILL_WGMMA_STAGES`].
+pub const PREFILL_WGMMA: PrefillTile = PrefillTile { warps: 8, mi: 1, bn: 64, wgmma: true };
+/// Depth of the wgmma prefill kernel's K/V ring.
+pub const PREFILL_WGMMA_STAGES: u32 = 3;
 
 impl PrefillTile {
     /// Query rows (list entries) a block.
     pub fn rows(&self) -> i64 {
         (self.warps * self.mi * 16) as i64
     }
-    /// Dynamic shared memory: Q tile and two K and V tiles, rows padded by 8 elements.
+    /// Threads a block (the wgmma kernel adds its producer warpgroup).
+    pub fn threads(&self) -> u32 {
+        (self.warps + if self.wgmma { 4 } else { 0 }) * 32
+    }
+    /// Dynamic shared memory. `mma.sync`: Q tile and two K and V tiles, rows padded by 8
+    /// elements. wgmma: 1024 bytes of alignment slack, the Q tile and the K/V ring, unpadded
+    /// (swizzled).
     pub fn smem_bytes(&self, d: i64) -> u32 {
-        (self.rows() as u32 + 4 * self.bn) * (d as u32 + 8) * 2
+        let d = d as u32;
+        if self.wgmma {
+            1024 + self.rows() as u32 * d * 2 + PREFILL_WGMMA_STAGES * 2 * self.bn * d * 2
+        } else {
+            (self.rows() as u32 + 4 * self.bn) * (d + 8) * 2
+        }
     }
     pub fn name(&self) -> String {
-        format!("w{}m{}n{}", self.warps, self.mi, self.bn)
+        if self.wgmma {
+            format!("wgmma{}n{}", self.rows(), self.bn)
+        } else {
+            format!("w{}m{}n{}", self.warps, self.mi, self.bn)
+        }
+    }
+    /// Can this block shape run head_dim `d` on `device`? (The wgmma kernel: head_dim 128 on a
+    /// compute capability 9.0 GPU.)
+    pub fn supports(&self, d: i64, device: usize) -> bool {
+        if self.wgmma {
+            d == 128 && super::wgmma::supported(device)
+        } else {
+            matches!(d, 64 | 128)
+        }
     }
     /// Parses [`PrefillTile::name`].
     pub fn parse(s: &str) -> Option<Self> {
@@ -410,21 +448,46 @@ impl PrefillTile {
     /// (1.45 waves of 2 blocks on 132 multiprocessors), else 64-row blocks (2048 tokens, s = 0.5,
     /// 256 blocks of 128: 0.097 ms against 0.127 ms; 4096 tokens, s = 0.75: 0.181 against 0.240).
     pub fn choose(batch: i64, heads: i64, tokens: i64, sparsity: f64) -> Self {
-        static V: OnceLock<Option<PrefillTile>> = OnceLock::new();
-        let forced = *V.get_or_init(|| std::env::var("WIDE_ATTN_PREFILL_TILE").ok().and_then(|s| Self::parse(&s)));
         let blocks = batch as f64 * heads as f64 * tokens as f64 * (1.0 - sparsity) / 128.0;
-        forced.unwrap_or(if blocks >= 384.0 { PREFILL_TILES[2] } else { PREFILL_TILES[0] })
+        Self::forced().unwrap_or(if blocks >= 384.0 { PREFILL_TILES[2] } else { PREFILL_TILES[0] })
+    }
+    /// [`PrefillTile::choose`] for head_dim `d` on `device`: the wgmma kernel wherever it can
+    /// run (see [`prefill_routed_pays`] for its measured times), else the `mma.sync` choice.
+    pub fn choose_for(device: usize, d: i64, batch: i64, heads: i64, tokens: i64, sparsity: f64) -> Self {
+        match Self::forced() {
+            Some(t) if t.supports(d, device) => t,
+            _ if PREFILL_WGMMA.supports(d, device) => PREFILL_WGMMA,
+            _ => Self::choose(batch, heads, tokens, sparsity),
+        }
+    }
+    fn forced() -> Option<Self> {
+        static V: OnceLock<Option<PrefillTile>> = OnceLock::new();
+        *V.get_or_init(|| std::env::var("WIDE_ATTN_PREFILL_TILE").ok().and_then(|s| Self::parse(&s)))
     }
     fn entry(&self, d: i64) -> String {
-        format!("attn_prefill_{d}_{}_{}_{}", self.warps, self.mi, self.bn)
+        if self.wgmma {
+            format!("attn_prefill_wgmma_{d}")
+        } else {
+            format!("attn_prefill_{d}_{}_{}_{}", self.warps, self.mi, self.bn)
+        }
     }
 }
 
 const PREFILL_SOURCE: &str = concat!(include_str!("mma_sync.cuh"), include_str!("partition.cuh"), include_str!("attn_prefill.cu"));
 
-/// The prefill module for a dtype (layout entry and every block shape).
+/// The prefill module for a dtype (layout entry and every `mma.sync` block shape).
 pub fn prefill_source(f16: bool) -> KernelSource {
     KernelSource::new("attn_prefill", PREFILL_SOURCE).define("WIDE_F16", f16 as u32)
+}
+
+const PREFILL_WGMMA_SOURCE: &str = concat!(include_str!("wgmma_common.cuh"), include_str!("attn_wgmma.cu"));
+
+/// The Hopper prefill module for a dtype (sm_90a; head_dim 128).
+pub fn prefill_wgmma_source(f16: bool) -> KernelSource {
+    KernelSource::new("attn_prefill_wgmma", PREFILL_WGMMA_SOURCE)
+        .target(super::wgmma::TARGET)
+        .define("WIDE_F16", f16 as u32)
+        .define("STAGES", PREFILL_WGMMA_STAGES)
 }
 
 fn prefill_kernel(f16: bool, entry: &str, smem: u32, device: usize) -> Result<CudaKernel> {
@@ -434,7 +497,8 @@ fn prefill_kernel(f16: bool, entry: &str, smem: u32, device: usize) -> Result<Cu
     if let Some(k) = K.get_or_init(Default::default).lock().unwrap().get(&key) {
         return Ok(*k);
     }
-    let k = CudaKernel::get(&prefill_source(f16), entry, device)?;
+    let src = if entry.starts_with("attn_prefill_wgmma") { prefill_wgmma_source(f16) } else { prefill_source(f16) };
+    let k = CudaKernel::get(&src, entry, device)?;
     if smem > 0 {
         k.set_max_dynamic_shared_mem(smem)?;
     }
@@ -462,6 +526,11 @@ pub fn attention_prefill_routed(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tenso
     );
     ensure!(matches!(d, 64 | 128), "attention_prefill_routed: the kernel takes head_dim 64 or 128, got {d}; use attention_prefill_dense");
     ensure!(PREFILL_TILES.contains(&tile), "attention_prefill_routed: {tile:?} is not a shipped block shape (PREFILL_TILES)");
+    ensure!(
+        tile.supports(d, device),
+        "attention_prefill_routed: block shape {} needs head_dim 128 on a compute capability 9.0 GPU (head_dim {d}, device {device}); use another of PREFILL_TILES",
+        tile.name()
+    );
     let bm = tile.rows();
     ensure!(
         t >= 1 && t <= i32::MAX as i64 && (t + bm - 1) / bm <= 65535 && b <= 65535 && hq <= 65535,
@@ -494,7 +563,7 @@ pub fn attention_prefill_routed(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tenso
             &[KernelArg::tensor(&mask)?, KernelArg::I32(t as i32), KernelArg::I32(ng as i32), KernelArg::tensor(&perm)?, KernelArg::tensor(&count)?],
         )?;
         attn.launch(
-            LaunchConfig { grid: (hq as u32, ((t + bm - 1) / bm) as u32, b as u32), block: (tile.warps * 32, 1, 1), shared_mem_bytes: smem },
+            LaunchConfig { grid: (hq as u32, ((t + bm - 1) / bm) as u32, b as u32), block: (tile.threads(), 1, 1), shared_mem_bytes: smem },
             &[
                 KernelArg::tensor(&q)?,
                 KernelArg::tensor(&k)?,
@@ -521,7 +590,7 @@ pub fn attention_prefill_routed(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tenso
 
 /// Every prefill kernel variant (for the NVRTC compile test).
 pub fn kernel_variants() -> Vec<KernelSource> {
-    vec![prefill_source(false), prefill_source(true)]
+    vec![prefill_source(false), prefill_source(true), prefill_wgmma_source(false), prefill_wgmma_source(true)]
 }
 
 #[cfg(test)]
@@ -575,6 +644,18 @@ mod tests {
         let a = attention_prefill(&q, &k, &k, None, &m, 2, 0.125).unwrap();
         let b = attention_prefill_dense(&q, &k, &k, &m, 2, 0.125).unwrap();
         assert!((a - b).abs().max().double_value(&[]) < 1e-5);
+    }
+
+    #[test]
+    fn prefill_wgmma_tile_resources() {
+        assert_eq!(PREFILL_WGMMA.rows(), 128);
+        assert_eq!(PREFILL_WGMMA.threads(), 384, "two consumer warpgroups and a producer");
+        assert_eq!(PREFILL_TILES[0].threads(), 128);
+        // Q tile 32 KB, three stages of 64-key K and V tiles (16 KB each), 1 KB of alignment.
+        assert_eq!(PREFILL_WGMMA.smem_bytes(128), 1024 + 32768 + 3 * 32768);
+        // head_dim 64 has no wgmma kernel, on any device.
+        assert!(!PREFILL_WGMMA.supports(64, 0));
+        assert!(PREFILL_TILES[0].supports(64, 0) && !PREFILL_TILES[0].supports(96, 0));
     }
 
     #[test]

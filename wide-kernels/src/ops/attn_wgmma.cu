@@ -1,0 +1,291 @@
+// Routed causal prefill attention on Hopper wgmma (sm_90a), head_dim 128. wgmma_common.cuh is
+// prepended; compiled by NVRTC for compute_90a with
+//   WIDE_F16   1 for f16 operands, 0 for bf16 (fp32 accumulation, online softmax in the exp2
+//              domain)
+//   STAGES     depth of the K/V ring (default 3)
+//
+// Same contract as attn_prefill_* in attn_prefill.cu: q [B, HQ, T, 128] contiguous, k/v rows
+// contiguous with batch / head strides kv_sb, kv_sh (a narrowed KV cache needs no copy), out
+// with strides o_sb, o_sh, o_st; perm / count from attn_prefill_layout (per (batch, group) the
+// active tokens ascending, then the inactive ones). A block takes BM = 128 consecutive list
+// entries of one query head: the active ones attend causally to keys 0 ..= their position, the
+// inactive ones get exact zeros. Grid (HQ, ceil(T / 128), B); y = 0 is each head's heaviest
+// (last) active tile.
+//
+// Block: 3 warpgroups. Warpgroup 0 is the producer: it gathers the 128 query rows once and
+// streams 64-key K and V tiles through a STAGES-deep ring, all with 16-byte cp.async into the
+// 128-byte-swizzled layout, each stage handed over through an mbarrier. Warpgroups 1 and 2
+// (cw = 0, 1) own the entries [64 cw, 64 cw + 64): per key tile S = Q K^T with m64n64k16 (both
+// operands in shared memory, K-major), the causal mask and the online softmax on the
+// accumulator registers, then O += P V with m64n128k16 taking P from registers (the accumulator
+// layout converted in place) and V from shared memory MN-major. A consumer skips the key tiles
+// past its last row's position but still hands them back.
+
+#ifndef STAGES
+#define STAGES 3
+#endif
+#define HD 128                           // head dim
+#define BM 128                           // list entries a block
+#define KN 64                            // keys a tile
+#define Q_HALF (BM * 128)                // [128 rows x 64 dims] swizzled block, bytes
+#define Q_BYTES (2 * Q_HALF)
+#define KV_HALF (KN * 128)               // [64 keys x 64 dims]
+#define KV_BYTES (2 * KV_HALF)           // one of K, V
+#define STAGE_BYTES (2 * KV_BYTES)       // K then V
+#define THREADS 384
+
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+// Descriptor of an MN-major operand in the 128-byte swizzle layout: 8-row (key) groups 1024
+// bytes apart (stride byte offset), 64-element blocks of the N dimension `lbo` bytes apart
+// (leading byte offset).
+__device__ __forceinline__ unsigned long long sw128_desc_mn(unsigned addr, unsigned lbo) {
+    return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)((lbo & 0x3FFFF) >> 4) << 16) |
+           ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
+}
+
+// S[64 x 64] (f32) += A[64 x 16] * B[16 x 64], A and B K-major in shared memory (descriptors).
+__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], unsigned long long da, unsigned long long db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32." WG_TYPE "." WG_TYPE " "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db), "r"(1));
+}
+// O[64 x 128] (f32) += P[64 x 16] * V[16 x 128]: P in registers (the m16n8k16 A-fragment layout
+// in each warp's 16 rows), V in shared memory MN-major (rows of keys, head dim contiguous:
+// transpose flag 1).
+__device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const unsigned (&a)[4], unsigned long long db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32." WG_TYPE "." WG_TYPE " "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+    attn_prefill_wgmma_128(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const int* __restrict__ perm,
+                           const int* __restrict__ count, T* __restrict__ out, int HQ, int HKV, int Tn, int GH, int NG, long long kv_sb,
+                           long long kv_sh, long long o_sb, long long o_sh, long long o_st, float sl2) {
+    extern __shared__ unsigned char smem_raw[];
+    __shared__ int rows[BM];  // the entries' token positions (-1 past the list)
+    __shared__ __align__(8) unsigned long long q_bar, full_bar[STAGES], empty_bar[STAGES];
+    // Tiles start 1024-aligned (the swizzle pattern is defined on absolute address bits); the
+    // launch asks for 1024 bytes of slack.
+    const unsigned base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    const unsigned sq = base, skv = base + Q_BYTES;
+    const int tid = threadIdx.x;
+    const int h = blockIdx.x, b = blockIdx.z;
+    const int hk = h / (HQ / HKV), g = h / GH;
+    // Block-uniform values broadcast from lane 0, so that the branches around the wgmma
+    // instructions look warp-uniform to the compiler.
+    const int c = __shfl_sync(0xffffffffu, count[b * NG + g], 0);
+    const int nat = (c + BM - 1) / BM;
+    const int tile = (int)blockIdx.y < nat ? nat - 1 - (int)blockIdx.y : (int)blockIdx.y;
+    const int row0 = tile * BM;
+    const int* list = perm + ((long long)b * NG + g) * Tn;
+    T* oh = out + b * o_sb + h * o_sh;
+    for (int i = tid; i < BM; i += THREADS) rows[i] = row0 + i < Tn ? list[row0 + i] : -1;
+    const int nact = min(BM, c - row0);  // active entries in this tile (<= 0: none)
+    if (tid == 0) {
+        mbar_init(smem_u32(&q_bar), 128);
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(smem_u32(&full_bar[s]), 128);  // every producer thread
+            mbar_init(smem_u32(&empty_bar[s]), 8);   // every consumer warp
+        }
+    }
+    __syncthreads();
+    const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
+    if (nact > 0) {
+        const int n_kt = __shfl_sync(0xffffffffu, rows[nact - 1], 0) / KN + 1;  // key tiles up to the last position
+        if (wg == 0) {
+            // Producer. Query rows: thread t copies chunks t + 128 i (row / 16, chunk % 16);
+            // rows past the active ones are zero-filled (finite scores, never written).
+            const T* qh = q + ((long long)b * HQ + h) * Tn * HD;
+#pragma unroll
+            for (int i = 0; i < 16; ++i) {
+                const int idx = tid + 128 * i, r = idx >> 4, ch = idx & 15;
+                const bool ok = r < nact;
+                cp_async16(sq + (ch >> 3) * Q_HALF + sw128_off(r, ch & 7), qh + (ok ? (long long)rows[r] * HD + ch * 8 : 0), ok);
+            }
+            cp_async_arrive(smem_u32(&q_bar));
+            const T* kh = k + b * kv_sb + hk * kv_sh;
+            const T* vh = v + b * kv_sb + hk * kv_sh;
+            int s = 0;
+            unsigned ph = 0;
+            for (int j = 0; j < n_kt; ++j) {
+                if (j >= STAGES) mbar_wait(smem_u32(&empty_bar[s]), ph ^ 1u);
+                const unsigned st = skv + s * STAGE_BYTES;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    const int idx = tid + 128 * i, r = idx >> 4, ch = idx & 15;
+                    const int key = j * KN + r;
+                    const bool ok = key < Tn;  // keys past the prompt: zeros (masked anyway)
+                    const long long off = ok ? (long long)key * HD + ch * 8 : 0;
+                    const unsigned dst = st + (ch >> 3) * KV_HALF + sw128_off(r, ch & 7);
+                    cp_async16(dst, kh + off, ok);
+                    cp_async16(dst + KV_BYTES, vh + off, ok);
+                }
+                cp_async_arrive(smem_u32(&full_bar[s]));
+                if (++s == STAGES) {
+                    s = 0;
+                    ph ^= 1u;
+                }
+            }
+            cp_wait<0>();
+        } else {
+            const int cw = wg - 1;
+            const int ct = tid & 127, warp = ct >> 5, lane = tid & 31;
+            const int r0 = cw * 64;
+            const int my_n = min(64, nact - r0);  // this warpgroup's active rows
+            int s = 0;
+            unsigned ph = 0;
+            if (my_n <= 0) {
+                for (int j = 0; j < n_kt; ++j) {
+                    mbar_wait(smem_u32(&full_bar[s]), ph);
+                    __syncwarp();
+                    if (lane == 0) mbar_arrive(smem_u32(&empty_bar[s]));
+                    if (++s == STAGES) {
+                        s = 0;
+                        ph ^= 1u;
+                    }
+                }
+            } else {
+                const int wmin = __shfl_sync(0xffffffffu, rows[r0], 0);
+                const int wmax = __shfl_sync(0xffffffffu, rows[r0 + my_n - 1], 0);
+                // This thread's rows: warp * 16 + lane / 4 (+ 8); past the active rows, the last
+                // active position (finite, never written).
+                int rp[2];
+#pragma unroll
+                for (int e = 0; e < 2; ++e) rp[e] = rows[r0 + min(warp * 16 + (lane >> 2) + 8 * e, my_n - 1)];
+                const float NEG_INF = -__int_as_float(0x7f800000);
+                float o[64];
+#pragma unroll
+                for (int i = 0; i < 64; ++i) o[i] = 0.f;
+                float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+                mbar_wait(smem_u32(&q_bar), 0);
+                for (int j = 0; j < n_kt; ++j) {
+                    mbar_wait(smem_u32(&full_bar[s]), ph);
+                    const int key0 = j * KN;
+                    if (key0 <= wmax) {
+                        fence_proxy_async();
+                        const unsigned st = skv + s * STAGE_BYTES;
+                        float sc[32];
+#pragma unroll
+                        for (int i = 0; i < 32; ++i) sc[i] = 0.f;
+                        fence_acc(sc);
+                        wg_fence();
+#pragma unroll
+                        for (int kk = 0; kk < HD / 16; ++kk) {
+                            // k advances 16 dims = 32 bytes inside a swizzle row; dims 64-127 are
+                            // the second block.
+                            const unsigned long long da = sw128_desc(sq + (kk >> 2) * Q_HALF + cw * 64 * 128 + (kk & 3) * 32);
+                            const unsigned long long db = sw128_desc(st + (kk >> 2) * KV_HALF + (kk & 3) * 32);
+                            wgmma_m64n64k16_ss(sc, da, db);
+                        }
+                        wg_commit();
+                        fence_acc(sc);
+                        wg_wait<0>();
+                        fence_acc(sc);
+                        // Accumulator fragment: register 4 jj + e holds row warp * 16 + lane / 4
+                        // (+ 8 for e >= 2), key key0 + 8 jj + 2 (lane % 4) + (e % 2).
+                        if (key0 + KN - 1 > wmin) {
+#pragma unroll
+                            for (int jj = 0; jj < KN / 8; ++jj)
+#pragma unroll
+                                for (int e = 0; e < 4; ++e)
+                                    if (key0 + 8 * jj + 2 * (lane & 3) + (e & 1) > rp[e >> 1]) sc[4 * jj + e] = NEG_INF;
+                        }
+#pragma unroll
+                        for (int e2 = 0; e2 < 2; ++e2) {
+                            float mx = m[e2];
+#pragma unroll
+                            for (int jj = 0; jj < KN / 8; ++jj) mx = fmaxf(mx, fmaxf(sc[4 * jj + 2 * e2], sc[4 * jj + 2 * e2 + 1]));
+                            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                            const float alpha = ex2((m[e2] - mx) * sl2);
+                            m[e2] = mx;
+                            const float ms = mx * sl2;
+                            float sum = 0.f;
+#pragma unroll
+                            for (int jj = 0; jj < KN / 8; ++jj) {
+                                const float p0 = ex2(fmaf(sc[4 * jj + 2 * e2], sl2, -ms));
+                                const float p1 = ex2(fmaf(sc[4 * jj + 2 * e2 + 1], sl2, -ms));
+                                sc[4 * jj + 2 * e2] = p0;
+                                sc[4 * jj + 2 * e2 + 1] = p1;
+                                sum += p0 + p1;
+                            }
+                            l[e2] = l[e2] * alpha + sum;
+#pragma unroll
+                            for (int jj = 0; jj < HD / 8; ++jj) {
+                                o[4 * jj + 2 * e2] *= alpha;
+                                o[4 * jj + 2 * e2 + 1] *= alpha;
+                            }
+                        }
+                        // P as the A operand: keys 16 kc .. 16 kc + 15 are accumulator columns
+                        // 2 kc and 2 kc + 1.
+                        unsigned pa[KN / 16][4];
+#pragma unroll
+                        for (int kc = 0; kc < KN / 16; ++kc) {
+                            pa[kc][0] = pack2(sc[8 * kc + 0], sc[8 * kc + 1]);
+                            pa[kc][1] = pack2(sc[8 * kc + 2], sc[8 * kc + 3]);
+                            pa[kc][2] = pack2(sc[8 * kc + 4], sc[8 * kc + 5]);
+                            pa[kc][3] = pack2(sc[8 * kc + 6], sc[8 * kc + 7]);
+                        }
+                        fence_acc(o);
+                        wg_fence();
+#pragma unroll
+                        for (int kc = 0; kc < KN / 16; ++kc)
+                            wgmma_m64n128k16_rs(o, pa[kc], sw128_desc_mn(st + KV_BYTES + kc * 16 * 128, KV_HALF));
+                        wg_commit();
+                        fence_acc(o);
+                        wg_wait<0>();
+                        fence_acc(o);
+                    }
+                    __syncwarp();
+                    if (lane == 0) mbar_arrive(smem_u32(&empty_bar[s]));
+                    if (++s == STAGES) {
+                        s = 0;
+                        ph ^= 1u;
+                    }
+                }
+                // Normalise and write this thread's active rows (16 4-byte stores a row).
+#pragma unroll
+                for (int e2 = 0; e2 < 2; ++e2) {
+                    float tot = l[e2];
+                    tot += __shfl_xor_sync(0xffffffffu, tot, 1);
+                    tot += __shfl_xor_sync(0xffffffffu, tot, 2);
+                    const int r = warp * 16 + (lane >> 2) + 8 * e2;
+                    if (r < my_n) {
+                        const float inv = 1.f / tot;
+                        T* orow = oh + (long long)rows[r0 + r] * o_st + 2 * (lane & 3);
+#pragma unroll
+                        for (int jj = 0; jj < HD / 8; ++jj)
+                            *reinterpret_cast<unsigned*>(orow + 8 * jj) = pack2(o[4 * jj + 2 * e2] * inv, o[4 * jj + 2 * e2 + 1] * inv);
+                    }
+                }
+            }
+        }
+    }
+    // Zeros for the inactive entries of the tile (all of it when none is active).
+    const int first = max(nact, 0);
+    for (int i = tid; i < (BM - first) * (HD / 8); i += THREADS) {
+        const int r = first + i / (HD / 8), ch = i % (HD / 8);
+        if (rows[r] >= 0) *reinterpret_cast<uint4*>(oh + (long long)rows[r] * o_st + ch * 8) = make_uint4(0, 0, 0, 0);
+    }
+}
