@@ -399,7 +399,7 @@ pub const PREFILL_TILES: [PrefillTile; 4] = [
 /// tiles in a ring of [`PREFILL_WGMMA_STAGES`].
 pub const PREFILL_WGMMA: PrefillTile = PrefillTile { warps: 8, mi: 1, bn: 64, wgmma: true };
 /// Depth of the wgmma prefill kernel's K/V ring.
-pub const PREFILL_WGMMA_STAGES: u32 = 3;
+pub const PREFILL_WGMMA_STAGES: u32 = 4;
 
 impl PrefillTile {
     /// Query rows (list entries) a block.
@@ -651,8 +651,8 @@ mod tests {
         assert_eq!(PREFILL_WGMMA.rows(), 128);
         assert_eq!(PREFILL_WGMMA.threads(), 384, "two consumer warpgroups and a producer");
         assert_eq!(PREFILL_TILES[0].threads(), 128);
-        // Q tile 32 KB, three stages of 64-key K and V tiles (16 KB each), 1 KB of alignment.
-        assert_eq!(PREFILL_WGMMA.smem_bytes(128), 1024 + 32768 + 3 * 32768);
+        // Q tile 32 KB, four stages of 64-key K and V tiles (16 KB each), 1 KB of alignment.
+        assert_eq!(PREFILL_WGMMA.smem_bytes(128), 1024 + 32768 + 4 * 32768);
         // head_dim 64 has no wgmma kernel, on any device.
         assert!(!PREFILL_WGMMA.supports(64, 0));
         assert!(PREFILL_TILES[0].supports(64, 0) && !PREFILL_TILES[0].supports(96, 0));

@@ -2,7 +2,7 @@
 // prepended; compiled by NVRTC for compute_90a with
 //   WIDE_F16   1 for f16 operands, 0 for bf16 (fp32 accumulation, online softmax in the exp2
 //              domain)
-//   STAGES     depth of the K/V ring (default 3)
+//   STAGES     depth of the K/V ring (default 4)
 //
 // Same contract as attn_prefill_* in attn_prefill.cu: q [B, HQ, T, 128] contiguous, k/v rows
 // contiguous with batch / head strides kv_sb, kv_sh (a narrowed KV cache needs no copy), out
@@ -17,12 +17,14 @@
 // 128-byte-swizzled layout, each stage handed over through an mbarrier. Warpgroups 1 and 2
 // (cw = 0, 1) own the entries [64 cw, 64 cw + 64): per key tile S = Q K^T with m64n64k16 (both
 // operands in shared memory, K-major), the causal mask and the online softmax on the
-// accumulator registers, then O += P V with m64n128k16 taking P from registers (the accumulator
-// layout converted in place) and V from shared memory MN-major. A consumer skips the key tiles
-// past its last row's position but still hands them back.
+// accumulator registers, and O += P V with m64n128k16 taking P from registers (the accumulator
+// layout converted in place) and V from shared memory MN-major. Tile j's P V is issued together
+// with tile j + 1's S = Q K^T and runs while the consumer computes tile j + 1's softmax (the
+// exponentials cost about half of the tensor-core time at head_dim 128). A consumer skips the
+// key tiles past its last row's position but still hands them back.
 
 #ifndef STAGES
-#define STAGES 3
+#define STAGES 4
 #endif
 #define HD 128                           // head dim
 #define BM 128                           // list entries a block
@@ -76,6 +78,75 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const unsign
           "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+#define NEG_INF (-__int_as_float(0x7f800000))
+
+// Issues S = Q K^T for one consumer warpgroup (sub-tile of Q at `sqw`, K tile at `skt`): zeroes
+// the accumulators and queues 8 m64n64k16 (k = 16 head dims each; dims 64-127 are the second
+// swizzled block). The caller commits and waits.
+__device__ __forceinline__ void issue_qk(float (&sc)[32], unsigned sqw, unsigned skt) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) sc[i] = 0.f;
+    fence_acc(sc);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk)
+        wgmma_m64n64k16_ss(sc, sw128_desc(sqw + (kk >> 2) * Q_HALF + (kk & 3) * 32), sw128_desc(skt + (kk >> 2) * KV_HALF + (kk & 3) * 32));
+}
+template <int NK>
+__device__ __forceinline__ void fence_pa(unsigned (&pa)[NK][4]) {
+#pragma unroll
+    for (int i = 0; i < NK; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pa[i][e])::"memory");
+}
+// Queues O += P V over the 64 keys of the stage at `st` (V after K; 16 keys = 2048 bytes a step).
+__device__ __forceinline__ void issue_pv(float (&o)[64], const unsigned (&pa)[KN / 16][4], unsigned st) {
+#pragma unroll
+    for (int kc = 0; kc < KN / 16; ++kc) wgmma_m64n128k16_rs(o, pa[kc], sw128_desc_mn(st + KV_BYTES + kc * 16 * 128, KV_HALF));
+}
+// Causal mask, online softmax and the conversion to the A operand for one tile of scores.
+// Accumulator fragment: register 4 jj + e holds row warp * 16 + lane / 4 (+ 8 for e >= 2), key
+// key0 + 8 jj + 2 (lane % 4) + (e % 2). Keys 16 kc .. 16 kc + 15 of P are accumulator columns
+// 2 kc and 2 kc + 1. `alpha` returns each row's rescaling of the earlier output.
+__device__ __forceinline__ void softmax_tile(float (&sc)[32], unsigned (&pa)[KN / 16][4], float (&alpha)[2], float (&m)[2], float (&l)[2],
+                                             int key0, int wmin, const int (&rp)[2], int lane, float sl2) {
+    if (key0 + KN - 1 > wmin) {
+#pragma unroll
+        for (int jj = 0; jj < KN / 8; ++jj)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                if (key0 + 8 * jj + 2 * (lane & 3) + (e & 1) > rp[e >> 1]) sc[4 * jj + e] = NEG_INF;
+    }
+#pragma unroll
+    for (int e2 = 0; e2 < 2; ++e2) {
+        float mx = m[e2];
+#pragma unroll
+        for (int jj = 0; jj < KN / 8; ++jj) mx = fmaxf(mx, fmaxf(sc[4 * jj + 2 * e2], sc[4 * jj + 2 * e2 + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        alpha[e2] = ex2((m[e2] - mx) * sl2);
+        m[e2] = mx;
+        const float ms = mx * sl2;
+        float sum = 0.f;
+#pragma unroll
+        for (int jj = 0; jj < KN / 8; ++jj) {
+            const float p0 = ex2(fmaf(sc[4 * jj + 2 * e2], sl2, -ms));
+            const float p1 = ex2(fmaf(sc[4 * jj + 2 * e2 + 1], sl2, -ms));
+            sc[4 * jj + 2 * e2] = p0;
+            sc[4 * jj + 2 * e2 + 1] = p1;
+            sum += p0 + p1;
+        }
+        l[e2] = l[e2] * alpha[e2] + sum;
+    }
+#pragma unroll
+    for (int kc = 0; kc < KN / 16; ++kc) {
+        pa[kc][0] = pack2(sc[8 * kc + 0], sc[8 * kc + 1]);
+        pa[kc][1] = pack2(sc[8 * kc + 2], sc[8 * kc + 3]);
+        pa[kc][2] = pack2(sc[8 * kc + 4], sc[8 * kc + 5]);
+        pa[kc][3] = pack2(sc[8 * kc + 6], sc[8 * kc + 7]);
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
@@ -168,95 +239,82 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             } else {
                 const int wmin = __shfl_sync(0xffffffffu, rows[r0], 0);
                 const int wmax = __shfl_sync(0xffffffffu, rows[r0 + my_n - 1], 0);
+                const int n_my = wmax / KN + 1;  // key tiles this warpgroup computes (<= n_kt)
                 // This thread's rows: warp * 16 + lane / 4 (+ 8); past the active rows, the last
                 // active position (finite, never written).
                 int rp[2];
 #pragma unroll
                 for (int e = 0; e < 2; ++e) rp[e] = rows[r0 + min(warp * 16 + (lane >> 2) + 8 * e, my_n - 1)];
-                const float NEG_INF = -__int_as_float(0x7f800000);
                 float o[64];
 #pragma unroll
                 for (int i = 0; i < 64; ++i) o[i] = 0.f;
                 float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+                float sc[32];
                 mbar_wait(smem_u32(&q_bar), 0);
-                for (int j = 0; j < n_kt; ++j) {
-                    mbar_wait(smem_u32(&full_bar[s]), ph);
-                    const int key0 = j * KN;
-                    if (key0 <= wmax) {
-                        fence_proxy_async();
-                        const unsigned st = skv + s * STAGE_BYTES;
-                        float sc[32];
-#pragma unroll
-                        for (int i = 0; i < 32; ++i) sc[i] = 0.f;
-                        fence_acc(sc);
-                        wg_fence();
-#pragma unroll
-                        for (int kk = 0; kk < HD / 16; ++kk) {
-                            // k advances 16 dims = 32 bytes inside a swizzle row; dims 64-127 are
-                            // the second block.
-                            const unsigned long long da = sw128_desc(sq + (kk >> 2) * Q_HALF + cw * 64 * 128 + (kk & 3) * 32);
-                            const unsigned long long db = sw128_desc(st + (kk >> 2) * KV_HALF + (kk & 3) * 32);
-                            wgmma_m64n64k16_ss(sc, da, db);
-                        }
-                        wg_commit();
-                        fence_acc(sc);
-                        wg_wait<0>();
-                        fence_acc(sc);
-                        // Accumulator fragment: register 4 jj + e holds row warp * 16 + lane / 4
-                        // (+ 8 for e >= 2), key key0 + 8 jj + 2 (lane % 4) + (e % 2).
-                        if (key0 + KN - 1 > wmin) {
-#pragma unroll
-                            for (int jj = 0; jj < KN / 8; ++jj)
-#pragma unroll
-                                for (int e = 0; e < 4; ++e)
-                                    if (key0 + 8 * jj + 2 * (lane & 3) + (e & 1) > rp[e >> 1]) sc[4 * jj + e] = NEG_INF;
-                        }
-#pragma unroll
-                        for (int e2 = 0; e2 < 2; ++e2) {
-                            float mx = m[e2];
-#pragma unroll
-                            for (int jj = 0; jj < KN / 8; ++jj) mx = fmaxf(mx, fmaxf(sc[4 * jj + 2 * e2], sc[4 * jj + 2 * e2 + 1]));
-                            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                            const float alpha = ex2((m[e2] - mx) * sl2);
-                            m[e2] = mx;
-                            const float ms = mx * sl2;
-                            float sum = 0.f;
-#pragma unroll
-                            for (int jj = 0; jj < KN / 8; ++jj) {
-                                const float p0 = ex2(fmaf(sc[4 * jj + 2 * e2], sl2, -ms));
-                                const float p1 = ex2(fmaf(sc[4 * jj + 2 * e2 + 1], sl2, -ms));
-                                sc[4 * jj + 2 * e2] = p0;
-                                sc[4 * jj + 2 * e2 + 1] = p1;
-                                sum += p0 + p1;
-                            }
-                            l[e2] = l[e2] * alpha + sum;
-#pragma unroll
-                            for (int jj = 0; jj < HD / 8; ++jj) {
-                                o[4 * jj + 2 * e2] *= alpha;
-                                o[4 * jj + 2 * e2 + 1] *= alpha;
-                            }
-                        }
-                        // P as the A operand: keys 16 kc .. 16 kc + 15 are accumulator columns
-                        // 2 kc and 2 kc + 1.
-                        unsigned pa[KN / 16][4];
-#pragma unroll
-                        for (int kc = 0; kc < KN / 16; ++kc) {
-                            pa[kc][0] = pack2(sc[8 * kc + 0], sc[8 * kc + 1]);
-                            pa[kc][1] = pack2(sc[8 * kc + 2], sc[8 * kc + 3]);
-                            pa[kc][2] = pack2(sc[8 * kc + 4], sc[8 * kc + 5]);
-                            pa[kc][3] = pack2(sc[8 * kc + 6], sc[8 * kc + 7]);
-                        }
-                        fence_acc(o);
-                        wg_fence();
-#pragma unroll
-                        for (int kc = 0; kc < KN / 16; ++kc)
-                            wgmma_m64n128k16_rs(o, pa[kc], sw128_desc_mn(st + KV_BYTES + kc * 16 * 128, KV_HALF));
-                        wg_commit();
-                        fence_acc(o);
-                        wg_wait<0>();
-                        fence_acc(o);
+                // S of tile 0, then per tile j: the softmax of S_j, S_{j + 1} and P_j V_j issued
+                // together, and S_{j + 1} awaited while P_j V_j runs, so that the exponentials of
+                // the next tile overlap the tensor cores' work on this one.
+                mbar_wait(smem_u32(&full_bar[0]), 0);
+                fence_proxy_async();
+                issue_qk(sc, sq + cw * 64 * 128, skv);
+                wg_commit();
+                fence_acc(sc);
+                wg_wait<0>();
+                fence_acc(sc);
+                int s_prev = 0;
+                for (int j = 0; j < n_my; ++j) {
+                    unsigned pa[KN / 16][4];
+                    float alpha[2];
+                    softmax_tile(sc, pa, alpha, m, l, j * KN, wmin, rp, lane, sl2);
+                    // P_{j-1} V_{j-1} has completed (unconditional: a wait that ptxas cannot
+                    // prove on every path to the rescale below serialises the wgmmas); its
+                    // stage goes back to the producer.
+                    wg_wait<0>();
+                    fence_acc(o);
+                    if (j > 0) {
+                        __syncwarp();
+                        if (lane == 0) mbar_arrive(smem_u32(&empty_bar[s_prev]));
                     }
+#pragma unroll
+                    for (int jj = 0; jj < HD / 8; ++jj) {
+                        o[4 * jj] *= alpha[0];
+                        o[4 * jj + 1] *= alpha[0];
+                        o[4 * jj + 2] *= alpha[1];
+                        o[4 * jj + 3] *= alpha[1];
+                    }
+                    const unsigned st = skv + s * STAGE_BYTES;
+                    s_prev = s;
+                    if (++s == STAGES) {
+                        s = 0;
+                        ph ^= 1u;
+                    }
+                    // The rescaled output and P must be in their registers before the
+                    // wgmma fence that issue_qk starts with.
+                    fence_acc(o);
+                    fence_pa(pa);
+                    if (j + 1 < n_my) {
+                        mbar_wait(smem_u32(&full_bar[s]), ph);
+                        fence_proxy_async();
+                        issue_qk(sc, sq + cw * 64 * 128, skv + s * STAGE_BYTES);
+                        wg_commit();
+                        issue_pv(o, pa, st);
+                        wg_commit();
+                        fence_acc(sc);
+                        wg_wait<1>();  // S_{j + 1} (the older group) has completed
+                        fence_acc(sc);
+                    } else {
+                        wg_fence();
+                        issue_pv(o, pa, st);
+                        wg_commit();
+                    }
+                }
+                wg_wait<0>();
+                fence_acc(o);
+                __syncwarp();
+                if (lane == 0) mbar_arrive(smem_u32(&empty_bar[s_prev]));
+                // Key tiles past this warpgroup's last row: handed straight back.
+                for (int j = n_my; j < n_kt; ++j) {
+                    mbar_wait(smem_u32(&full_bar[s]), ph);
                     __syncwarp();
                     if (lane == 0) mbar_arrive(smem_u32(&empty_bar[s]));
                     if (++s == STAGES) {
