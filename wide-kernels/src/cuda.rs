@@ -293,23 +293,35 @@ pub fn tensor_map_2d(t: &Tensor, f16: bool, box_rows: u32, box_cols: u32) -> Res
     if size.len() != 2 || !t.is_contiguous() || t.kind().elt_size_in_bytes() != 2 {
         bail!("tensor_map_2d: needs a contiguous 2-D tensor of 2-byte elements, got {size:?} {:?}", t.kind());
     }
+    let (rows, cols) = (size[0] as u64, size[1] as u64);
+    tensor_map(t, f16, &[cols, rows], &[cols * 2], &[box_cols, box_rows])
+}
+
+/// A tiled tensor map with the 128-byte swizzle over a 2-byte-element CUDA tensor: `dims`
+/// innermost first (the innermost contiguous), `strides` in bytes of every dimension but the
+/// innermost (multiples of 16), `boxes` in elements (the innermost at most 64). Reads outside
+/// `dims` fill zeros.
+pub fn tensor_map(t: &Tensor, f16: bool, dims: &[u64], strides: &[u64], boxes: &[u32]) -> Result<KernelArg> {
     let device = match t.device() {
         Device::Cuda(d) => d,
-        d => bail!("tensor_map_2d: needs a CUDA tensor, got one on {d:?}"),
+        d => bail!("tensor_map: needs a CUDA tensor, got one on {d:?}"),
     };
+    let rank = dims.len();
+    if !(1..=5).contains(&rank) || strides.len() + 1 != rank || boxes.len() != rank || t.kind().elt_size_in_bytes() != 2 {
+        bail!("tensor_map: {rank} dimensions with {} strides and {} boxes over {:?} (needs 1-5 dimensions of 2-byte elements)", strides.len(), boxes.len(), t.kind());
+    }
+    if strides.iter().any(|s| s % 16 != 0) || t.data_ptr() as usize % 16 != 0 || boxes[0] * 2 > 128 {
+        bail!("tensor_map: strides {strides:?} bytes must be multiples of 16, the data 16-byte aligned and the inner box at most 64 elements ({boxes:?})");
+    }
     ensure_context(device)?;
-    let (rows, cols) = (size[0] as u64, size[1] as u64);
-    let dims = [cols, rows];
-    let strides = [cols * 2];
-    let boxes = [box_cols, box_rows];
-    let elem = [1u32, 1];
+    let elem = vec![1u32; rank];
     let dtype = if f16 { sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16 } else { sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 };
     let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
     let r = unsafe {
         sys::cuTensorMapEncodeTiled(
             map.as_mut_ptr(),
             dtype,
-            2,
+            rank as u32,
             t.data_ptr(),
             dims.as_ptr(),
             strides.as_ptr(),
@@ -322,7 +334,7 @@ pub fn tensor_map_2d(t: &Tensor, f16: bool, box_rows: u32, box_cols: u32) -> Res
         )
     };
     if r != sys::CUresult::CUDA_SUCCESS {
-        bail!("CUDA driver error while encoding a tensor map of a [{rows}, {cols}] tensor: {r:?}");
+        bail!("CUDA driver error while encoding a tensor map of dims {dims:?} (strides {strides:?} bytes): {r:?}");
     }
     // SAFETY: initialised by the successful call above.
     Ok(KernelArg::TensorMap(unsafe { map.assume_init() }.opaque))

@@ -562,28 +562,39 @@ pub fn attention_prefill_routed(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tenso
             LaunchConfig { grid: (ng as u32, b as u32, 1), block: (threads, 1, 1), shared_mem_bytes: 0 },
             &[KernelArg::tensor(&mask)?, KernelArg::I32(t as i32), KernelArg::I32(ng as i32), KernelArg::tensor(&perm)?, KernelArg::tensor(&count)?],
         )?;
-        attn.launch(
-            LaunchConfig { grid: (hq as u32, ((t + bm - 1) / bm) as u32, b as u32), block: (tile.threads(), 1, 1), shared_mem_bytes: smem },
-            &[
+        let cfg = LaunchConfig { grid: (hq as u32, ((t + bm - 1) / bm) as u32, b as u32), block: (tile.threads(), 1, 1), shared_mem_bytes: smem };
+        let tail = [
+            KernelArg::I64(os[0]),
+            KernelArg::I64(os[1]),
+            KernelArg::I64(os[2]),
+            KernelArg::F32((scale * std::f64::consts::LOG2_E) as f32),
+        ];
+        let dims = [KernelArg::I32(hq as i32), KernelArg::I32(hkv as i32), KernelArg::I32(t as i32), KernelArg::I32(group_heads as i32), KernelArg::I32(ng as i32)];
+        if tile.wgmma {
+            // K and V through 4-D tensor maps (head dim, token, KV head, batch): boxes of 64 dims
+            // x 64 keys, the kernel's swizzled tile halves.
+            let map = |x: &Tensor| crate::cuda::tensor_map(x, f16, &[d as u64, t as u64, hkv as u64, b as u64], &[d as u64 * 2, kv_sh as u64 * 2, kv_sb as u64 * 2], &[64, 64, 1, 1]);
+            let mut args = vec![KernelArg::tensor(&q)?, KernelArg::tensor(&perm)?, KernelArg::tensor(&count)?, KernelArg::tensor(&out)?];
+            args.extend(dims);
+            args.extend(tail);
+            args.push(map(&k)?);
+            args.push(map(&v)?);
+            attn.launch(cfg, &args)?;
+        } else {
+            let mut args = vec![
                 KernelArg::tensor(&q)?,
                 KernelArg::tensor(&k)?,
                 KernelArg::tensor(&v)?,
                 KernelArg::tensor(&perm)?,
                 KernelArg::tensor(&count)?,
                 KernelArg::tensor(&out)?,
-                KernelArg::I32(hq as i32),
-                KernelArg::I32(hkv as i32),
-                KernelArg::I32(t as i32),
-                KernelArg::I32(group_heads as i32),
-                KernelArg::I32(ng as i32),
-                KernelArg::I64(kv_sb),
-                KernelArg::I64(kv_sh),
-                KernelArg::I64(os[0]),
-                KernelArg::I64(os[1]),
-                KernelArg::I64(os[2]),
-                KernelArg::F32((scale * std::f64::consts::LOG2_E) as f32),
-            ],
-        )?;
+            ];
+            args.extend(dims);
+            args.push(KernelArg::I64(kv_sb));
+            args.push(KernelArg::I64(kv_sh));
+            args.extend(tail);
+            attn.launch(cfg, &args)?;
+        }
     }
     Ok(out)
 }

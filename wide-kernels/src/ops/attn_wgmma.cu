@@ -4,17 +4,19 @@
 //              domain)
 //   STAGES     depth of the K/V ring (default 4)
 //
-// Same contract as attn_prefill_* in attn_prefill.cu: q [B, HQ, T, 128] contiguous, k/v rows
-// contiguous with batch / head strides kv_sb, kv_sh (a narrowed KV cache needs no copy), out
+// Same contract as attn_prefill_* in attn_prefill.cu: q [B, HQ, T, 128] contiguous, k/v through
+// 4-D tensor maps (rows contiguous, any 16-byte-multiple batch / head strides: a narrowed KV
+// cache needs no copy), out
 // with strides o_sb, o_sh, o_st; perm / count from attn_prefill_layout (per (batch, group) the
 // active tokens ascending, then the inactive ones). A block takes BM = 128 consecutive list
 // entries of one query head: the active ones attend causally to keys 0 ..= their position, the
 // inactive ones get exact zeros. Grid (HQ, ceil(T / 128), B); y = 0 is each head's heaviest
 // (last) active tile.
 //
-// Block: 3 warpgroups. Warpgroup 0 is the producer: it gathers the 128 query rows once and
-// streams 64-key K and V tiles through a STAGES-deep ring, all with 16-byte cp.async into the
-// 128-byte-swizzled layout, each stage handed over through an mbarrier. Warpgroups 1 and 2
+// Block: 3 warpgroups. Warpgroup 0 is the producer: it gathers the 128 query rows once (16-byte
+// cp.async) and one thread streams 64-key K and V tiles through a STAGES-deep ring with the
+// tensor copy engine (TMA), all into the 128-byte-swizzled layout, each stage handed over
+// through an mbarrier. Warpgroups 1 and 2
 // (cw = 0, 1) own the entries [64 cw, 64 cw + 64): per key tile S = Q K^T with m64n64k16 (both
 // operands in shared memory, K-major), the causal mask and the online softmax on the
 // accumulator registers, and O += P V with m64n128k16 taking P from registers (the accumulator
@@ -94,6 +96,14 @@ __device__ __forceinline__ void issue_qk(float (&sc)[32], unsigned sqw, unsigned
     for (int kk = 0; kk < HD / 16; ++kk)
         wgmma_m64n64k16_ss(sc, sw128_desc(sqw + (kk >> 2) * Q_HALF + (kk & 3) * 32), sw128_desc(skt + (kk >> 2) * KV_HALF + (kk & 3) * 32));
 }
+// Box {64 dims, 64 keys, 1, 1} at (d0, key0, hk, b) of a 4-D tensor map, written
+// 128B-swizzled at `dst`, completing its bytes on the barrier at `bar`.
+__device__ __forceinline__ void tma_load_4d(unsigned dst, const TmaDesc* map, int d0, int key0, int hk, int b, unsigned bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];" ::"r"(dst),
+        "l"(reinterpret_cast<unsigned long long>(map)), "r"(d0), "r"(key0), "r"(hk), "r"(b), "r"(bar)
+        : "memory");
+}
 template <int NK>
 __device__ __forceinline__ void fence_pa(unsigned (&pa)[NK][4]) {
 #pragma unroll
@@ -150,9 +160,11 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[32], unsigned (&pa)[KN 
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-    attn_prefill_wgmma_128(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const int* __restrict__ perm,
-                           const int* __restrict__ count, T* __restrict__ out, int HQ, int HKV, int Tn, int GH, int NG, long long kv_sb,
-                           long long kv_sh, long long o_sb, long long o_sh, long long o_st, float sl2) {
+    attn_prefill_wgmma_128(const T* __restrict__ q, const int* __restrict__ perm,
+                           const int* __restrict__ count, T* __restrict__ out, int HQ, int HKV, int Tn, int GH, int NG, long long o_sb,
+                           long long o_sh, long long o_st, float sl2,
+                           // maps of k and v: dims (head dim, token, KV head, batch), boxes 64 x 64 x 1 x 1
+                           const __grid_constant__ TmaDesc tmap_k, const __grid_constant__ TmaDesc tmap_v) {
     extern __shared__ unsigned char smem_raw[];
     __shared__ int rows[BM];  // the entries' token positions (-1 past the list)
     __shared__ __align__(8) unsigned long long q_bar, full_bar[STAGES], empty_bar[STAGES];
@@ -176,7 +188,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     if (tid == 0) {
         mbar_init(smem_u32(&q_bar), 128);
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(smem_u32(&full_bar[s]), 128);  // every producer thread
+            mbar_init(smem_u32(&full_bar[s]), 1);  // the producer's expect_tx
             mbar_init(smem_u32(&empty_bar[s]), 8);   // every consumer warp
         }
     }
@@ -195,27 +207,25 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 cp_async16(sq + (ch >> 3) * Q_HALF + sw128_off(r, ch & 7), qh + (ok ? (long long)rows[r] * HD + ch * 8 : 0), ok);
             }
             cp_async_arrive(smem_u32(&q_bar));
-            const T* kh = k + b * kv_sb + hk * kv_sh;
-            const T* vh = v + b * kv_sb + hk * kv_sh;
-            int s = 0;
-            unsigned ph = 0;
-            for (int j = 0; j < n_kt; ++j) {
-                if (j >= STAGES) mbar_wait(smem_u32(&empty_bar[s]), ph ^ 1u);
-                const unsigned st = skv + s * STAGE_BYTES;
+            // K and V tiles: one thread, four tensor copies a tile (K and V, head dims 0-63 and
+            // 64-127, each [64 keys x 64 dims] written 128B-swizzled); keys past the prompt
+            // read as zeros (masked anyway).
+            if (tid == 0) {
+                int s = 0;
+                unsigned ph = 0;
+                for (int j = 0; j < n_kt; ++j) {
+                    if (j >= STAGES) mbar_wait(smem_u32(&empty_bar[s]), ph ^ 1u);
+                    const unsigned st = skv + s * STAGE_BYTES, fb = smem_u32(&full_bar[s]);
+                    mbar_arrive_expect_tx(fb, STAGE_BYTES);
 #pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    const int idx = tid + 128 * i, r = idx >> 4, ch = idx & 15;
-                    const int key = j * KN + r;
-                    const bool ok = key < Tn;  // keys past the prompt: zeros (masked anyway)
-                    const long long off = ok ? (long long)key * HD + ch * 8 : 0;
-                    const unsigned dst = st + (ch >> 3) * KV_HALF + sw128_off(r, ch & 7);
-                    cp_async16(dst, kh + off, ok);
-                    cp_async16(dst + KV_BYTES, vh + off, ok);
-                }
-                cp_async_arrive(smem_u32(&full_bar[s]));
-                if (++s == STAGES) {
-                    s = 0;
-                    ph ^= 1u;
+                    for (int half = 0; half < 2; ++half) {
+                        tma_load_4d(st + half * KV_HALF, &tmap_k, half * 64, j * KN, hk, b, fb);
+                        tma_load_4d(st + KV_BYTES + half * KV_HALF, &tmap_v, half * 64, j * KN, hk, b, fb);
+                    }
+                    if (++s == STAGES) {
+                        s = 0;
+                        ph ^= 1u;
+                    }
                 }
             }
             cp_wait<0>();
@@ -251,11 +261,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
                 float sc[32];
                 mbar_wait(smem_u32(&q_bar), 0);
+                fence_proxy_async();  // Q came through cp.async (generic proxy); K/V by TMA
                 // S of tile 0, then per tile j: the softmax of S_j, S_{j + 1} and P_j V_j issued
                 // together, and S_{j + 1} awaited while P_j V_j runs, so that the exponentials of
                 // the next tile overlap the tensor cores' work on this one.
                 mbar_wait(smem_u32(&full_bar[0]), 0);
-                fence_proxy_async();
                 issue_qk(sc, sq + cw * 64 * 128, skv);
                 wg_commit();
                 fence_acc(sc);
@@ -294,7 +304,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                     fence_pa(pa);
                     if (j + 1 < n_my) {
                         mbar_wait(smem_u32(&full_bar[s]), ph);
-                        fence_proxy_async();
                         issue_qk(sc, sq + cw * 64 * 128, skv + s * STAGE_BYTES);
                         wg_commit();
                         issue_pv(o, pa, st);

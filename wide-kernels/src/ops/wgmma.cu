@@ -70,10 +70,6 @@
 #endif
 
 __device__ __forceinline__ float silu(float a) { return a / (1.0f + __expf(-a)); }
-// A tensor map (CUtensorMap) passed by value as a __grid_constant__ kernel parameter.
-struct __align__(128) TmaDesc {
-    unsigned long long v[16];
-};
 __device__ __forceinline__ unsigned cluster_rank() {
     unsigned r;
     asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
@@ -93,10 +89,6 @@ __device__ __forceinline__ unsigned map_rank(unsigned addr, unsigned rank) {
 // needs a cluster-scope release.
 __device__ __forceinline__ void mbar_arrive_remote(unsigned cluster_addr) {
     asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(cluster_addr) : "memory");
-}
-// One arrival that also expects `bytes` of transactions (the multicast tensor copies) this phase.
-__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned bar, unsigned bytes) {
-    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}" ::"r"(bar), "r"(bytes) : "memory");
 }
 // Box {64 k, 64 rows} at (k0, row0) of the 2-D tensor map, written 128B-swizzled at `dst` in both
 // blocks of the cluster, completing `bytes` on the barrier at `bar` in each.

@@ -44,6 +44,14 @@ __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
 __device__ __forceinline__ void mbar_arrive(unsigned bar) {
     asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}" ::"r"(bar) : "memory");
 }
+// One arrival that also expects `bytes` of transactions (tensor copies) this phase.
+__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned bar, unsigned bytes) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}" ::"r"(bar), "r"(bytes) : "memory");
+}
+// A tensor map (CUtensorMap) passed by value as a __grid_constant__ kernel parameter.
+struct __align__(128) TmaDesc {
+    unsigned long long v[16];
+};
 
 // Waits until the barrier's phase of this parity has completed.
 __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
