@@ -504,7 +504,7 @@ fn bench_attn_prefill(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Ten
                 }
                 let dispatch_ms = time("dispatch")?;
                 let dispatch_hint_ms = time("dispatch_hint")?;
-                let dispatch_path = if wide_kernels::ops::attention::prefill_routed_pays(t, s) { "routed" } else { "sdpa+zero" };
+                let dispatch_path = if wide_kernels::ops::attention::prefill_routed_pays(t, s, wide_kernels::ops::attention::PREFILL_WGMMA.supports(d, dev)) { "routed" } else { "sdpa+zero" };
                 let tiles_txt: Vec<String> = tiles.iter().map(|x| format!("{} {:.4}", x["tile"].as_str().unwrap_or(""), x["ms"].as_f64().unwrap_or(f64::NAN))).collect();
                 eprintln!(
                     "attn_prefill T={t:>6} s={s:.2} {l2mode}: sdpa {sdpa_ms:.4} ms ({:.0} TFLOP/s)  sdpa+zero {zero_ms:.4}  routed {routed_ms:.4} ms ({:.2}x sdpa, {:.2}x sdpa+zero; {:.0} TFLOP/s active)  [{}]  dispatch {dispatch_ms:.4} / hinted {dispatch_hint_ms:.4} ({dispatch_path})  err {err:.1e}",

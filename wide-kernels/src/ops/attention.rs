@@ -278,51 +278,68 @@ pub fn attention_prefill_with(
     // The skip rate: given, or measured from the mask (a device sync, ~30 us of idle GPU on the
     // H200) only where the attention itself takes about a millisecond or more.
     let measured = || 1.0 - mask.to_kind(Kind::Float).mean(Kind::Float).double_value(&[]);
+    let device = match q.device() {
+        Device::Cuda(dv) => dv,
+        _ => unreachable!("checked above"),
+    };
+    let wgmma = PREFILL_WGMMA.supports(d, device);
     let (routed, s) = match prefill_override() {
         Some(r) => (r && kernel_ok, sparsity.unwrap_or(0.5)),
-        None if !kernel_ok || t < PREFILL_ROUTED_MIN_TOKENS => (false, 0.0),
+        None if !kernel_ok || t < prefill_min_tokens(wgmma) => (false, 0.0),
         None => match sparsity {
-            Some(s) => (prefill_routed_pays(t, s), s),
+            Some(s) => (prefill_routed_pays(t, s, wgmma), s),
             None if t >= PREFILL_MEASURE_MIN_TOKENS => {
                 let s = measured();
-                (prefill_routed_pays(t, s), s)
+                (prefill_routed_pays(t, s, wgmma), s)
             }
             None => (false, 0.0),
         },
     };
     if routed {
         let (b, hq) = (q.size()[0], q.size()[1]);
-        let device = match q.device() {
-            Device::Cuda(dv) => dv,
-            _ => unreachable!("checked above"),
-        };
         attention_prefill_routed(q, k, v, mask, group_heads, scale, PrefillTile::choose_for(device, d, b, hq, t, s))
     } else {
         attention_prefill_dense(q, k, v, mask, group_heads, scale)
     }
 }
 
-/// Prompt length from which [`attention_prefill`] considers the routed kernel.
+/// Prompt length from which [`attention_prefill`] considers the `mma.sync` routed kernel.
 pub const PREFILL_ROUTED_MIN_TOKENS: i64 = 2048;
+/// Prompt length from which it considers the wgmma (Hopper) routed kernel.
+pub const PREFILL_WGMMA_MIN_TOKENS: i64 = 1024;
+
+fn prefill_min_tokens(wgmma: bool) -> i64 {
+    if wgmma {
+        PREFILL_WGMMA_MIN_TOKENS
+    } else {
+        PREFILL_ROUTED_MIN_TOKENS
+    }
+}
 
 /// Prompt length from which [`attention_prefill`] without a skip rate measures it from the mask
 /// (below, it runs the dense path without a sync).
 pub const PREFILL_MEASURE_MIN_TOKENS: i64 = 8192;
 
 /// Dispatch rule of [`attention_prefill`]: does the routed kernel (layout included) beat SDPA +
-/// the zero pass at `tokens` prompt tokens and skip rate `sparsity`? Fitted to the H200 (bf16,
-/// 32/8 heads, head_dim 128, cold L2, routed with the skip rate given; benchmarks/RESULTS.md),
-/// with the one-warp-a-token zero pass: routed / (SDPA + zero) at s = 0.375 / 0.5 / 0.625: 1024
-/// tokens 0.85 / 0.88 / 0.90x, 2048 0.79 / 0.98 / 1.20x, 4096 0.76 / 0.93 / 1.14x, 8192 0.75 /
-/// 0.90 / 1.14x, 32768 0.80 / 1.04 / 1.37x. The routed kernel does (1 - s) of the FLOPs at
-/// 180-300 TFLOP/s (mma.sync), SDPA all of them at 390 (2048 tokens) to 610 TFLOP/s (8192), so
-/// the break-even skip rate is a little above 0.5.
-pub fn prefill_routed_pays(tokens: i64, sparsity: f64) -> bool {
-    tokens >= PREFILL_ROUTED_MIN_TOKENS && sparsity >= PREFILL_MIN_SPARSITY
+/// the zero pass at `tokens` prompt tokens and skip rate `sparsity`, with the wgmma kernel
+/// (`wgmma`: a compute capability 9.0 GPU and head_dim 128) or the `mma.sync` one? Fitted to the
+/// H200 (bf16, 32/8 heads, head_dim 128, cold L2, routed with the skip rate given;
+/// benchmarks/RESULTS.md).
+/// - wgmma: it does (1 - s) of the FLOPs at 510-550 TFLOP/s from 8192 tokens (SDPA all of them
+///   at 590-610), so it wins from a low skip rate: see [`PREFILL_WGMMA_MIN_SPARSITY`].
+/// - `mma.sync`: routed / (SDPA + zero) at s = 0.375 / 0.5 / 0.625: 1024 tokens 0.85 / 0.88 /
+///   0.90x, 2048 0.79 / 0.98 / 1.20x, 4096 0.76 / 0.93 / 1.14x, 8192 0.75 / 0.90 / 1.14x, 32768
+///   0.80 / 1.04 / 1.37x: 180-300 TFLOP/s on (1 - s) of the FLOPs, so the break-even skip rate
+///   is a little above 0.5 ([`PREFILL_MIN_SPARSITY`]).
+pub fn prefill_routed_pays(tokens: i64, sparsity: f64, wgmma: bool) -> bool {
+    let min = if wgmma { PREFILL_WGMMA_MIN_SPARSITY } else { PREFILL_MIN_SPARSITY };
+    tokens >= prefill_min_tokens(wgmma) && sparsity >= min
 }
 
-/// The skip rate from which the routed kernel wins (see [`prefill_routed_pays`]).
+/// The skip rate from which the `mma.sync` routed kernel wins (see [`prefill_routed_pays`]).
 pub const PREFILL_MIN_SPARSITY: f64 = 0.55;
+/// The skip rate from which the wgmma routed kernel wins (see [`prefill_routed_pays`]).
+pub const PREFILL_WGMMA_MIN_SPARSITY: f64 = 0.2;
 
 /// `WIDE_ATTN_PREFILL=routed|dense`: force the prefill attention path (read once).
 fn prefill_override() -> Option<bool> {
@@ -671,9 +688,13 @@ mod tests {
 
     #[test]
     fn prefill_dispatch_rule() {
-        assert!(!prefill_routed_pays(1024, 0.9));
-        assert!(!prefill_routed_pays(2048, 0.5) && prefill_routed_pays(2048, 0.625));
-        assert!(!prefill_routed_pays(8192, 0.5) && prefill_routed_pays(8192, 0.625));
+        // mma.sync kernel.
+        assert!(!prefill_routed_pays(1024, 0.9, false));
+        assert!(!prefill_routed_pays(2048, 0.5, false) && prefill_routed_pays(2048, 0.625, false));
+        assert!(!prefill_routed_pays(8192, 0.5, false) && prefill_routed_pays(8192, 0.625, false));
+        // wgmma kernel: from 1024 tokens and a skip rate of 0.2.
+        assert!(!prefill_routed_pays(512, 0.9, true) && prefill_routed_pays(1024, 0.25, true));
+        assert!(prefill_routed_pays(8192, 0.5, true) && !prefill_routed_pays(8192, 0.125, true));
         // 128-row blocks only with enough of them (Llama-3.1-8B: 32 heads).
         assert_eq!(PrefillTile::choose(1, 32, 2048, 0.5), PREFILL_TILES[0]);
         assert_eq!(PrefillTile::choose(1, 32, 4096, 0.75), PREFILL_TILES[0]);

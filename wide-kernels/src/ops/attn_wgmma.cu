@@ -116,12 +116,11 @@ __device__ __forceinline__ void issue_pv(float (&o)[64], const unsigned (&pa)[KN
 #pragma unroll
     for (int kc = 0; kc < KN / 16; ++kc) wgmma_m64n128k16_rs(o, pa[kc], sw128_desc_mn(st + KV_BYTES + kc * 16 * 128, KV_HALF));
 }
-// Causal mask, online softmax and the conversion to the A operand for one tile of scores.
-// Accumulator fragment: register 4 jj + e holds row warp * 16 + lane / 4 (+ 8 for e >= 2), key
-// key0 + 8 jj + 2 (lane % 4) + (e % 2). Keys 16 kc .. 16 kc + 15 of P are accumulator columns
-// 2 kc and 2 kc + 1. `alpha` returns each row's rescaling of the earlier output.
-__device__ __forceinline__ void softmax_tile(float (&sc)[32], unsigned (&pa)[KN / 16][4], float (&alpha)[2], float (&m)[2], float (&l)[2],
-                                             int key0, int wmin, const int (&rp)[2], int lane, float sl2) {
+// Causal mask and online softmax for one tile of scores, P left in place in `sc`. Accumulator
+// fragment: register 4 jj + e holds row warp * 16 + lane / 4 (+ 8 for e >= 2), key key0 + 8 jj +
+// 2 (lane % 4) + (e % 2). `alpha` returns each row's rescaling of the earlier output.
+__device__ __forceinline__ void softmax_tile(float (&sc)[32], float (&alpha)[2], float (&m)[2], float (&l)[2], int key0, int wmin,
+                                             const int (&rp)[2], int lane, float sl2) {
     if (key0 + KN - 1 > wmin) {
 #pragma unroll
         for (int jj = 0; jj < KN / 8; ++jj)
@@ -150,6 +149,9 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[32], unsigned (&pa)[KN 
         }
         l[e2] = l[e2] * alpha[e2] + sum;
     }
+}
+// P as the A operand: keys 16 kc .. 16 kc + 15 are accumulator columns 2 kc and 2 kc + 1.
+__device__ __forceinline__ void pack_p(const float (&sc)[32], unsigned (&pa)[KN / 16][4]) {
 #pragma unroll
     for (int kc = 0; kc < KN / 16; ++kc) {
         pa[kc][0] = pack2(sc[8 * kc + 0], sc[8 * kc + 1]);
@@ -272,15 +274,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 wg_wait<0>();
                 fence_acc(sc);
                 int s_prev = 0;
+                // P of the tile in flight: its wgmma reads these registers asynchronously, so
+                // they stay live (fenced) until its wait and are rewritten only after it.
+                unsigned pa[KN / 16][4] = {};
                 for (int j = 0; j < n_my; ++j) {
-                    unsigned pa[KN / 16][4];
                     float alpha[2];
-                    softmax_tile(sc, pa, alpha, m, l, j * KN, wmin, rp, lane, sl2);
+                    softmax_tile(sc, alpha, m, l, j * KN, wmin, rp, lane, sl2);
                     // P_{j-1} V_{j-1} has completed (unconditional: a wait that ptxas cannot
                     // prove on every path to the rescale below serialises the wgmmas); its
                     // stage goes back to the producer.
                     wg_wait<0>();
                     fence_acc(o);
+                    fence_pa(pa);
+                    fence_acc(sc);
+                    pack_p(sc, pa);
                     if (j > 0) {
                         __syncwarp();
                         if (lane == 0) mbar_arrive(smem_u32(&empty_bar[s_prev]));
@@ -319,6 +326,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 }
                 wg_wait<0>();
                 fence_acc(o);
+                fence_pa(pa);
                 __syncwarp();
                 if (lane == 0) mbar_arrive(smem_u32(&empty_bar[s_prev]));
                 // Key tiles past this warpgroup's last row: handed straight back.
