@@ -274,20 +274,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 wg_wait<0>();
                 fence_acc(sc);
                 int s_prev = 0;
-                // P of the tile in flight: its wgmma reads these registers asynchronously, so
-                // they stay live (fenced) until its wait and are rewritten only after it.
-                unsigned pa[KN / 16][4] = {};
-                for (int j = 0; j < n_my; ++j) {
+                // P in two register sets: tile j packs into one while the other is still read
+                // by the asynchronous P_{j-1} V_{j-1}, and each set stays live (fenced) until
+                // the wait after which it may be rewritten.
+                unsigned pa0[KN / 16][4] = {}, pa1[KN / 16][4] = {};
+                auto step = [&](int j, unsigned (&pa)[KN / 16][4], unsigned (&pa_prev)[KN / 16][4]) {
                     float alpha[2];
                     softmax_tile(sc, alpha, m, l, j * KN, wmin, rp, lane, sl2);
+                    pack_p(sc, pa);
                     // P_{j-1} V_{j-1} has completed (unconditional: a wait that ptxas cannot
                     // prove on every path to the rescale below serialises the wgmmas); its
                     // stage goes back to the producer.
                     wg_wait<0>();
                     fence_acc(o);
-                    fence_pa(pa);
-                    fence_acc(sc);
-                    pack_p(sc, pa);
+                    fence_pa(pa_prev);
                     if (j > 0) {
                         __syncwarp();
                         if (lane == 0) mbar_arrive(smem_u32(&empty_bar[s_prev]));
@@ -323,10 +323,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                         issue_pv(o, pa, st);
                         wg_commit();
                     }
+                };
+                for (int j = 0; j < n_my; j += 2) {
+                    step(j, pa0, pa1);
+                    if (j + 1 < n_my) step(j + 1, pa1, pa0);
                 }
                 wg_wait<0>();
                 fence_acc(o);
-                fence_pa(pa);
+                fence_pa(pa0);
+                fence_pa(pa1);
                 __syncwarp();
                 if (lane == 0) mbar_arrive(smem_u32(&empty_bar[s_prev]));
                 // Key tiles past this warpgroup's last row: handed straight back.
