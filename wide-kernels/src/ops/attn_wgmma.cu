@@ -96,10 +96,6 @@ __device__ __forceinline__ void issue_qk(float (&sc)[32], unsigned sqw, unsigned
     for (int kk = 0; kk < HD / 16; ++kk)
         wgmma_m64n64k16_ss(sc, sw128_desc(sqw + (kk >> 2) * Q_HALF + (kk & 3) * 32), sw128_desc(skt + (kk >> 2) * KV_HALF + (kk & 3) * 32));
 }
-// Named barriers between the two consumer warpgroups (256 threads): one waits, the other
-// arrives.
-__device__ __forceinline__ void named_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
-__device__ __forceinline__ void named_arrive(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory"); }
 // Box {64 dims, 64 keys, 1, 1} at (d0, key0, hk, b) of a 4-D tensor map, written
 // 128B-swizzled at `dst`, completing its bytes on the barrier at `bar`.
 __device__ __forceinline__ void tma_load_4d(unsigned dst, const TmaDesc* map, int d0, int key0, int hk, int b, unsigned bar) {
@@ -256,13 +252,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 const int wmin = __shfl_sync(0xffffffffu, rows[r0], 0);
                 const int wmax = __shfl_sync(0xffffffffu, rows[r0 + my_n - 1], 0);
                 const int n_my = wmax / KN + 1;  // key tiles this warpgroup computes (<= n_kt)
-                // Ping-pong: with rows in both consumers, their GEMM issues alternate through
-                // two named barriers (1: consumer 0 may issue, 2: consumer 1 may), so one's
-                // softmax runs while the tensor cores work on the other's products. Consumer 1
-                // has the later rows, so it has the most tiles (n_kt); consumer 0 pads its turns
-                // up to n_kt.
-                const bool pp = nact > 64;
-                if (pp && cw == 1) named_arrive(1);
                 // This thread's rows: warp * 16 + lane / 4 (+ 8); past the active rows, the last
                 // active position (finite, never written).
                 int rp[2];
@@ -322,21 +311,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                     fence_pa(pa);
                     if (j + 1 < n_my) {
                         mbar_wait(smem_u32(&full_bar[s]), ph);
-                        if (pp) named_sync(1 + cw);
                         issue_qk(sc, sq + cw * 64 * 128, skv + s * STAGE_BYTES);
                         wg_commit();
                         issue_pv(o, pa, st);
                         wg_commit();
-                        if (pp) named_arrive(2 - cw);
                         fence_acc(sc);
                         wg_wait<1>();  // S_{j + 1} (the older group) has completed
                         fence_acc(sc);
                     } else {
-                        if (pp) named_sync(1 + cw);
                         wg_fence();
                         issue_pv(o, pa, st);
                         wg_commit();
-                        if (pp) named_arrive(2 - cw);
                     }
                 };
                 for (int j = 0; j < n_my; j += 2) {
@@ -349,9 +334,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 fence_pa(pa1);
                 __syncwarp();
                 if (lane == 0) mbar_arrive(smem_u32(&empty_bar[s_prev]));
-                // Key tiles past this warpgroup's last row: handed straight back (with
-                // ping-pong, consumer 0 also takes its empty turns for them, and then the turn
-                // consumer 1 hands it after its last issue).
+                // Key tiles past this warpgroup's last row: handed straight back.
                 for (int j = n_my; j < n_kt; ++j) {
                     mbar_wait(smem_u32(&full_bar[s]), ph);
                     __syncwarp();
@@ -360,12 +343,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                         s = 0;
                         ph ^= 1u;
                     }
-                    if (pp) {
-                        named_sync(1);
-                        named_arrive(2);
-                    }
                 }
-                if (pp && cw == 0) named_sync(1);
                 // Normalise and write this thread's active rows (16 4-byte stores a row).
 #pragma unroll
                 for (int e2 = 0; e2 < 2; ++e2) {
