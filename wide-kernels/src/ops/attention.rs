@@ -362,7 +362,7 @@ pub fn attention_prefill_dense(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor
     match o.device() {
         Device::Cuda(dv) if aligned && matches!(o.kind(), Kind::BFloat16 | Kind::Half) && matches!(mask.kind(), Kind::Bool | Kind::Uint8) => {
             let m = if mask.kind() == Kind::Bool { mask.contiguous().view_dtype(Kind::Uint8) } else { mask.contiguous() };
-            let zero = prefill_kernel(o.kind() == Kind::Half, "attn_prefill_zero", 0, dv)?;
+            let zero = prefill_kernel(o.kind() == Kind::Half, None, "attn_prefill_zero", 0, dv)?;
             // One warp a token, 8 a block.
             let grid = ((b * t + 7) / 8).min(64 * crate::cuda::multiprocessor_count(dv)? as i64).max(1);
             unsafe {
@@ -404,24 +404,32 @@ pub struct PrefillTile {
 }
 
 /// The shipped block shapes: the `mma.sync` ones compiled for head_dim 64 and 128, the wgmma
-/// one (last) for head_dim 128 on compute capability 9.0; each for bf16 and f16.
-pub const PREFILL_TILES: [PrefillTile; 4] = [
+/// ones (last) for head_dim 128 on compute capability 9.0; each for bf16 and f16.
+pub const PREFILL_TILES: [PrefillTile; 5] = [
     PrefillTile { warps: 4, mi: 1, bn: 64, wgmma: false },
     PrefillTile { warps: 8, mi: 1, bn: 64, wgmma: false },
     PrefillTile { warps: 4, mi: 2, bn: 32, wgmma: false },
     PREFILL_WGMMA,
+    PrefillTile { warps: 8, mi: 1, bn: 128, wgmma: true },
 ];
 
 /// The Hopper prefill kernel's block: 8 consumer warps of 16 rows (128 list entries), 64-key
-/// tiles in a ring of [`PREFILL_WGMMA_STAGES`].
+/// tiles in a ring of [`PrefillTile::wgmma_stages`].
 pub const PREFILL_WGMMA: PrefillTile = PrefillTile { warps: 8, mi: 1, bn: 64, wgmma: true };
-/// Depth of the wgmma prefill kernel's K/V ring.
-pub const PREFILL_WGMMA_STAGES: u32 = 4;
 
 impl PrefillTile {
     /// Query rows (list entries) a block.
     pub fn rows(&self) -> i64 {
         (self.warps * self.mi * 16) as i64
+    }
+    /// Depth of the wgmma kernel's K/V ring: 4 tiles of 64 keys, 3 of 128 (within the 227 KB of
+    /// shared memory a block).
+    pub fn wgmma_stages(&self) -> u32 {
+        if self.bn >= 128 {
+            3
+        } else {
+            4
+        }
     }
     /// Threads a block (the wgmma kernel adds its producer warpgroup).
     pub fn threads(&self) -> u32 {
@@ -433,7 +441,7 @@ impl PrefillTile {
     pub fn smem_bytes(&self, d: i64) -> u32 {
         let d = d as u32;
         if self.wgmma {
-            1024 + self.rows() as u32 * d * 2 + PREFILL_WGMMA_STAGES * 2 * self.bn * d * 2
+            1024 + self.rows() as u32 * d * 2 + self.wgmma_stages() * 2 * self.bn * d * 2
         } else {
             (self.rows() as u32 + 4 * self.bn) * (d + 8) * 2
         }
@@ -499,22 +507,28 @@ pub fn prefill_source(f16: bool) -> KernelSource {
 
 const PREFILL_WGMMA_SOURCE: &str = concat!(include_str!("wgmma_common.cuh"), include_str!("attn_wgmma.cu"));
 
-/// The Hopper prefill module for a dtype (sm_90a; head_dim 128).
-pub fn prefill_wgmma_source(f16: bool) -> KernelSource {
+/// The Hopper prefill module for a dtype and a wgmma block shape (sm_90a; head_dim 128).
+pub fn prefill_wgmma_source(f16: bool, tile: PrefillTile) -> KernelSource {
     KernelSource::new("attn_prefill_wgmma", PREFILL_WGMMA_SOURCE)
         .target(super::wgmma::TARGET)
         .define("WIDE_F16", f16 as u32)
-        .define("STAGES", PREFILL_WGMMA_STAGES)
+        .define("KN", tile.bn)
+        .define("STAGES", tile.wgmma_stages())
 }
 
-fn prefill_kernel(f16: bool, entry: &str, smem: u32, device: usize) -> Result<CudaKernel> {
-    type Key = (bool, String, usize);
+/// The kernel `entry` of the prefill module (`tile`: the wgmma module of that block shape, else
+/// the `mma.sync` module), loaded once.
+fn prefill_kernel(f16: bool, tile: Option<PrefillTile>, entry: &str, smem: u32, device: usize) -> Result<CudaKernel> {
+    type Key = (bool, Option<PrefillTile>, String, usize);
     static K: OnceLock<Mutex<HashMap<Key, CudaKernel>>> = OnceLock::new();
-    let key = (f16, entry.to_string(), device);
+    let key = (f16, tile, entry.to_string(), device);
     if let Some(k) = K.get_or_init(Default::default).lock().unwrap().get(&key) {
         return Ok(*k);
     }
-    let src = if entry.starts_with("attn_prefill_wgmma") { prefill_wgmma_source(f16) } else { prefill_source(f16) };
+    let src = match tile {
+        Some(t) => prefill_wgmma_source(f16, t),
+        None => prefill_source(f16),
+    };
     let k = CudaKernel::get(&src, entry, device)?;
     if smem > 0 {
         k.set_max_dynamic_shared_mem(smem)?;
@@ -570,9 +584,9 @@ pub fn attention_prefill_routed(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tenso
     // transpose(1, 2).reshape([B * T, HQ * D]) is then a view.
     let out = Tensor::empty([b, t, hq, d], (q.kind(), q.device())).transpose(1, 2);
     let os = out.stride();
-    let layout = prefill_kernel(f16, "attn_prefill_layout", 0, device)?;
+    let layout = prefill_kernel(f16, None, "attn_prefill_layout", 0, device)?;
     let smem = tile.smem_bytes(d);
-    let attn = prefill_kernel(f16, &tile.entry(d), smem, device)?;
+    let attn = prefill_kernel(f16, tile.wgmma.then_some(tile), &tile.entry(d), smem, device)?;
     let threads = (t.min(1024) as u32).div_ceil(32) * 32;
     unsafe {
         layout.launch(
@@ -589,8 +603,8 @@ pub fn attention_prefill_routed(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tenso
         let dims = [KernelArg::I32(hq as i32), KernelArg::I32(hkv as i32), KernelArg::I32(t as i32), KernelArg::I32(group_heads as i32), KernelArg::I32(ng as i32)];
         if tile.wgmma {
             // K and V through 4-D tensor maps (head dim, token, KV head, batch): boxes of 64 dims
-            // x 64 keys, the kernel's swizzled tile halves.
-            let map = |x: &Tensor| crate::cuda::tensor_map(x, f16, &[d as u64, t as u64, hkv as u64, b as u64], &[d as u64 * 2, kv_sh as u64 * 2, kv_sb as u64 * 2], &[64, 64, 1, 1]);
+            // x bn keys, the kernel's swizzled tile halves.
+            let map = |x: &Tensor| crate::cuda::tensor_map(x, f16, &[d as u64, t as u64, hkv as u64, b as u64], &[d as u64 * 2, kv_sh as u64 * 2, kv_sb as u64 * 2], &[64, tile.bn, 1, 1]);
             let mut args = vec![KernelArg::tensor(&q)?, KernelArg::tensor(&perm)?, KernelArg::tensor(&count)?, KernelArg::tensor(&out)?];
             args.extend(dims);
             args.extend(tail);
@@ -618,7 +632,11 @@ pub fn attention_prefill_routed(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tenso
 
 /// Every prefill kernel variant (for the NVRTC compile test).
 pub fn kernel_variants() -> Vec<KernelSource> {
-    vec![prefill_source(false), prefill_source(true), prefill_wgmma_source(false), prefill_wgmma_source(true)]
+    let mut v = vec![prefill_source(false), prefill_source(true)];
+    for t in PREFILL_TILES.into_iter().filter(|t| t.wgmma) {
+        v.extend([prefill_wgmma_source(false, t), prefill_wgmma_source(true, t)]);
+    }
+    v
 }
 
 #[cfg(test)]
@@ -679,8 +697,10 @@ mod tests {
         assert_eq!(PREFILL_WGMMA.rows(), 128);
         assert_eq!(PREFILL_WGMMA.threads(), 384, "two consumer warpgroups and a producer");
         assert_eq!(PREFILL_TILES[0].threads(), 128);
-        // Q tile 32 KB, four stages of 64-key K and V tiles (16 KB each), 1 KB of alignment.
+        // Q tile 32 KB, four stages of 64-key K and V tiles (16 KB each), 1 KB of alignment;
+        // three stages of 128-key tiles.
         assert_eq!(PREFILL_WGMMA.smem_bytes(128), 1024 + 32768 + 4 * 32768);
+        assert_eq!(PREFILL_TILES[4].smem_bytes(128), 1024 + 32768 + 3 * 65536);
         // head_dim 64 has no wgmma kernel, on any device.
         assert!(!PREFILL_WGMMA.supports(64, 0));
         assert!(PREFILL_TILES[0].supports(64, 0) && !PREFILL_TILES[0].supports(96, 0));

@@ -2,6 +2,8 @@
 // prepended; compiled by NVRTC for compute_90a with
 //   WIDE_F16   1 for f16 operands, 0 for bf16 (fp32 accumulation, online softmax in the exp2
 //              domain)
+//   KN         keys a K/V tile: 64, or 128 (the consumers then take registers from the
+//              producer with setmaxnreg)
 //   STAGES     depth of the K/V ring (default 4)
 //
 // Same contract as attn_prefill_* in attn_prefill.cu: q [B, HQ, T, 128] contiguous, k/v through
@@ -14,7 +16,7 @@
 // (last) active tile.
 //
 // Block: 3 warpgroups. Warpgroup 0 is the producer: it gathers the 128 query rows once (16-byte
-// cp.async) and one thread streams 64-key K and V tiles through a STAGES-deep ring with the
+// cp.async) and one thread streams KN-key K and V tiles through a STAGES-deep ring with the
 // tensor copy engine (TMA), all into the 128-byte-swizzled layout, each stage handed over
 // through an mbarrier. Warpgroups 1 and 2
 // (cw = 0, 1) own the entries [64 cw, 64 cw + 64): per key tile S = Q K^T with m64n64k16 (both
@@ -30,10 +32,15 @@
 #endif
 #define HD 128                           // head dim
 #define BM 128                           // list entries a block
-#define KN 64                            // keys a tile
+#ifndef KN
+#define KN 64                            // keys a tile (64 or 128)
+#endif
+#if KN != 64 && KN != 128
+#error "KN is 64 or 128"
+#endif
 #define Q_HALF (BM * 128)                // [128 rows x 64 dims] swizzled block, bytes
 #define Q_BYTES (2 * Q_HALF)
-#define KV_HALF (KN * 128)               // [64 keys x 64 dims]
+#define KV_HALF (KN * 128)               // [KN keys x 64 dims]
 #define KV_BYTES (2 * KV_HALF)           // one of K, V
 #define STAGE_BYTES (2 * KV_BYTES)       // K then V
 #define THREADS 384
@@ -87,16 +94,20 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const unsign
 // Issues S = Q K^T for one consumer warpgroup (sub-tile of Q at `sqw`, K tile at `skt`): zeroes
 // the accumulators and queues 8 m64n64k16 (k = 16 head dims each; dims 64-127 are the second
 // swizzled block). The caller commits and waits.
-__device__ __forceinline__ void issue_qk(float (&sc)[32], unsigned sqw, unsigned skt) {
+__device__ __forceinline__ void issue_qk(float (&sc)[KN / 2], unsigned sqw, unsigned skt) {
 #pragma unroll
-    for (int i = 0; i < 32; ++i) sc[i] = 0.f;
+    for (int i = 0; i < KN / 2; ++i) sc[i] = 0.f;
     fence_acc(sc);
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < HD / 16; ++kk)
+#if KN == 64
         wgmma_m64n64k16_ss(sc, sw128_desc(sqw + (kk >> 2) * Q_HALF + (kk & 3) * 32), sw128_desc(skt + (kk >> 2) * KV_HALF + (kk & 3) * 32));
+#else
+        wgmma_m64n128k16(sc, sw128_desc(sqw + (kk >> 2) * Q_HALF + (kk & 3) * 32), sw128_desc(skt + (kk >> 2) * KV_HALF + (kk & 3) * 32));
+#endif
 }
-// Box {64 dims, 64 keys, 1, 1} at (d0, key0, hk, b) of a 4-D tensor map, written
+// Box {64 dims, KN keys, 1, 1} at (d0, key0, hk, b) of a 4-D tensor map, written
 // 128B-swizzled at `dst`, completing its bytes on the barrier at `bar`.
 __device__ __forceinline__ void tma_load_4d(unsigned dst, const TmaDesc* map, int d0, int key0, int hk, int b, unsigned bar) {
     asm volatile(
@@ -111,7 +122,7 @@ __device__ __forceinline__ void fence_pa(unsigned (&pa)[NK][4]) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pa[i][e])::"memory");
 }
-// Queues O += P V over the 64 keys of the stage at `st` (V after K; 16 keys = 2048 bytes a step).
+// Queues O += P V over the KN keys of the stage at `st` (V after K; 16 keys = 2048 bytes a step).
 __device__ __forceinline__ void issue_pv(float (&o)[64], const unsigned (&pa)[KN / 16][4], unsigned st) {
 #pragma unroll
     for (int kc = 0; kc < KN / 16; ++kc) wgmma_m64n128k16_rs(o, pa[kc], sw128_desc_mn(st + KV_BYTES + kc * 16 * 128, KV_HALF));
@@ -119,7 +130,7 @@ __device__ __forceinline__ void issue_pv(float (&o)[64], const unsigned (&pa)[KN
 // Causal mask and online softmax for one tile of scores, P left in place in `sc`. Accumulator
 // fragment: register 4 jj + e holds row warp * 16 + lane / 4 (+ 8 for e >= 2), key key0 + 8 jj +
 // 2 (lane % 4) + (e % 2). `alpha` returns each row's rescaling of the earlier output.
-__device__ __forceinline__ void softmax_tile(float (&sc)[32], float (&alpha)[2], float (&m)[2], float (&l)[2], int key0, int wmin,
+__device__ __forceinline__ void softmax_tile(float (&sc)[KN / 2], float (&alpha)[2], float (&m)[2], float (&l)[2], int key0, int wmin,
                                              const int (&rp)[2], int lane, float sl2) {
     if (key0 + KN - 1 > wmin) {
 #pragma unroll
@@ -151,7 +162,7 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[32], float (&alpha)[2],
     }
 }
 // P as the A operand: keys 16 kc .. 16 kc + 15 are accumulator columns 2 kc and 2 kc + 1.
-__device__ __forceinline__ void pack_p(const float (&sc)[32], unsigned (&pa)[KN / 16][4]) {
+__device__ __forceinline__ void pack_p(const float (&sc)[KN / 2], unsigned (&pa)[KN / 16][4]) {
 #pragma unroll
     for (int kc = 0; kc < KN / 16; ++kc) {
         pa[kc][0] = pack2(sc[8 * kc + 0], sc[8 * kc + 1]);
@@ -165,7 +176,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     attn_prefill_wgmma_128(const T* __restrict__ q, const int* __restrict__ perm,
                            const int* __restrict__ count, T* __restrict__ out, int HQ, int HKV, int Tn, int GH, int NG, long long o_sb,
                            long long o_sh, long long o_st, float sl2,
-                           // maps of k and v: dims (head dim, token, KV head, batch), boxes 64 x 64 x 1 x 1
+                           // maps of k and v: dims (head dim, token, KV head, batch), boxes 64 x KN x 1 x 1
                            const __grid_constant__ TmaDesc tmap_k, const __grid_constant__ TmaDesc tmap_v) {
     extern __shared__ unsigned char smem_raw[];
     __shared__ int rows[BM];  // the entries' token positions (-1 past the list)
@@ -199,6 +210,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     if (nact > 0) {
         const int n_kt = __shfl_sync(0xffffffffu, rows[nact - 1], 0) / KN + 1;  // key tiles up to the last position
         if (wg == 0) {
+#if KN == 128
+            // The producer needs few registers; the consumers' 128-key tiles need more than an
+            // even split of the file (168 a thread) gives.
+            asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
+#endif
             // Producer. Query rows: thread t copies chunks t + 128 i (row / 16, chunk % 16);
             // rows past the active ones are zero-filled (finite scores, never written).
             const T* qh = q + ((long long)b * HQ + h) * Tn * HD;
@@ -210,7 +226,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             }
             cp_async_arrive(smem_u32(&q_bar));
             // K and V tiles: one thread, four tensor copies a tile (K and V, head dims 0-63 and
-            // 64-127, each [64 keys x 64 dims] written 128B-swizzled); keys past the prompt
+            // 64-127, each [KN keys x 64 dims] written 128B-swizzled); keys past the prompt
             // read as zeros (masked anyway).
             if (tid == 0) {
                 int s = 0;
@@ -232,6 +248,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             }
             cp_wait<0>();
         } else {
+#if KN == 128
+            asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");
+#endif
             const int cw = wg - 1;
             const int ct = tid & 127, warp = ct >> 5, lane = tid & 31;
             const int r0 = cw * 64;
@@ -261,7 +280,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
                 for (int i = 0; i < 64; ++i) o[i] = 0.f;
                 float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
-                float sc[32];
+                float sc[KN / 2];
                 mbar_wait(smem_u32(&q_bar), 0);
                 fence_proxy_async();  // Q came through cp.async (generic proxy); K/V by TMA
                 // S of tile 0, then per tile j: the softmax of S_j, S_{j + 1} and P_j V_j issued
