@@ -4,9 +4,11 @@
 //!   is off gets exactly 0, and a KV head whose query heads are all off is not read at all
 //!   (CUDA split-K kernel; tch reference elsewhere).
 //! - [`attention_prefill`]: causal attention over a prompt. Per query head only the tokens
-//!   whose head group is active are computed (`attn_prefill.cu`: gathered query rows,
-//!   FlashAttention-2 style on `mma.sync`, K/V dense), skipped (token, head) rows exactly 0;
-//!   where that does not pay, dense SDPA (flash) and a zero pass. Padding runs the reference.
+//!   whose head group is active are computed (gathered query rows, K/V dense; on Hopper
+//!   `attn_wgmma.cu`: TMA-fed K/V, wgmma products, softmax overlapped with the previous tile's
+//!   PV; elsewhere `attn_prefill.cu`, FlashAttention-2 style on `mma.sync`), skipped (token,
+//!   head) rows exactly 0; where that does not pay, dense SDPA (flash) and a zero pass. Padding
+//!   runs the reference.
 use super::routed_kernel;
 use crate::cuda::{CudaKernel, KernelArg, LaunchConfig};
 use crate::nvrtc::KernelSource;
@@ -325,8 +327,10 @@ pub const PREFILL_MEASURE_MIN_TOKENS: i64 = 8192;
 /// (`wgmma`: a compute capability 9.0 GPU and head_dim 128) or the `mma.sync` one? Fitted to the
 /// H200 (bf16, 32/8 heads, head_dim 128, cold L2, routed with the skip rate given;
 /// benchmarks/RESULTS.md).
-/// - wgmma: it does (1 - s) of the FLOPs at 510-550 TFLOP/s from 8192 tokens (SDPA all of them
-///   at 590-610), so it wins from a low skip rate: see [`PREFILL_WGMMA_MIN_SPARSITY`].
+/// - wgmma: it does (1 - s) of the FLOPs at 490-610 TFLOP/s from 8192 tokens (SDPA all of them
+///   at 590-620), so it wins from a low skip rate: with 64-key tiles 1.06x / 1.10x / 1.08x
+///   SDPA + zero at s = 0.2 and 1024 / 2048 / 8192 tokens, 0.99-1.01x at 0.125 (the 128-key
+///   tile is faster still); see [`PREFILL_WGMMA_MIN_SPARSITY`].
 /// - `mma.sync`: routed / (SDPA + zero) at s = 0.375 / 0.5 / 0.625: 1024 tokens 0.85 / 0.88 /
 ///   0.90x, 2048 0.79 / 0.98 / 1.20x, 4096 0.76 / 0.93 / 1.14x, 8192 0.75 / 0.90 / 1.14x, 32768
 ///   0.80 / 1.04 / 1.37x: 180-300 TFLOP/s on (1 - s) of the FLOPs, so the break-even skip rate
@@ -409,13 +413,17 @@ pub const PREFILL_TILES: [PrefillTile; 5] = [
     PrefillTile { warps: 4, mi: 1, bn: 64, wgmma: false },
     PrefillTile { warps: 8, mi: 1, bn: 64, wgmma: false },
     PrefillTile { warps: 4, mi: 2, bn: 32, wgmma: false },
+    PrefillTile { warps: 8, mi: 1, bn: 64, wgmma: true },
     PREFILL_WGMMA,
-    PrefillTile { warps: 8, mi: 1, bn: 128, wgmma: true },
 ];
 
-/// The Hopper prefill kernel's block: 8 consumer warps of 16 rows (128 list entries), 64-key
-/// tiles in a ring of [`PrefillTile::wgmma_stages`].
-pub const PREFILL_WGMMA: PrefillTile = PrefillTile { warps: 8, mi: 1, bn: 64, wgmma: true };
+/// The Hopper prefill kernel's block, the one [`PrefillTile::choose_for`] takes: 8 consumer
+/// warps of 16 rows (128 list entries), 128-key tiles in a ring of
+/// [`PrefillTile::wgmma_stages`]. Against the 64-key tile (H200, cold L2, s = 0.5; 2048 / 8192 /
+/// 32768 tokens): 0.0580 / 0.483 / 7.24 ms against 0.0606 / 0.543 / 8.32 ms: QK^T on
+/// m64n128k16 reads a third fewer shared-memory bytes a FLOP than on m64n64k16, and each tile
+/// costs half the barrier round trips.
+pub const PREFILL_WGMMA: PrefillTile = PrefillTile { warps: 8, mi: 1, bn: 128, wgmma: true };
 
 impl PrefillTile {
     /// Query rows (list entries) a block.
@@ -699,8 +707,8 @@ mod tests {
         assert_eq!(PREFILL_TILES[0].threads(), 128);
         // Q tile 32 KB, four stages of 64-key K and V tiles (16 KB each), 1 KB of alignment;
         // three stages of 128-key tiles.
-        assert_eq!(PREFILL_WGMMA.smem_bytes(128), 1024 + 32768 + 4 * 32768);
-        assert_eq!(PREFILL_TILES[4].smem_bytes(128), 1024 + 32768 + 3 * 65536);
+        assert_eq!(PREFILL_TILES[3].smem_bytes(128), 1024 + 32768 + 4 * 32768);
+        assert_eq!(PREFILL_WGMMA.smem_bytes(128), 1024 + 32768 + 3 * 65536);
         // head_dim 64 has no wgmma kernel, on any device.
         assert!(!PREFILL_WGMMA.supports(64, 0));
         assert!(PREFILL_TILES[0].supports(64, 0) && !PREFILL_TILES[0].supports(96, 0));
