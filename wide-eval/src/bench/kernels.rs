@@ -504,10 +504,14 @@ fn bench_attn_prefill(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Ten
                 }
                 let dispatch_ms = time("dispatch")?;
                 let dispatch_hint_ms = time("dispatch_hint")?;
-                let dispatch_path = if wide_kernels::ops::attention::prefill_routed_pays(t, s, wide_kernels::ops::attention::PREFILL_WGMMA.supports(d, dev)) { "routed" } else { "sdpa+zero" };
+                // The hinted dispatch follows the rule; the unhinted one measures the skip rate only from
+                // PREFILL_MEASURE_MIN_TOKENS and runs SDPA + zero below.
+                let rule = wide_kernels::ops::attention::prefill_routed_pays(t, s, wide_kernels::ops::attention::PREFILL_WGMMA.supports(d, dev));
+                let dispatch_hint_path = if rule { "routed" } else { "sdpa+zero" };
+                let dispatch_path = if rule && t >= wide_kernels::ops::attention::PREFILL_MEASURE_MIN_TOKENS { "routed" } else { "sdpa+zero" };
                 let tiles_txt: Vec<String> = tiles.iter().map(|x| format!("{} {:.4}", x["tile"].as_str().unwrap_or(""), x["ms"].as_f64().unwrap_or(f64::NAN))).collect();
                 eprintln!(
-                    "attn_prefill T={t:>6} s={s:.2} {l2mode}: sdpa {sdpa_ms:.4} ms ({:.0} TFLOP/s)  sdpa+zero {zero_ms:.4}  routed {routed_ms:.4} ms ({:.2}x sdpa, {:.2}x sdpa+zero; {:.0} TFLOP/s active)  [{}]  dispatch {dispatch_ms:.4} / hinted {dispatch_hint_ms:.4} ({dispatch_path})  err {err:.1e}",
+                    "attn_prefill T={t:>6} s={s:.2} {l2mode}: sdpa {sdpa_ms:.4} ms ({:.0} TFLOP/s)  sdpa+zero {zero_ms:.4}  routed {routed_ms:.4} ms ({:.2}x sdpa, {:.2}x sdpa+zero; {:.0} TFLOP/s active)  [{}]  dispatch {dispatch_ms:.4} ({dispatch_path}) / hinted {dispatch_hint_ms:.4} ({dispatch_hint_path})  err {err:.1e}",
                     dense_flops / (sdpa_ms * 1e-3) / 1e12,
                     sdpa_ms / routed_ms,
                     zero_ms / routed_ms,
@@ -520,7 +524,7 @@ fn bench_attn_prefill(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Ten
                     "sdpa_ms": sdpa_ms, "sdpa_zero_ms": zero_ms, "speedup_vs_sdpa_zero": zero_ms / routed_ms,
                     "routed_kernel": format!("attn_prefill {}", default_tile.name()), "tiles": tiles,
                     "dispatch_path": dispatch_path, "dispatch_ms": dispatch_ms, "dispatch_speedup": sdpa_ms / dispatch_ms,
-                    "dispatch_hint_ms": dispatch_hint_ms,
+                    "dispatch_hint_ms": dispatch_hint_ms, "dispatch_hint_path": dispatch_hint_path,
                     "dense_gflop": dense_flops / 1e9, "routed_gflop_expected": (1.0 - s) * dense_flops / 1e9,
                     "dense_tflops": dense_flops / (sdpa_ms * 1e-3) / 1e12,
                     "max_rel_err": err, "sdpa_zero_rel_err": dense_err,
