@@ -504,11 +504,13 @@ fn bench_attn_prefill(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Ten
                 }
                 let dispatch_ms = time("dispatch")?;
                 let dispatch_hint_ms = time("dispatch_hint")?;
-                // The hinted dispatch follows the rule; the unhinted one measures the skip rate only from
-                // PREFILL_MEASURE_MIN_TOKENS and runs SDPA + zero below.
-                let rule = wide_kernels::ops::attention::prefill_routed_pays(t, s, wide_kernels::ops::attention::PREFILL_WGMMA.supports(d, dev));
+                // The hinted dispatch follows the rule; so does the unhinted one with the wgmma kernel
+                // (no skip rate needed), while for the mma.sync kernel it measures the skip rate
+                // only from PREFILL_MEASURE_MIN_TOKENS and runs SDPA + zero below.
+                let wg = wide_kernels::ops::attention::PREFILL_WGMMA.supports(d, dev);
+                let rule = wide_kernels::ops::attention::prefill_routed_pays(t, s, wg);
                 let dispatch_hint_path = if rule { "routed" } else { "sdpa+zero" };
-                let dispatch_path = if rule && t >= wide_kernels::ops::attention::PREFILL_MEASURE_MIN_TOKENS { "routed" } else { "sdpa+zero" };
+                let dispatch_path = if rule && (wg || t >= wide_kernels::ops::attention::PREFILL_MEASURE_MIN_TOKENS) { "routed" } else { "sdpa+zero" };
                 let tiles_txt: Vec<String> = tiles.iter().map(|x| format!("{} {:.4}", x["tile"].as_str().unwrap_or(""), x["ms"].as_f64().unwrap_or(f64::NAN))).collect();
                 eprintln!(
                     "attn_prefill T={t:>6} s={s:.2} {l2mode}: sdpa {sdpa_ms:.4} ms ({:.0} TFLOP/s)  sdpa+zero {zero_ms:.4}  routed {routed_ms:.4} ms ({:.2}x sdpa, {:.2}x sdpa+zero; {:.0} TFLOP/s active)  [{}]  dispatch {dispatch_ms:.4} ({dispatch_path}) / hinted {dispatch_hint_ms:.4} ({dispatch_hint_path})  err {err:.1e}",

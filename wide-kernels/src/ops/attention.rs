@@ -288,6 +288,8 @@ pub fn attention_prefill_with(
     let (routed, s) = match prefill_override() {
         Some(r) => (r && kernel_ok, sparsity.unwrap_or(0.5)),
         None if !kernel_ok || t < prefill_min_tokens(wgmma) => (false, 0.0),
+        // The wgmma kernel wins at every skip rate: no need to know it.
+        None if wgmma => (true, sparsity.unwrap_or(0.5)),
         None => match sparsity {
             Some(s) => (prefill_routed_pays(t, s, wgmma), s),
             None if t >= PREFILL_MEASURE_MIN_TOKENS => {
@@ -319,31 +321,29 @@ fn prefill_min_tokens(wgmma: bool) -> i64 {
 }
 
 /// Prompt length from which [`attention_prefill`] without a skip rate measures it from the mask
-/// (below, it runs the dense path without a sync).
+/// for the `mma.sync` kernel's rule (below, it runs the dense path without a sync; the wgmma
+/// kernel needs no skip rate).
 pub const PREFILL_MEASURE_MIN_TOKENS: i64 = 8192;
 
 /// Dispatch rule of [`attention_prefill`]: does the routed kernel (layout included) beat SDPA +
 /// the zero pass at `tokens` prompt tokens and skip rate `sparsity`, with the wgmma kernel
 /// (`wgmma`: a compute capability 9.0 GPU and head_dim 128) or the `mma.sync` one? Fitted to the
-/// H200 (bf16, 32/8 heads, head_dim 128, cold L2, routed with the skip rate given;
-/// benchmarks/RESULTS.md).
-/// - wgmma: it does (1 - s) of the FLOPs at 490-610 TFLOP/s from 8192 tokens (SDPA all of them
-///   at 590-620), so it wins from a low skip rate: with 64-key tiles 1.06x / 1.10x / 1.08x
-///   SDPA + zero at s = 0.2 and 1024 / 2048 / 8192 tokens, 0.99-1.01x at 0.125 (the 128-key
-///   tile is faster still); see [`PREFILL_WGMMA_MIN_SPARSITY`].
+/// H200 (bf16, 32/8 heads, head_dim 128, cold L2; benchmarks/RESULTS.md).
+/// - wgmma (128-key tiles): from 1024 tokens at every skip rate. It does (1 - s) of the FLOPs at
+///   about SDPA's own rate (490-610 TFLOP/s from 8192 tokens), so even with nothing skipped it
+///   is level: routed / (SDPA + zero) at s = 0 / 0.125 was 1.02 / 1.04x at 1024 tokens, 1.02 /
+///   1.07x at 2048, 1.01 / 1.12x at 4096, 1.02 / 1.15x at 8192, and 1.21-4.14x from s = 0.25.
+///   Below 1024 tokens it was not measured.
 /// - `mma.sync`: routed / (SDPA + zero) at s = 0.375 / 0.5 / 0.625: 1024 tokens 0.85 / 0.88 /
 ///   0.90x, 2048 0.79 / 0.98 / 1.20x, 4096 0.76 / 0.93 / 1.14x, 8192 0.75 / 0.90 / 1.14x, 32768
 ///   0.80 / 1.04 / 1.37x: 180-300 TFLOP/s on (1 - s) of the FLOPs, so the break-even skip rate
 ///   is a little above 0.5 ([`PREFILL_MIN_SPARSITY`]).
 pub fn prefill_routed_pays(tokens: i64, sparsity: f64, wgmma: bool) -> bool {
-    let min = if wgmma { PREFILL_WGMMA_MIN_SPARSITY } else { PREFILL_MIN_SPARSITY };
-    tokens >= prefill_min_tokens(wgmma) && sparsity >= min
+    tokens >= prefill_min_tokens(wgmma) && (wgmma || sparsity >= PREFILL_MIN_SPARSITY)
 }
 
 /// The skip rate from which the `mma.sync` routed kernel wins (see [`prefill_routed_pays`]).
 pub const PREFILL_MIN_SPARSITY: f64 = 0.55;
-/// The skip rate from which the wgmma routed kernel wins (see [`prefill_routed_pays`]).
-pub const PREFILL_WGMMA_MIN_SPARSITY: f64 = 0.2;
 
 /// `WIDE_ATTN_PREFILL=routed|dense`: force the prefill attention path (read once).
 fn prefill_override() -> Option<bool> {
@@ -720,9 +720,9 @@ mod tests {
         assert!(!prefill_routed_pays(1024, 0.9, false));
         assert!(!prefill_routed_pays(2048, 0.5, false) && prefill_routed_pays(2048, 0.625, false));
         assert!(!prefill_routed_pays(8192, 0.5, false) && prefill_routed_pays(8192, 0.625, false));
-        // wgmma kernel: from 1024 tokens and a skip rate of 0.2.
+        // wgmma kernel: from 1024 tokens at any skip rate.
         assert!(!prefill_routed_pays(512, 0.9, true) && prefill_routed_pays(1024, 0.25, true));
-        assert!(prefill_routed_pays(8192, 0.5, true) && !prefill_routed_pays(8192, 0.125, true));
+        assert!(prefill_routed_pays(8192, 0.5, true) && prefill_routed_pays(8192, 0.0, true));
         // 128-row blocks only with enough of them (Llama-3.1-8B: 32 heads).
         assert_eq!(PrefillTile::choose(1, 32, 2048, 0.5), PREFILL_TILES[0]);
         assert_eq!(PrefillTile::choose(1, 32, 4096, 0.75), PREFILL_TILES[0]);
