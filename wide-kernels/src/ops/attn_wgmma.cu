@@ -64,10 +64,7 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], unsigned long
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32." WG_TYPE "." WG_TYPE " "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : WG_ACC32(0)
         : "l"(da), "l"(db), "r"(1));
 }
 // O[64 x 128] (f32) += P[64 x 16] * V[16 x 128]: P in registers (the m16n8k16 A-fragment layout
@@ -78,14 +75,7 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const unsign
         "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k16.f32." WG_TYPE "." WG_TYPE " "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : WG_ACC64(0)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
 }
 
@@ -169,6 +159,21 @@ __device__ __forceinline__ void pack_p(const float (&sc)[KN / 2], unsigned (&pa)
         pa[kc][1] = pack2(sc[8 * kc + 2], sc[8 * kc + 3]);
         pa[kc][2] = pack2(sc[8 * kc + 4], sc[8 * kc + 5]);
         pa[kc][3] = pack2(sc[8 * kc + 6], sc[8 * kc + 7]);
+    }
+}
+
+// A consumer's key tiles [j0, j1) it does not compute: each stage waited for and handed straight
+// back to the producer (ring position s, phase ph advance).
+__device__ __forceinline__ void pass_tiles(int j0, int j1, unsigned long long* full_bar, unsigned long long* empty_bar, int& s, unsigned& ph,
+                                           int lane) {
+    for (int j = j0; j < j1; ++j) {
+        mbar_wait(smem_u32(&full_bar[s]), ph);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(smem_u32(&empty_bar[s]));
+        if (++s == STAGES) {
+            s = 0;
+            ph ^= 1u;
+        }
     }
 }
 
@@ -258,15 +263,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             int s = 0;
             unsigned ph = 0;
             if (my_n <= 0) {
-                for (int j = 0; j < n_kt; ++j) {
-                    mbar_wait(smem_u32(&full_bar[s]), ph);
-                    __syncwarp();
-                    if (lane == 0) mbar_arrive(smem_u32(&empty_bar[s]));
-                    if (++s == STAGES) {
-                        s = 0;
-                        ph ^= 1u;
-                    }
-                }
+                pass_tiles(0, n_kt, full_bar, empty_bar, s, ph, lane);
             } else {
                 const int wmin = __shfl_sync(0xffffffffu, rows[r0], 0);
                 const int wmax = __shfl_sync(0xffffffffu, rows[r0 + my_n - 1], 0);
@@ -354,15 +351,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 __syncwarp();
                 if (lane == 0) mbar_arrive(smem_u32(&empty_bar[s_prev]));
                 // Key tiles past this warpgroup's last row: handed straight back.
-                for (int j = n_my; j < n_kt; ++j) {
-                    mbar_wait(smem_u32(&full_bar[s]), ph);
-                    __syncwarp();
-                    if (lane == 0) mbar_arrive(smem_u32(&empty_bar[s]));
-                    if (++s == STAGES) {
-                        s = 0;
-                        ph ^= 1u;
-                    }
-                }
+                pass_tiles(n_my, n_kt, full_bar, empty_bar, s, ph, lane);
                 // Normalise and write this thread's active rows (16 4-byte stores a row).
 #pragma unroll
                 for (int e2 = 0; e2 < 2; ++e2) {
