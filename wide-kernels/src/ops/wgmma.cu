@@ -13,6 +13,8 @@
 //                 block loads half of the weight tile(s) with the tensor copy engine (TMA) and
 //                 multicasts it to both, so each weight byte crosses from L2 once for two tiles
 //                 (needs ASYNC_ARRIVE 1)
+//   TMA_B         1 (with CLUSTER 1 and ASYNC_ARRIVE 1): one producer thread loads the weight
+//                 tile(s) with TMA instead of 128 threads' cp.async
 //
 // Same contract as gemm_mn_tiled in routed.cu: tile (mt, nt) works on list entries
 // [mt*BM, mt*BM+BM) of group g = nt*BN/G (BN | G): entries below count[g] are active tokens,
@@ -54,6 +56,14 @@
 #if CLUSTER != 1 && (CLUSTER != 2 || !ASYNC_ARRIVE)
 #error "CLUSTER is 1, or 2 with ASYNC_ARRIVE"
 #endif
+#ifndef TMA_B
+#define TMA_B 0
+#endif
+#if TMA_B && (CLUSTER != 1 || !ASYNC_ARRIVE)
+#error "TMA_B needs CLUSTER 1 and ASYNC_ARRIVE"
+#endif
+// The weight tiles come by TMA (one producer thread, an expect_tx arrival on the stage barrier).
+#define B_BY_TMA (CLUSTER == 2 || TMA_B)
 
 #define BM (128 * MI)
 #define BN 128
@@ -98,6 +108,13 @@ __device__ __forceinline__ void tma_load_multicast(unsigned dst, const TmaDesc* 
         " [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(dst),
         "l"(reinterpret_cast<unsigned long long>(map)), "r"(k0), "r"(row0), "r"(bar), "h"((unsigned short)3)
         : "memory");
+}
+// Box {64 k, 64 rows} at (k0, row0) of a 2-D tensor map, written 128B-swizzled at `dst`,
+// completing its bytes on the barrier at `bar`.
+__device__ __forceinline__ void tma_load_2d(unsigned dst, const TmaDesc* map, int k0, int row0, unsigned bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
+                 "l"(reinterpret_cast<unsigned long long>(map)), "r"(k0), "r"(row0), "r"(bar)
+                 : "memory");
 }
 // A consumer warp's release of a stage: to its own block's producer and, with clusters, to the
 // other block's (whose multicast also writes this block's stage).
@@ -208,7 +225,7 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
                                                                       const T* __restrict__ w2, const int* __restrict__ perm,
                                                                       const int* __restrict__ count, T* __restrict__ out,
                                                                       int M, int N, int K, int G,
-                                                                      // CLUSTER 2: maps of w and w2, boxes of 64 k x 64 rows
+                                                                      // CLUSTER 2 or TMA_B: maps of w and w2, boxes of 64 k x 64 rows
                                                                       const __grid_constant__ TmaDesc tmap_w,
                                                                       const __grid_constant__ TmaDesc tmap_w2) {
     extern __shared__ unsigned char smem_raw[];
@@ -248,7 +265,7 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
     const bool run = cnt - mu * CLUSTER * BM > 0;
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(smem_u32(&full_bar[s]), 128 + (CLUSTER == 2));  // every producer thread (+ the expect_tx)
+            mbar_init(smem_u32(&full_bar[s]), 128 + B_BY_TMA);  // every producer thread (+ the expect_tx)
             mbar_init(smem_u32(&empty_bar[s]), 8 * CLUSTER);          // every consumer warp of the cluster
         }
 #if CLUSTER == 2
@@ -274,7 +291,7 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
                 aval |= (unsigned)v << i;
                 asrc[i] = v ? x + (long long)rows[r] * K + c * 8 : x;
             }
-#if CLUSTER == 1
+#if !B_BY_TMA
             const T* bsrc = w + (long long)(n0 + r0) * K + c * 8;
             const T* bsrc2 = w2 + (long long)(n0 + r0) * K + c * 8;
 #endif
@@ -296,6 +313,17 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
                     mbar_arrive_expect_tx(fb, NB * B_BYTES);
                     tma_load_multicast(sa + A_BYTES + rank * (B_BYTES / 2), &tmap_w, k0, n0 + 64 * rank, fb);
                     if (FUSED) tma_load_multicast(sa + A_BYTES + B_BYTES + rank * (B_BYTES / 2), &tmap_w2, k0, n0 + 64 * rank, fb);
+                }
+#elif TMA_B
+                // The weight tile(s) in two boxes of 64 rows each, by one thread.
+                if (tid == 0) {
+                    const unsigned fb = smem_u32(&full_bar[s]);
+                    mbar_arrive_expect_tx(fb, NB * B_BYTES);
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        tma_load_2d(sa + A_BYTES + h * (B_BYTES / 2), &tmap_w, k0, n0 + 64 * h, fb);
+                        if (FUSED) tma_load_2d(sa + A_BYTES + B_BYTES + h * (B_BYTES / 2), &tmap_w2, k0, n0 + 64 * h, fb);
+                    }
                 }
 #else
 #pragma unroll

@@ -57,6 +57,9 @@ pub struct WgmmaConfig {
     /// 1, or 2: clusters of two blocks on consecutive token tiles of a group share the weight
     /// tiles (each loads half with TMA and multicasts it to both).
     pub cluster: u32,
+    /// Without clusters: one producer thread loads the weight tile(s) with TMA (else 128
+    /// threads' cp.async); needs `async_arrive`.
+    pub tma: bool,
 }
 
 impl WgmmaConfig {
@@ -64,7 +67,7 @@ impl WgmmaConfig {
     /// tiles with the gate and up weight tiles, 4 stages of 48 KiB. Both keep 128 accumulators
     /// a consumer thread.
     pub fn default_for(fused: bool) -> Self {
-        Self { mi: if fused { 1 } else { 2 }, stages: 4, async_arrive: true, cluster: 1 }
+        Self { mi: if fused { 1 } else { 2 }, stages: 4, async_arrive: true, cluster: 1, tma: false }
     }
     /// Token rows of a tile.
     pub fn bm(&self) -> i64 {
@@ -84,9 +87,17 @@ impl WgmmaConfig {
             && self.stages >= 3
             && self.smem_bytes(fused) <= 227 * 1024
             && (self.cluster == 1 || (self.cluster == 2 && self.async_arrive))
+            && (!self.tma || (self.cluster == 1 && self.async_arrive))
     }
     pub fn label(&self) -> String {
-        format!("wgmma{}x128x64s{}{}{}", self.bm(), self.stages, if self.async_arrive { "" } else { "w" }, if self.cluster == 2 { "c2" } else { "" })
+        format!(
+            "wgmma{}x128x64s{}{}{}{}",
+            self.bm(),
+            self.stages,
+            if self.async_arrive { "" } else { "w" },
+            if self.cluster == 2 { "c2" } else { "" },
+            if self.tma { "t" } else { "" }
+        )
     }
 }
 
@@ -95,8 +106,8 @@ impl WgmmaConfig {
 pub fn sweep(fused: bool) -> Vec<WgmmaConfig> {
     let mut v = vec![WgmmaConfig::default_for(fused)];
     for mi in [1, 2] {
-        for (stages, async_arrive, cluster) in [(4, true, 1), (4, false, 1), (5, true, 1), (4, true, 2), (5, true, 2)] {
-            let c = WgmmaConfig { mi, stages, async_arrive, cluster };
+        for (stages, async_arrive, cluster, tma) in [(4, true, 1, false), (4, false, 1, false), (5, true, 1, false), (4, true, 2, false), (5, true, 2, false), (4, true, 1, true)] {
+            let c = WgmmaConfig { mi, stages, async_arrive, cluster, tma };
             if c.valid(fused) && !v.contains(&c) {
                 v.push(c);
             }
@@ -106,7 +117,7 @@ pub fn sweep(fused: bool) -> Vec<WgmmaConfig> {
 }
 
 /// The configuration used: the default, or the one `WIDE_WGMMA` names for benchmark sweeps
-/// (`mi=1,stages=5,arrive=wait,cluster=2`; read once; ignored unless valid for this op).
+/// (`mi=1,stages=5,arrive=wait,cluster=2`, `tma=1`; read once; ignored unless valid for this op).
 pub fn config(fused: bool) -> WgmmaConfig {
     static V: OnceLock<Option<String>> = OnceLock::new();
     let d = WgmmaConfig::default_for(fused);
@@ -118,6 +129,7 @@ pub fn config(fused: bool) -> WgmmaConfig {
             Some(("stages", v)) => c.stages = v.parse().unwrap_or(c.stages),
             Some(("arrive", v)) => c.async_arrive = v != "wait",
             Some(("cluster", v)) => c.cluster = v.parse().unwrap_or(c.cluster),
+            Some(("tma", v)) => c.tma = v == "1",
             _ => {}
         }
     }
@@ -138,6 +150,7 @@ pub fn source(f16: bool, fused: bool, c: WgmmaConfig) -> KernelSource {
         .define("STAGES", c.stages)
         .define("ASYNC_ARRIVE", c.async_arrive as u32)
         .define("CLUSTER", c.cluster)
+        .define("TMA_B", c.tma as u32)
 }
 
 /// Every variant shipped (the defaults and the sweep), for the compile-everything test.
@@ -199,8 +212,9 @@ pub(crate) fn launch(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>,
     ensure!(blocks <= i32::MAX as u64 && 16 * s.n / WGMMA_BN <= i32::MAX as i64, "too many tiles (M {} x N {}) for one wgmma launch", s.m, s.n);
     let cfg = LaunchConfig { grid: (blocks as u32, 1, 1), block: (THREADS, 1, 1), shared_mem_bytes: c.smem_bytes(fused) };
     let w_up = w2.as_ref().unwrap_or(&w);
-    // Clusters load the weight tiles with TMA: half a tile (64 rows x 64 k) a block.
-    let (map_w, map_up) = if c.cluster == 2 {
+    // Clusters (half a tile, 64 rows x 64 k, a block) and the TMA path (two such boxes a tile)
+    // load the weight tiles with TMA.
+    let (map_w, map_up) = if c.cluster == 2 || c.tma {
         (crate::cuda::tensor_map_2d(&w, f16, 64, 64)?, crate::cuda::tensor_map_2d(w_up, f16, 64, 64)?)
     } else {
         (KernelArg::TensorMap([0; 16]), KernelArg::TensorMap([0; 16]))
@@ -244,10 +258,13 @@ mod tests {
         assert_eq!(WgmmaConfig::default_for(true).smem_bytes(true), 4 * (16384 + 32768) + 1024);
         assert_eq!(WgmmaConfig::default_for(false).bm(), 256);
         // Fused with 256-token tiles would need 256 accumulators a thread.
-        assert!(!WgmmaConfig { mi: 2, stages: 3, async_arrive: true, cluster: 1 }.valid(true));
-        assert!(!WgmmaConfig { mi: 1, stages: 2, async_arrive: true, cluster: 1 }.valid(false));
-        assert!(!WgmmaConfig { mi: 2, stages: 5, async_arrive: true, cluster: 1 }.valid(false), "240 KiB");
-        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 2 }.valid(false), "clusters need the async arrive");
+        assert!(!WgmmaConfig { mi: 2, stages: 3, async_arrive: true, cluster: 1, tma: false }.valid(true));
+        assert!(!WgmmaConfig { mi: 1, stages: 2, async_arrive: true, cluster: 1, tma: false }.valid(false));
+        assert!(!WgmmaConfig { mi: 2, stages: 5, async_arrive: true, cluster: 1, tma: false }.valid(false), "240 KiB");
+        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 2, tma: false }.valid(false), "clusters need the async arrive");
+        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 1, tma: true }.valid(false), "TMA weights need the async arrive");
+        assert!(!WgmmaConfig { mi: 1, stages: 4, async_arrive: true, cluster: 2, tma: true }.valid(true), "TMA weights are the cluster-free path");
+        assert!(sweep(false).iter().any(|c| c.tma) && sweep(true).iter().any(|c| c.tma));
         assert!(sweep(false).iter().any(|c| c.cluster == 2) && sweep(true).iter().any(|c| c.cluster == 2));
     }
 
