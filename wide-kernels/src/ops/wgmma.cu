@@ -29,7 +29,8 @@
 // a band.
 //
 // Block: 3 warpgroups. Warpgroup 0 is the producer: it gathers the A rows (16-byte cp.async
-// chunks, zero-filled past the active rows) and copies the weight tile(s), both into the
+// chunks, zero-filled past the active rows) and copies the weight tile(s) (cp.async, or TMA with
+// TMA_B / CLUSTER 2), both into the
 // 128-byte-swizzled K-major layout, and hands each stage to the consumers through an mbarrier.
 // Warpgroups 1 and 2 (cw = 0, 1) compute the 64-row sub-tiles cw, cw + 2, ... of the tile with
 // wgmma (m64n128k16; m64n256k16 over the adjacent gate and up tiles when fused), both operands
