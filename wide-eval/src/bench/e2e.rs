@@ -6,7 +6,7 @@
 //! router kind to hit each sparsity; otherwise random routers (Kaiming-uniform, as freshly
 //! initialised) whose per-layer offsets (equivalently, skip biases) are fitted on a random
 //! 2048-token prompt to skip the target share of groups.
-use super::{device_label, median, peak_bytes, reset_peak, sync, time_median};
+use super::{device_label, median, peak_bytes, reset_peak, sync, time_median, time_median_with_host};
 use crate::report::{write_json, Provenance};
 use anyhow::{Context, Result};
 use serde_json::{json, Value};
@@ -102,13 +102,19 @@ fn measure(engine: &Engine, cfg: &E2eBenchConfig, vocab: i64, label: &str) -> Re
         let cache = EngineCache::new(engine.model, 1, t);
         sync(device)?;
         reset_peak(device)?;
-        let secs = time_median(device, cfg.warmup, cfg.iters, || {
+        let (secs, host) = time_median_with_host(device, cfg.warmup, cfg.iters, || {
             let _ = engine.prefill(&ids, &[t], &cache, &mut MaskSource::Routers, None, false)?;
             Ok(())
         })?;
         let peak = peak_bytes(device)?;
-        eprintln!("{label:>10} prefill {t:>6}: {:>8.2} ms {:>9.0} tokens/s  peak {:.2} GiB", secs * 1e3, t as f64 / secs, gib(peak));
-        prefill.push(json!({"tokens": t, "ms": secs * 1e3, "tokens_per_s": t as f64 / secs, "peak_gib": gib(peak)}));
+        eprintln!(
+            "{label:>10} prefill {t:>6}: {:>8.2} ms {:>9.0} tokens/s  peak {:.2} GiB  (host issue {:.2} ms)",
+            secs * 1e3,
+            t as f64 / secs,
+            gib(peak),
+            host * 1e3
+        );
+        prefill.push(json!({"tokens": t, "ms": secs * 1e3, "tokens_per_s": t as f64 / secs, "peak_gib": gib(peak), "host_issue_ms": host * 1e3}));
     }
     let mut decode = vec![];
     for &b in &cfg.decode_batches {

@@ -33,6 +33,24 @@ pub fn time_median(device: Device, warmup: usize, iters: usize, mut f: impl FnMu
     Ok(median(&mut times))
 }
 
+/// [`time_median`] that also returns the median host time spent inside `f` (issuing the work,
+/// before the sync): when it is close to the total, the host, not the GPU, sets the pace.
+pub fn time_median_with_host(device: Device, warmup: usize, iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
+    for _ in 0..warmup {
+        f()?;
+    }
+    sync(device)?;
+    let (mut times, mut host) = (Vec::with_capacity(iters), Vec::with_capacity(iters));
+    for _ in 0..iters.max(1) {
+        let t = std::time::Instant::now();
+        f()?;
+        host.push(t.elapsed().as_secs_f64());
+        sync(device)?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    Ok((median(&mut times), median(&mut host)))
+}
+
 pub fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     let n = v.len();
