@@ -6,7 +6,7 @@
 //! router kind to hit each sparsity; otherwise random routers (Kaiming-uniform, as freshly
 //! initialised) whose per-layer offsets (equivalently, skip biases) are fitted on a random
 //! 2048-token prompt to skip the target share of groups.
-use super::{device_label, median, peak_bytes, reset_peak, sync, time_median, time_median_with_host};
+use super::{device_label, median, peak_bytes, reset_peak, sync, time_median_with_host};
 use crate::report::{write_json, Provenance};
 use anyhow::{Context, Result};
 use serde_json::{json, Value};
