@@ -313,13 +313,17 @@ impl<'m> Engine<'m> {
         Ok(out)
     }
 
-    fn prefill_inputs(&self, b: i64, t: i64, lengths: &[i64]) -> (Tensor, Tensor) {
+    /// The prefill's device inputs from the host lengths, made before any of its work is queued
+    /// (the one host-to-device copy waits for the stream): the valid-token mask `[B * T]`, the
+    /// positions `[B * T]` and each row's last real token's flat index `[B]`.
+    fn prefill_inputs(&self, b: i64, t: i64, lengths: &[i64]) -> (Tensor, Tensor, Tensor) {
         let dev = self.model.device;
         let len_t = Tensor::from_slice(lengths).to_device(dev);
         let tpos = Tensor::arange(t, (Kind::Int64, dev));
         let valid = tpos.unsqueeze(0).lt_tensor(&len_t.unsqueeze(1)).view([b * t]);
         let pos = tpos.unsqueeze(0).expand([b, t], false).reshape([b * t]).to_kind(Kind::Int);
-        (valid, pos)
+        let last = Tensor::arange(b, (Kind::Int64, dev)) * t + len_t - 1;
+        (valid, pos, last)
     }
 
     /// Prefill of right-padded prompts `ids: [B, T]` with `lengths[b]` real tokens each, into
@@ -333,7 +337,7 @@ impl<'m> Engine<'m> {
         ensure!(lengths.iter().all(|&l| l >= 1 && l <= t), "prefill: every length must be in 1..={t}, got {lengths:?}");
         ensure!(cache.batch == b && t <= cache.capacity, "prefill: cache for batch {} and {} slots cannot take [{b}, {t}]", cache.batch, cache.capacity);
         let dev = self.model.device;
-        let (valid, pos) = self.prefill_inputs(b, t, lengths);
+        let (valid, pos, last) = self.prefill_inputs(b, t, lengths);
         let mut dev_counts = BTreeMap::new();
         let want_counts = counts.is_some();
         let mut rc = RouteCtx { source: masks, cursor: 0, valid: Some(valid), counts: want_counts.then_some(&mut dev_counts), fit: None, gated: None };
@@ -344,8 +348,7 @@ impl<'m> Engine<'m> {
         if all_logits {
             return Ok(self.timed("lm_head", || Ok(hn.linear::<Tensor>(&self.model.lm_head, None)))?.view([b, t, -1]));
         }
-        let last: Vec<i64> = lengths.iter().enumerate().map(|(r, &l)| r as i64 * t + l - 1).collect();
-        let rows = hn.index_select(0, &Tensor::from_slice(&last).to_device(dev));
+        let rows = hn.index_select(0, &last);
         self.timed("lm_head", || Ok(rows.linear::<Tensor>(&self.model.lm_head, None)))
     }
 
@@ -358,7 +361,7 @@ impl<'m> Engine<'m> {
         let _g = tch::no_grad_guard();
         let (b, t) = ids.size2()?;
         let cache = EngineCache::new(self.model, b, t);
-        let (valid, pos) = self.prefill_inputs(b, t, lengths);
+        let (valid, pos, _) = self.prefill_inputs(b, t, lengths);
         let mut src = MaskSource::Routers;
         let mut dev_counts = BTreeMap::new();
         let mut rc = RouteCtx { source: &mut src, cursor: 0, valid: Some(valid), counts: Some(&mut dev_counts), fit: Some(target), gated: None };

@@ -18,23 +18,13 @@ pub fn sync(device: Device) -> Result<()> {
 }
 
 /// Median wall time in seconds of `iters` runs of `f` after `warmup` runs.
-pub fn time_median(device: Device, warmup: usize, iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-    for _ in 0..warmup {
-        f()?;
-    }
-    sync(device)?;
-    let mut times = Vec::with_capacity(iters);
-    for _ in 0..iters.max(1) {
-        let t = std::time::Instant::now();
-        f()?;
-        sync(device)?;
-        times.push(t.elapsed().as_secs_f64());
-    }
-    Ok(median(&mut times))
+pub fn time_median(device: Device, warmup: usize, iters: usize, f: impl FnMut() -> Result<()>) -> Result<f64> {
+    Ok(time_median_with_host(device, warmup, iters, f)?.0)
 }
 
 /// [`time_median`] that also returns the median host time spent inside `f` (issuing the work,
-/// before the sync): when it is close to the total, the host, not the GPU, sets the pace.
+/// before the sync): when it is close to the total, the host sets the pace (or `f` itself
+/// waits for the device).
 pub fn time_median_with_host(device: Device, warmup: usize, iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
     for _ in 0..warmup {
         f()?;
