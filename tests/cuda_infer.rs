@@ -82,12 +82,20 @@ fn fused_kernels_match_their_references() {
         let q = fused::rope_qkv_cache(&qkv, &pos, &inv, &s, &kc, &vc).unwrap();
         let qr = fused::rope_qkv_cache_reference(&qkv, &pos, &inv, &s, &kr, &vr);
         assert!(rel(&q, &qr) < 1e-2, "rope q");
+        // Token-major q: the same values as the kernel's head-major q, in [B, T, HQ, D] storage.
+        let qt = fused::rope_qkv_cache_with(&qkv, &pos, &inv, &s, &kc.zeros_like(), &vc.zeros_like(), true).unwrap();
+        assert_eq!(qt.transpose(1, 2).stride(), [t * hq * d, hq * d, d, 1]);
+        assert!(qt.equal(&q), "token-major q");
         assert!(rel(&kc, &kr) < 1e-2 && rel(&vc, &vr) < 1e-3, "cache writes");
     }
     let gu = Tensor::randn([9, 2 * 1024], bf);
     let mask = Tensor::rand([9, 8], (Kind::Float, dev)).lt(0.5);
     assert!(rel(&fused::swiglu(&gu, Some(&mask), 128).unwrap(), &fused::swiglu_reference(&gu, Some(&mask), 128)) < 1e-2);
     assert!(rel(&fused::swiglu(&gu, None, 128).unwrap(), &fused::swiglu_reference(&gu, None, 128)) < 1e-2);
+    // The dense engine's call (no mask, group 1) runs the kernel too: bit for bit the masked
+    // kernel with every group on (the tch fallback rounds its exponentials differently).
+    let ones = Tensor::ones([9, 8], (Kind::Bool, dev));
+    assert!(fused::swiglu(&gu, None, 1).unwrap().equal(&fused::swiglu(&gu, Some(&ones), 128).unwrap()), "dense swiglu on the kernel");
     let x = Tensor::randn([7, 4096], bf);
     let (w1, b1) = (Tensor::randn([32, 4096], bf) * 0.03, Tensor::randn([32], bf) * 0.1);
     let (w2, b2) = (Tensor::randn([2 * 112, 32], bf) * 0.2, Tensor::randn([2 * 112], bf) * 0.1);
@@ -98,6 +106,29 @@ fn fused_kernels_match_their_references() {
     assert!(agree > 0.98, "router decisions agree on {agree} of the pairs (bf16 rounding may flip near-ties)");
     let ext = ext.unwrap();
     assert!(ext.narrow(1, 0, 112).equal(&m) && ext.narrow(1, 112, 4).all().int64_value(&[]) == 1);
+    // The one-launch router of prefill sizes: token counts around its 16-token blocks, ranks 8-64,
+    // 8 and 112 groups; its first layer against tch's, its gate exactly the gate kernel's on
+    // that first layer, and the extended mask.
+    for (mt, rank, ng, extra) in [(64i64, 32i64, 112i64, 0i64), (200, 32, 8, 4), (1000, 8, 112, 0), (77, 64, 8, 0), (129, 16, 112, 2)] {
+        let x = Tensor::randn([mt, 4096], bf);
+        let (w1, b1) = (Tensor::randn([rank, 4096], bf) * 0.03, Tensor::randn([rank], bf) * 0.1);
+        let (w2, b2) = (Tensor::randn([2 * ng, rank], bf) * 0.2, Tensor::randn([2 * ng], bf) * 0.1);
+        let r = RouterWeights { w1: &w1, b1: &b1, w2: &w2, b2: &b2 };
+        poison_bool(mt, ng);
+        let (m, ext, hid) = fused::router_gate_rows(&x, &r, 0.05, extra, true).unwrap().expect("the one-launch router applies");
+        let hid = hid.unwrap();
+        assert!(rel(&hid, &x.linear(&w1, Some(&b1))) < 1e-2, "router first layer (m={mt} rank {rank})");
+        let (want, want_ext) = fused::router_gate_from_hidden(&hid, &r, 0.05, extra).unwrap();
+        assert!(m.equal(&want), "one-launch gate differs from the gate kernel (m={mt} rank {rank} groups {ng})");
+        assert_eq!(ext.is_some(), extra > 0);
+        if let (Some(e), Some(we)) = (&ext, &want_ext) {
+            assert!(e.equal(we), "extended mask (m={mt} rank {rank})");
+        }
+        let on = m.to_kind(Kind::Float).mean(Kind::Float).double_value(&[]);
+        assert!(on > 0.05 && on < 0.95, "degenerate gate test: {on} of the pairs on");
+        // router_gate takes it from ROUTER_ROWS_MIN tokens.
+        assert!(mt < fused::ROUTER_ROWS_MIN || fused::router_gate(&x, &r, 0.05, extra).unwrap().0.equal(&m));
+    }
 }
 
 /// Leaves garbage in the allocator's free bool blocks of this size, so a kernel that skips

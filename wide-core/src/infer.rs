@@ -340,7 +340,9 @@ impl<'m> Engine<'m> {
         let (valid, pos, last) = self.prefill_inputs(b, t, lengths);
         let mut dev_counts = BTreeMap::new();
         let want_counts = counts.is_some();
-        let mut rc = RouteCtx { source: masks, cursor: 0, valid: Some(valid), counts: want_counts.then_some(&mut dev_counts), fit: None, gated: None };
+        // Without padding every token is valid: no per-router AND with the valid rows.
+        let valid = (!lengths.iter().all(|&l| l == t)).then_some(valid);
+        let mut rc = RouteCtx { source: masks, cursor: 0, valid, counts: want_counts.then_some(&mut dev_counts), fit: None, gated: None };
         let hn = self.forward_tokens(&ids.to_device(dev), (b, t), &pos, None, cache, &mut rc)?;
         if let Some(c) = counts {
             add_counts(c, &dev_counts);
@@ -428,7 +430,9 @@ impl<'m> Engine<'m> {
                 let k = kn.forward(&v.narrow(1, nh, nkv));
                 qkv = Tensor::cat(&[&q, &k, &v.narrow(1, nh + nkv, nkv)], 1).view([b * t, -1]);
             }
-            let q = self.timed("rope_kv", || fused::rope_qkv_cache(&qkv, pos, &self.inv_freq, &shape, &cache.keys[i], &cache.values[i]))?;
+            // SDPA's output follows q's layout: token-major q makes its [B, T, H * D] free.
+            let token_major = lengths.is_none() && !self.routed_prefill_attention(i, t, attn_d.as_ref(), &qkv);
+            let q = self.timed("rope_kv", || fused::rope_qkv_cache_with(&qkv, pos, &self.inv_freq, &shape, &cache.keys[i], &cache.values[i], token_major))?;
             let attn = self.timed("attention", || self.attention(i, &q, (b, t), lengths, cache, attn_d.as_ref()))?;
             let o = self.timed("o_proj", || self.project_k(&attn, &layer.self_attn.o_proj.weight, layer.self_attn.o_proj.bias.as_ref(), attn_d.as_ref(), c.head_dim, 0))?;
             let (xr, h2) = self.timed("norm", || self.norm_and_router(i, RouterKind::Ffn, &x, Some(&o), &layer.post_attention_layernorm.weight, rc))?;
@@ -643,6 +647,25 @@ impl<'m> Engine<'m> {
         })
     }
 
+    /// At prefill sizes, the fused Q|K|V projection as one routed launch (Q rows of skipped head
+    /// groups not computed, the K|V groups always on) where the dispatch measures it faster than
+    /// cuBLAS on the whole width; None otherwise (and where K|V are not whole groups of Q's width).
+    fn large_m_qkv_path(&self, h: &Tensor, w: &Tensor, d: &Decision) -> Result<Option<(RouteLayout, i64, GemmPath)>> {
+        let (mt, extra) = (h.size()[0], self.q_extra(d.group));
+        if mt < LARGE_M_MIN || extra == 0 || !is_fast_dtype(h) {
+            return Ok(None);
+        }
+        let ng = d.mask.size()[1];
+        let ext = Tensor::cat(&[&d.mask, &Tensor::ones([mt, extra], (Kind::Bool, h.device()))], 1);
+        let sp = self.sparsity_hint[0] * ng as f64 / (ng + extra) as f64;
+        let lay = route_layout(&ext)?.with_sparsity_hint(sp).with_always_on_from(ng)?;
+        let group = d.group * self.model.config.head_dim;
+        Ok(match choose_path(RoutedOp::Mn, h, w, None, &lay, group)? {
+            p @ (GemmPath::Wgmma | GemmPath::Tiled(_)) => Some((lay, group, p)),
+            _ => None,
+        })
+    }
+
     fn layout<'d>(&self, d: &'d Decision, kind: usize) -> Result<&'d RouteLayout> {
         if d.layout.get().is_none() {
             // The decision's mask comes from the gate, at least two launches before the gemm_k that
@@ -667,6 +690,11 @@ impl<'m> Engine<'m> {
                 // The trailing K|V groups of the extended mask are always on.
                 let lay = route_layout(ext)?.with_sparsity_hint(sp).with_always_on_from(d.mask.size()[1])?;
                 return Ok(routed_gemm(RoutedOp::Mn, h, &f.qkv, None, &lay, d.group * hd, Some(GemmPath::Gemv))?.0);
+            }
+        }
+        if let (Some(d), None) = (d, &f.qkv_bias) {
+            if let Some((lay, group, path)) = self.large_m_qkv_path(h, &f.qkv, d)? {
+                return Ok(routed_gemm(RoutedOp::Mn, h, &f.qkv, None, &lay, group, Some(path))?.0);
             }
         }
         if f.qkv_bias.is_none() {
@@ -742,7 +770,7 @@ impl<'m> Engine<'m> {
         let out = match lengths {
             None => {
                 let (k, v) = (kc.narrow(2, 0, t), vc.narrow(2, 0, t));
-                if let (Some(d), None, true) = (d, window.filter(|w| *w < t), is_fast_dtype(q)) {
+                if let (Some(d), true) = (d, self.routed_prefill_attention(i, t, d, q)) {
                     // Routed prefill attention: its dispatch runs the gathered-query kernel where
                     // it is faster, else SDPA and a pass zeroing the skipped rows; either way
                     // those rows are already exactly 0.
@@ -792,6 +820,12 @@ impl<'m> Engine<'m> {
             }
             None => out,
         })
+    }
+
+    /// Whether a prefill's attention goes to `attention_prefill_with` (routed, head-major q)
+    /// rather than SDPA: a routed decision, no sliding window shorter than the `t` tokens, bf16/f16.
+    fn routed_prefill_attention(&self, i: usize, t: i64, d: Option<&Decision>, x: &Tensor) -> bool {
+        d.is_some() && self.model.layers[i].self_attn.window.is_none_or(|w| w >= t) && is_fast_dtype(x)
     }
 
     fn ones_mask(&self, b: i64, dev: Device) -> Tensor {

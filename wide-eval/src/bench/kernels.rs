@@ -125,6 +125,9 @@ pub fn run(cfg: &KernelBenchConfig) -> Result<serde_json::Value> {
             let w = Tensor::randn([sp.n, sp.k], (kind, device)) * 0.02;
             let w2 = (sp.op == RoutedOp::MnSwiglu).then(|| Tensor::randn([sp.n, sp.k], (kind, device)) * 0.02);
             let (xf, wf, w2f) = (x.to_kind(Kind::Float), w.to_kind(Kind::Float), w2.as_ref().map(|u| u.to_kind(Kind::Float)));
+            // The inference engine's dense gate+up: one GEMM over the stacked weights, then the
+            // SwiGLU kernel (a second dense baseline beside the two GEMMs plus tch's activation).
+            let w_gate_up = w2.as_ref().map(|u| Tensor::cat(&[&w, u], 0));
             for &g in &groups {
                 let routed_dim = if sp.op.reduces_over_groups() { sp.k } else { sp.n };
                 if routed_dim % g != 0 {
@@ -189,6 +192,9 @@ pub fn run(cfg: &KernelBenchConfig) -> Result<serde_json::Value> {
                                             _ => x.linear::<&Tensor>(&w, None),
                                         };
                                     }
+                                    "dense_fused" => {
+                                        let _ = wide_kernels::ops::fused::swiglu(&x.linear::<&Tensor>(w_gate_up.as_ref().unwrap(), None), None, 1)?;
+                                    }
                                     "routed" => {
                                         let lay = route_layout(&msk)?.with_sparsity_hint(s);
                                         let _ = routed_gemm(sp.op, &x, &w, w2.as_ref(), &lay, g, Some(routed_path))?;
@@ -204,7 +210,8 @@ pub fn run(cfg: &KernelBenchConfig) -> Result<serde_json::Value> {
                         let dense_ms = time("dense")?;
                         let routed_ms = time("routed")?;
                         let dispatch_ms = time("dispatch")?;
-                        let rec = json!({
+                        let dense_fused_ms = if w_gate_up.is_some() { Some(time("dense_fused")?) } else { None };
+                        let mut rec = json!({
                             "op": sp.name, "M": m, "N": sp.n, "K": sp.k, "G": g, "sparsity": s, "l2": l2mode,
                             "dense_ms": dense_ms, "routed_ms": routed_ms, "speedup": dense_ms / routed_ms,
                             "routed_kernel": routed_path.label(),
@@ -212,6 +219,12 @@ pub fn run(cfg: &KernelBenchConfig) -> Result<serde_json::Value> {
                             "dispatch_speedup": dense_ms / dispatch_ms,
                             "max_rel_err": err,
                         });
+                        if let Some(f) = dense_fused_ms {
+                            rec["dense_fused_ms"] = json!(f);
+                            rec["speedup_vs_dense_fused"] = json!(f / routed_ms);
+                            rec["dispatch_speedup_vs_dense_fused"] = json!(f / dispatch_ms);
+                            eprintln!("{:>7} M={m:>5} G={g:>3} s={s:.2} {l2mode}: dense fused (one GEMM + SwiGLU kernel) {f:.4} ms: routed {:.2}x, dispatch {:.2}x", sp.name, f / routed_ms, f / dispatch_ms);
+                        }
                         eprintln!(
                             "{:>7} M={m:>5} G={g:>3} s={s:.2} {l2mode}: dense {dense_ms:.4} ms  routed[{}] {routed_ms:.4} ms ({:.2}x)  dispatch[{}] {dispatch_ms:.4} ms ({:.2}x)  err {err:.1e}",
                             sp.name,
@@ -274,6 +287,26 @@ fn print_table(r: &serde_json::Value) {
             f("dispatch_speedup"),
             f("max_rel_err")
         );
+    }
+    let fused: Vec<_> = r["records"].as_array().into_iter().flatten().filter(|c| c.get("dense_fused_ms").is_some()).collect();
+    if !fused.is_empty() {
+        println!("\ngate+up against the engine's dense (one GEMM over gate|up, then the SwiGLU kernel):\n");
+        println!("| op | M | G | sparsity | L2 | dense fused ms | routed x | dispatch x |");
+        println!("|---|---|---|---|---|---|---|---|");
+        for c in fused {
+            let f = |k: &str| c[k].as_f64().unwrap_or(f64::NAN);
+            println!(
+                "| {} | {} | {} | {:.2} | {} | {:.4} | {:.2}x | {:.2}x |",
+                c["op"].as_str().unwrap_or(""),
+                c["M"],
+                c["G"],
+                f("sparsity"),
+                c["l2"].as_str().unwrap_or(""),
+                f("dense_fused_ms"),
+                f("speedup_vs_dense_fused"),
+                f("dispatch_speedup_vs_dense_fused")
+            );
+        }
     }
 }
 

@@ -288,6 +288,13 @@ pub fn rope_qkv_cache_reference(qkv: &Tensor, pos: &Tensor, inv_freq: &Tensor, s
 /// k by position, returns q `[B, HQ, T, D]` and writes k, v into the caches `[B, HKV, CAP, D]`
 /// at slot = position. Positions must lie in `[0, CAP)`.
 pub fn rope_qkv_cache(qkv: &Tensor, pos: &Tensor, inv_freq: &Tensor, s: &QkvShape, k_cache: &Tensor, v_cache: &Tensor) -> Result<Tensor> {
+    rope_qkv_cache_with(qkv, pos, inv_freq, s, k_cache, v_cache, false)
+}
+
+/// [`rope_qkv_cache`]; with `token_major_q` the returned q `[B, HQ, T, D]` is a transposed view
+/// of `[B, T, HQ, D]` storage, so that an attention whose output follows q's layout (SDPA) gives
+/// `[B, T, HQ * D]` without a copy.
+pub fn rope_qkv_cache_with(qkv: &Tensor, pos: &Tensor, inv_freq: &Tensor, s: &QkvShape, k_cache: &Tensor, v_cache: &Tensor, token_major_q: bool) -> Result<Tensor> {
     let (b, t, hq, hkv, d) = (s.batch, s.tokens, s.q_heads, s.kv_heads, s.head_dim);
     ensure!(qkv.size() == [b * t, (hq + 2 * hkv) * d], "rope_qkv_cache: qkv {:?} must be [{}, {}]", qkv.size(), b * t, (hq + 2 * hkv) * d);
     ensure!(pos.size() == [b * t], "rope_qkv_cache: positions {:?} must be [{}]", pos.size(), b * t);
@@ -295,7 +302,11 @@ pub fn rope_qkv_cache(qkv: &Tensor, pos: &Tensor, inv_freq: &Tensor, s: &QkvShap
     ensure!(cs.len() == 4 && cs[0] == b && cs[1] == hkv && cs[3] == d, "rope_qkv_cache: cache {cs:?} does not fit [{b}, {hkv}, _, {d}]");
     match cuda_of(qkv) {
         Some((dev, f16)) if qkv.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && d % 2 == 0 && d <= 1024 => {
-            let q = Tensor::empty([b, hq, t, d], (qkv.kind(), qkv.device()));
+            let q = if token_major_q {
+                Tensor::empty([b, t, hq, d], (qkv.kind(), qkv.device())).transpose(1, 2)
+            } else {
+                Tensor::empty([b, hq, t, d], (qkv.kind(), qkv.device()))
+            };
             let pos = pos.to_kind(Kind::Int).contiguous();
             let k = kernel(f16, "rope_qkv_cache", dev)?;
             // Up to 512 threads a block: D / 2 a head, several heads of one token.
@@ -316,12 +327,16 @@ pub fn rope_qkv_cache(qkv: &Tensor, pos: &Tensor, inv_freq: &Tensor, s: &QkvShap
                         KernelArg::I32(hkv as i32),
                         KernelArg::I32(d as i32),
                         KernelArg::I32(cs[2] as i32),
+                        KernelArg::I32(token_major_q as i32),
                     ],
                 )?;
             }
             Ok(q)
         }
-        _ => Ok(rope_qkv_cache_reference(qkv, pos, inv_freq, s, k_cache, v_cache)),
+        _ => {
+            let q = rope_qkv_cache_reference(qkv, pos, inv_freq, s, k_cache, v_cache);
+            Ok(if token_major_q { q.transpose(1, 2).contiguous().transpose(1, 2) } else { q })
+        }
     }
 }
 
@@ -349,7 +364,8 @@ pub fn swiglu(gu: &Tensor, mask: Option<&Tensor>, group: i64) -> Result<Tensor> 
         ensure!(group > 0 && i % group == 0 && mk.size() == [m, i / group], "swiglu: mask {:?} does not fit [{m}, {i} / {group}]", mk.size());
     }
     match cuda_of(gu) {
-        Some((dev, f16)) if gu.is_contiguous() && i % 8 == 0 && group % 8 == 0 => {
+        // Without a mask the group width is irrelevant (the dense engine passes 1).
+        Some((dev, f16)) if gu.is_contiguous() && i % 8 == 0 && (mask.is_none() || group % 8 == 0) => {
             let out = Tensor::empty([m, i], (gu.kind(), gu.device()));
             let mk = mask.map(|t| if t.kind() == Kind::Bool { t.contiguous().view_dtype(Kind::Uint8) } else { t.to_kind(Kind::Uint8).contiguous() });
             let k = kernel(f16, "swiglu_masked", dev)?;
@@ -366,8 +382,8 @@ pub fn swiglu(gu: &Tensor, mask: Option<&Tensor>, group: i64) -> Result<Tensor> 
                         KernelArg::tensor(&out)?,
                         KernelArg::I64(m),
                         KernelArg::I32(i as i32),
-                        KernelArg::I32(group.max(1) as i32),
-                        KernelArg::I32((i / group.max(1)) as i32),
+                        KernelArg::I32(if mask.is_some() { group as i32 } else { i as i32 }),
+                        KernelArg::I32(if mask.is_some() { (i / group) as i32 } else { 1 }),
                     ],
                 )?;
             }
@@ -395,14 +411,85 @@ fn gate_from_hidden_reference(h: &Tensor, r: &RouterWeights, offset: f64) -> Ten
     (logits.select(-1, 1) - logits.select(-1, 0) + offset).le(0.0)
 }
 
+/// From this many tokens [`router_gate`] runs the whole router in one launch
+/// ([`router_gate_rows`]); below, the first layer stays on cuBLAS (a GEMV over all SMs).
+pub const ROUTER_ROWS_MIN: i64 = 64;
+
 /// The router on `x: [M, hidden]` and the deterministic gate (a group runs iff
 /// `skip - execute + offset <= 0`): returns the mask bool `[M, groups]` and, with `extra > 0`,
-/// the same mask with `extra` always-on groups appended, `[M, groups + extra]`. On CUDA the
-/// first layer runs on cuBLAS (a GEMV or GEMM over all SMs), then [`router_gate_from_hidden`].
+/// the same mask with `extra` always-on groups appended, `[M, groups + extra]`. On CUDA, from
+/// `ROUTER_ROWS_MIN` tokens one launch ([`router_gate_rows`]) where it applies; otherwise the
+/// first layer runs on cuBLAS, then [`router_gate_from_hidden`].
 pub fn router_gate(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64) -> Result<(Tensor, Option<Tensor>)> {
-    let (_, hidden) = x.size2()?;
+    let (m, hidden) = x.size2()?;
     ensure!(r.w1.size2()?.1 == hidden, "router_gate: compressor {:?} does not take hidden size {hidden}", r.w1.size());
+    if m >= ROUTER_ROWS_MIN {
+        if let Some((mask, ext, _)) = router_gate_rows(x, r, offset, extra, false)? {
+            return Ok((mask, ext));
+        }
+    }
     router_gate_from_hidden(&x.linear(r.w1, Some(r.b1)), r, offset, extra)
+}
+
+/// Tokens a block of `router_gate_rows` takes (`ROUTER_ROWS` in infer.cu).
+const ROUTER_ROWS: i64 = 16;
+
+/// The whole router and gate in one CUDA launch (first layer on the tensor cores, 16 tokens a
+/// block): the mask, the extended mask (as [`router_gate`]) and, with `with_hidden`, the first
+/// layer's output `[M, rank]`. None where the kernel does not apply: not bf16/f16 on CUDA, a rank
+/// that is not a multiple of 8 or above 64, a hidden size that is not a multiple of 64, or router
+/// weights too large for 48 KiB of shared memory.
+pub fn router_gate_rows(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64, with_hidden: bool) -> Result<Option<(Tensor, Option<Tensor>, Option<Tensor>)>> {
+    let (m, hidden) = x.size2()?;
+    let (rank, h1) = r.w1.size2()?;
+    ensure!(h1 == hidden, "router_gate: compressor {:?} does not take hidden size {hidden}", r.w1.size());
+    let (n2, r2) = r.w2.size2()?;
+    ensure!(r2 == rank && n2 % 2 == 0, "router_gate: router layer {:?} does not take rank {rank}", r.w2.size());
+    let ng = n2 / 2;
+    let smem = 4 * ROUTER_ROWS * rank * 4 + (2 * ng * rank + 2 * ng) * 2;
+    let Some((dev, f16)) = cuda_of(x) else { return Ok(None) };
+    let same = [r.w1, r.b1, r.w2, r.b2].iter().all(|t| t.kind() == x.kind() && t.device() == x.device());
+    if !same || rank % 8 != 0 || rank > 64 || hidden % 64 != 0 || smem > 48 * 1024 || m < 1 || ((m + ROUTER_ROWS - 1) / ROUTER_ROWS) > i32::MAX as i64 {
+        return Ok(None);
+    }
+    let x = x.contiguous();
+    let mask = Tensor::empty([m, ng], (Kind::Bool, x.device()));
+    let ext = (extra > 0).then(|| Tensor::empty([m, ng + extra], (Kind::Bool, x.device())));
+    let hid = with_hidden.then(|| Tensor::empty([m, rank], (x.kind(), x.device())));
+    let (w1, b1, w2, b2) = (r.w1.contiguous(), r.b1.contiguous(), r.w2.contiguous(), r.b2.contiguous());
+    let k = kernel(f16, "router_gate_rows", dev)?;
+    let opt = |t: &Option<Tensor>| -> Result<KernelArg> {
+        Ok(match t {
+            Some(t) => KernelArg::tensor(t)?,
+            None => KernelArg::Ptr(0),
+        })
+    };
+    // SAFETY: the arguments follow router_gate_rows' signature: x [M, H], w1 [R, H], b1 [R],
+    // w2 [2 NG, R], b2 [2 NG] contiguous in the storage type; mask [M, NG] and ext
+    // [M, NG + EXTRA] bytes; h1 [M, R]; R % 8 == 0, R <= 64, H % 64 == 0, and the dynamic shared
+    // memory holds the partial sums, W2 and b2.
+    unsafe {
+        k.launch_pdl(
+            LaunchConfig { grid: (((m + ROUTER_ROWS - 1) / ROUTER_ROWS) as u32, 1, 1), block: (128, 1, 1), shared_mem_bytes: smem as u32 },
+            &[
+                KernelArg::tensor(&x)?,
+                KernelArg::tensor(&w1)?,
+                KernelArg::tensor(&b1)?,
+                KernelArg::tensor(&w2)?,
+                KernelArg::tensor(&b2)?,
+                KernelArg::F32(offset as f32),
+                KernelArg::tensor(&mask)?,
+                opt(&ext)?,
+                opt(&hid)?,
+                KernelArg::I64(m),
+                KernelArg::I32(hidden as i32),
+                KernelArg::I32(rank as i32),
+                KernelArg::I32(ng as i32),
+                KernelArg::I32(extra as i32),
+            ],
+        )?;
+    }
+    Ok(Some((mask, ext, hid)))
 }
 
 /// The router's second layer and the gate on its first layer's output `h: [M, rank]` (from
@@ -475,6 +562,11 @@ mod tests {
         assert_eq!(kc.get(1).get(0).get(3).abs().sum(Kind::Float).double_value(&[]), 0.0);
         // Position 0 leaves k unrotated.
         assert!((kc.get(0).get(0).get(0) - qkv.get(0).narrow(0, 8, 4)).abs().max().double_value(&[]) < 1e-7);
+        // Token-major q: the same values, stored [B, T, HQ, D].
+        let qt = rope_qkv_cache_with(&qkv, &pos, &inv, &s, &kc.zeros_like(), &vc.zeros_like(), true).unwrap();
+        assert_eq!(qt.size(), [2, 2, 3, 4]);
+        assert_eq!(qt.stride(), [24, 4, 8, 1]);
+        assert!((&qt - &q).abs().max().double_value(&[]) == 0.0);
     }
 
     #[test]

@@ -378,7 +378,7 @@ extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router_cluster(NOR
 // prefill sizes, bound by the rate blocks are scheduled, not by the bytes.
 extern "C" __global__ void rope_qkv_cache(const T* __restrict__ qkv, const int* __restrict__ pos, int pos_add,
                                           const float* __restrict__ inv_freq, T* __restrict__ q_out, T* __restrict__ kc,
-                                          T* __restrict__ vc, int T_, int HQ, int HKV, int D, int CAP) {
+                                          T* __restrict__ vc, int T_, int HQ, int HKV, int D, int CAP, int q_token_major) {
     pdl_wait();
     pdl_trigger();
     const int m = blockIdx.x, h = blockIdx.y * blockDim.y + threadIdx.y, i = threadIdx.x, half = D >> 1;
@@ -395,7 +395,8 @@ extern "C" __global__ void rope_qkv_cache(const T* __restrict__ qkv, const int* 
     if (h < HQ) {
         const T* q = qkv + src + (long long)h * D;
         const float x1 = tf(q[i]), x2 = tf(q[i + half]);
-        T* o = q_out + (((long long)b * HQ + h) * T_ + t) * D;
+        // q out [B, HQ, T, D], or [B, T, HQ, D] (= [M, HQ, D]) when token-major.
+        T* o = q_out + (q_token_major ? ((long long)m * HQ + h) * D : (((long long)b * HQ + h) * T_ + t) * D);
         o[i] = ft(rt(x1 * c) + rt(-x2 * s));
         o[i + half] = ft(rt(x2 * c) + rt(x1 * s));
     } else {
@@ -454,5 +455,83 @@ extern "C" __global__ void __launch_bounds__(128) router_gate(const T* __restric
     for (int r = threadIdx.x; r < R; r += blockDim.x) hs[r] = tf(h[(long long)m * R + r]);
     __syncthreads();
     gate_row(hs, w2, b2, offset, mask, ext, R, NG, EXTRA, m);
+}
+
+// The whole router for ROUTER_ROWS tokens a block (prefill sizes), one launch instead of cuBLAS's
+// split-K GEMM, its reduction and router_gate: the first layer h1 = x W1^T + b1 on the tensor
+// cores (mma.sync m16n8k16, fp32 accumulation; the 4 warps split the hidden dimension and their
+// partial sums are added in shared memory in a fixed order, then rounded once to storage like
+// cuBLAS's linear with bias), then the second layer and the gate row by row (gate_row, with W2
+// and b2 staged in shared memory before the programmatic-launch wait).
+// x [M, H] (H % 64 == 0), w1 [R, H] (R % 8 == 0, R <= 64), h1 [M, R] written when not null.
+// Grid ceil(M / ROUTER_ROWS), 128 threads; dynamic shared memory 4 x ROUTER_ROWS x R floats
+// + (2 NG R + 2 NG) storage elements.
+#if WIDE_F16
+#define ROUTER_MMA "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
+#else
+#define ROUTER_MMA "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+#endif
+#define ROUTER_ROWS 16
+__device__ __forceinline__ unsigned ld_pair(const T* p) { return __ldg(reinterpret_cast<const unsigned*>(p)); }
+
+extern "C" __global__ void __launch_bounds__(128) router_gate_rows(const T* __restrict__ x, const T* __restrict__ w1, const T* __restrict__ b1,
+                                                                   const T* __restrict__ w2, const T* __restrict__ b2, float offset,
+                                                                   unsigned char* __restrict__ mask, unsigned char* __restrict__ ext,
+                                                                   T* __restrict__ h1, long long M, int H, int R, int NG, int EXTRA) {
+    extern __shared__ float sm[];
+    float* part = sm;  // [4 warps][ROUTER_ROWS][R]
+    T* w2s = reinterpret_cast<T*>(sm + 4 * ROUTER_ROWS * R);  // [2 NG][R]
+    T* b2s = w2s + 2 * NG * R;  // [2 NG]
+    for (int i = threadIdx.x; i < NG * R / 4; i += blockDim.x) reinterpret_cast<uint4*>(w2s)[i] = __ldg(reinterpret_cast<const uint4*>(w2) + i);
+    for (int i = threadIdx.x; i < 2 * NG; i += blockDim.x) b2s[i] = b2[i];
+    pdl_wait();
+    pdl_trigger();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const long long m0 = (long long)blockIdx.x * ROUTER_ROWS, ra = m0 + g, rb = m0 + g + 8;
+    const bool va = ra < M, vb = rb < M;
+    const T* xa = x + (va ? ra : 0) * H + 2 * t;
+    const T* xb = x + (vb ? rb : 0) * H + 2 * t;
+    const T* wg = w1 + (long long)g * H + 2 * t;
+    float acc[8][4];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    const int kq = H / 4, k0 = warp * kq;
+#pragma unroll 4
+    for (int k = k0; k < k0 + kq; k += 16) {
+        const unsigned a0 = va ? ld_pair(xa + k) : 0u, a1 = vb ? ld_pair(xb + k) : 0u;
+        const unsigned a2 = va ? ld_pair(xa + k + 8) : 0u, a3 = vb ? ld_pair(xb + k + 8) : 0u;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            if (j * 8 < R) {
+                const T* wr = wg + (long long)(j * 8) * H + k;
+                const unsigned b0 = ld_pair(wr), b1v = ld_pair(wr + 8);
+                asm volatile(ROUTER_MMA " {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                             : "+f"(acc[j][0]), "+f"(acc[j][1]), "+f"(acc[j][2]), "+f"(acc[j][3])
+                             : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1v));
+            }
+        }
+    }
+    // Accumulator (row g / g + 8, columns 2t, 2t + 1 of each 8-column tile) to shared memory.
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        if (j * 8 < R) {
+            float* pa = part + ((long long)warp * ROUTER_ROWS + g) * R + j * 8 + 2 * t;
+            pa[0] = acc[j][0];
+            pa[1] = acc[j][1];
+            pa[8 * R] = acc[j][2];
+            pa[8 * R + 1] = acc[j][3];
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < ROUTER_ROWS * R; i += blockDim.x) {
+        const int c = i % R;
+        const float sum = ((part[i] + part[ROUTER_ROWS * R + i]) + part[2 * ROUTER_ROWS * R + i]) + part[3 * ROUTER_ROWS * R + i];
+        const T hv = ft(sum + tf(b1[c]));
+        part[i] = tf(hv);
+        const long long m = m0 + i / R;
+        if (h1 != nullptr && m < M) h1[m * R + c] = hv;
+    }
+    __syncthreads();
+    for (int r = 0; r < ROUTER_ROWS && m0 + r < M; ++r) gate_row<true>(part + r * R, w2s, b2s, offset, mask, ext, R, NG, EXTRA, m0 + r);
 }
 

@@ -136,8 +136,7 @@ fn build_reference(mask: &Tensor) -> (Tensor, Tensor) {
 
 fn build_cuda(mask: &Tensor, device: usize) -> Result<(Tensor, Tensor)> {
     let (m, ng) = (mask.size()[0], mask.size()[1]);
-    // Transposed once so each group's column is read coalesced.
-    let mask_t = mask.transpose(0, 1).contiguous();
+    let mask = mask.contiguous();
     let perm = Tensor::empty([ng, m], (Kind::Int, mask.device()));
     let count = Tensor::empty([ng], (Kind::Int, mask.device()));
     let src = routed_source(false, None); // the layout entry is the same in both dtype modules
@@ -146,7 +145,7 @@ fn build_cuda(mask: &Tensor, device: usize) -> Result<(Tensor, Tensor)> {
     unsafe {
         k.launch(
             LaunchConfig { grid: (ng as u32, 1, 1), block: (threads, 1, 1), shared_mem_bytes: 0 },
-            &[KernelArg::tensor(&mask_t)?, KernelArg::I32(m as i32), KernelArg::tensor(&perm)?, KernelArg::tensor(&count)?],
+            &[KernelArg::tensor(&mask)?, KernelArg::I32(m as i32), KernelArg::I32(ng as i32), KernelArg::tensor(&perm)?, KernelArg::tensor(&count)?],
         )?;
     }
     Ok((perm, count))

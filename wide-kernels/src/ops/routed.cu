@@ -35,13 +35,14 @@ __device__ __forceinline__ float warp_sum(float v) {
 
 #ifndef BM  // the layout and GEMV entries live in the one untiled module
 // ---------------------------------------------------------------------------------------
-// Routing layout. mask_t: u8 [NG][M] (the transposed mask, so reads are coalesced).
+// Routing layout. mask: u8 [M][NG], read in place (a group's column at stride NG: no
+// transposed copy, at most 2 M strided byte loads a block, from L2).
 // perm: i32 [NG][M], per group the active tokens ascending, then the inactive ones ascending.
-// count: i32 [NG]. One block of 1024 threads per group.
+// count: i32 [NG]. One block of up to 1024 threads per group.
 // ---------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(1024) route_layout(const unsigned char* __restrict__ mask_t, int M, int* __restrict__ perm, int* __restrict__ count) {
+extern "C" __global__ void __launch_bounds__(1024) route_layout(const unsigned char* __restrict__ mask, int M, int NG, int* __restrict__ perm, int* __restrict__ count) {
     const int g = blockIdx.x;
-    block_partition(mask_t + (long long)g * M, 1, M, perm + (long long)g * M, count + g);
+    block_partition(mask + g, NG, M, perm + (long long)g * M, count + g);
 }
 
 // ---------------------------------------------------------------------------------------
