@@ -308,6 +308,34 @@ pub fn rope_qkv_cache_with(qkv: &Tensor, pos: &Tensor, inv_freq: &Tensor, s: &Qk
                 Tensor::empty([b, hq, t, d], (qkv.kind(), qkv.device()))
             };
             let pos = pos.to_kind(Kind::Int).contiguous();
+            let aligned = [qkv, &q, k_cache, v_cache].iter().all(|t| t.data_ptr() as usize % 16 == 0);
+            if d % 16 == 0 && aligned {
+                let k = kernel(f16, "rope_qkv_cache8", dev)?;
+                let threads = (b * t * (hq + hkv) * d / 16) as u64;
+                // SAFETY: as below; 16-byte accesses: D % 16 == 0 and every buffer 16-byte aligned.
+                unsafe {
+                    k.launch_pdl(
+                        LaunchConfig { grid: (threads.div_ceil(256) as u32, 1, 1), block: (256, 1, 1), shared_mem_bytes: 0 },
+                        &[
+                            KernelArg::tensor(qkv)?,
+                            KernelArg::tensor(&pos)?,
+                            KernelArg::I32(0),
+                            KernelArg::tensor(inv_freq)?,
+                            KernelArg::tensor(&q)?,
+                            KernelArg::tensor(k_cache)?,
+                            KernelArg::tensor(v_cache)?,
+                            KernelArg::I64(b * t),
+                            KernelArg::I32(t as i32),
+                            KernelArg::I32(hq as i32),
+                            KernelArg::I32(hkv as i32),
+                            KernelArg::I32(d as i32),
+                            KernelArg::I32(cs[2] as i32),
+                            KernelArg::I32(token_major_q as i32),
+                        ],
+                    )?;
+                }
+                return Ok(q);
+            }
             let k = kernel(f16, "rope_qkv_cache", dev)?;
             // Up to 512 threads a block: D / 2 a head, several heads of one token.
             let heads = (512 / (d / 2)).clamp(1, hq + hkv);
@@ -437,7 +465,7 @@ const ROUTER_ROWS: i64 = 16;
 /// The whole router and gate in one CUDA launch (first layer on the tensor cores, 16 tokens a
 /// block): the mask, the extended mask (as [`router_gate`]) and, with `with_hidden`, the first
 /// layer's output `[M, rank]`. None where the kernel does not apply: not bf16/f16 on CUDA, a rank
-/// that is not a multiple of 8 or above 64, a hidden size that is not a multiple of 64, or router
+/// that is not a multiple of 8 or above 64, a hidden size that is not a multiple of 128, or router
 /// weights too large for 48 KiB of shared memory.
 pub fn router_gate_rows(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64, with_hidden: bool) -> Result<Option<(Tensor, Option<Tensor>, Option<Tensor>)>> {
     let (m, hidden) = x.size2()?;
@@ -449,14 +477,17 @@ pub fn router_gate_rows(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64, 
     let smem = 4 * ROUTER_ROWS * rank * 4 + (2 * ng * rank + 2 * ng) * 2;
     let Some((dev, f16)) = cuda_of(x) else { return Ok(None) };
     let same = [r.w1, r.b1, r.w2, r.b2].iter().all(|t| t.kind() == x.kind() && t.device() == x.device());
-    if !same || rank % 8 != 0 || rank > 64 || hidden % 64 != 0 || smem > 48 * 1024 || m < 1 || ((m + ROUTER_ROWS - 1) / ROUTER_ROWS) > i32::MAX as i64 {
+    if !same || rank % 8 != 0 || rank > 64 || hidden % 128 != 0 || smem > 48 * 1024 || m < 1 || ((m + ROUTER_ROWS - 1) / ROUTER_ROWS) > i32::MAX as i64 {
         return Ok(None);
     }
     let x = x.contiguous();
+    let (w1, b1, w2, b2) = (r.w1.contiguous(), r.b1.contiguous(), r.w2.contiguous(), r.b2.contiguous());
+    if x.data_ptr() as usize % 16 != 0 || w1.data_ptr() as usize % 16 != 0 || w2.data_ptr() as usize % 16 != 0 {
+        return Ok(None);
+    }
     let mask = Tensor::empty([m, ng], (Kind::Bool, x.device()));
     let ext = (extra > 0).then(|| Tensor::empty([m, ng + extra], (Kind::Bool, x.device())));
     let hid = with_hidden.then(|| Tensor::empty([m, rank], (x.kind(), x.device())));
-    let (w1, b1, w2, b2) = (r.w1.contiguous(), r.b1.contiguous(), r.w2.contiguous(), r.b2.contiguous());
     let k = kernel(f16, "router_gate_rows", dev)?;
     let opt = |t: &Option<Tensor>| -> Result<KernelArg> {
         Ok(match t {
@@ -466,7 +497,7 @@ pub fn router_gate_rows(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64, 
     };
     // SAFETY: the arguments follow router_gate_rows' signature: x [M, H], w1 [R, H], b1 [R],
     // w2 [2 NG, R], b2 [2 NG] contiguous in the storage type; mask [M, NG] and ext
-    // [M, NG + EXTRA] bytes; h1 [M, R]; R % 8 == 0, R <= 64, H % 64 == 0, and the dynamic shared
+    // [M, NG + EXTRA] bytes; h1 [M, R]; R % 8 == 0, R <= 64, H % 128 == 0, and the dynamic shared
     // memory holds the partial sums, W2 and b2.
     unsafe {
         k.launch_pdl(

@@ -413,6 +413,67 @@ extern "C" __global__ void rope_qkv_cache(const T* __restrict__ qkv, const int* 
     }
 }
 
+// rope_qkv_cache with 16-byte accesses (D % 16 == 0, qkv, q_out and the caches 16-byte aligned):
+// a thread rotates 8 consecutive pairs (i, i + D/2) of one head of one token; consecutive
+// threads take consecutive pieces of a head, then heads, then tokens, so a warp reads whole
+// head rows. The same arithmetic and rounding as rope_qkv_cache, element for element.
+// Grid ceil(M (HQ + HKV) D / 16 / 256), 256 threads.
+__device__ __forceinline__ void rope8(const T* x1p, const T* x2p, const float* c, const float* s, T* o1, T* o2) {
+    const uint4 a = *reinterpret_cast<const uint4*>(x1p), bq = *reinterpret_cast<const uint4*>(x2p);
+    const T* x1 = reinterpret_cast<const T*>(&a);
+    const T* x2 = reinterpret_cast<const T*>(&bq);
+    uint4 r1, r2;
+    T* y1 = reinterpret_cast<T*>(&r1);
+    T* y2 = reinterpret_cast<T*>(&r2);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const float u = tf(x1[j]), v = tf(x2[j]);
+        y1[j] = ft(rt(u * c[j]) + rt(-v * s[j]));
+        y2[j] = ft(rt(v * c[j]) + rt(u * s[j]));
+    }
+    *reinterpret_cast<uint4*>(o1) = r1;
+    *reinterpret_cast<uint4*>(o2) = r2;
+}
+
+extern "C" __global__ void __launch_bounds__(256) rope_qkv_cache8(const T* __restrict__ qkv, const int* __restrict__ pos, int pos_add,
+                                                                  const float* __restrict__ inv_freq, T* __restrict__ q_out,
+                                                                  T* __restrict__ kc, T* __restrict__ vc, long long M, int T_, int HQ,
+                                                                  int HKV, int D, int CAP, int q_token_major) {
+    pdl_wait();
+    pdl_trigger();
+    const int half = D >> 1, per_head = half >> 3, heads = HQ + HKV;
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= M * heads * per_head) return;
+    const int i0 = (int)(idx % per_head) * 8;
+    const long long mh = idx / per_head;
+    const int h = (int)(mh % heads);
+    const long long m = mh / heads;
+    const int b = (int)(m / T_), t = (int)(m - (long long)b * T_);
+    const int p = pos[m] + pos_add;
+    if (h >= HQ && (p < 0 || p >= CAP)) return;
+    float c[8], s[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        sincosf((float)p * inv_freq[i0 + j], &s[j], &c[j]);
+        c[j] = rt(c[j]);
+        s[j] = rt(s[j]);
+    }
+    const long long src = m * (HQ + 2 * HKV) * D;
+    if (h < HQ) {
+        const T* q = qkv + src + (long long)h * D + i0;
+        T* o = q_out + (q_token_major ? (m * HQ + h) * D : (((long long)b * HQ + h) * T_ + t) * D) + i0;
+        rope8(q, q + half, c, s, o, o + half);
+    } else {
+        const int kh = h - HQ;
+        const T* k = qkv + src + (long long)(HQ + kh) * D + i0;
+        const T* v = qkv + src + (long long)(HQ + HKV + kh) * D + i0;
+        const long long dst = (((long long)b * HKV + kh) * CAP + p) * D + i0;
+        rope8(k, k + half, c, s, kc + dst, kc + dst + half);
+        *reinterpret_cast<uint4*>(vc + dst) = *reinterpret_cast<const uint4*>(v);
+        *reinterpret_cast<uint4*>(vc + dst + half) = *reinterpret_cast<const uint4*>(v + half);
+    }
+}
+
 // gu [M, 2I] (gate | up); out [M, I] = silu(gate) * up, zero where the token's group is off
 // (mask u8 [M, NG], group G channels; mask null = dense). 8 elements a thread.
 extern "C" __global__ void swiglu_masked(const T* __restrict__ gu, const unsigned char* __restrict__ mask, T* __restrict__ out,
@@ -463,7 +524,7 @@ extern "C" __global__ void __launch_bounds__(128) router_gate(const T* __restric
 // partial sums are added in shared memory in a fixed order, then rounded once to storage like
 // cuBLAS's linear with bias), then the second layer and the gate row by row (gate_row, with W2
 // and b2 staged in shared memory before the programmatic-launch wait).
-// x [M, H] (H % 64 == 0), w1 [R, H] (R % 8 == 0, R <= 64), h1 [M, R] written when not null.
+// x [M, H] (H % 128 == 0), w1 [R, H] (R % 8 == 0, R <= 64), h1 [M, R] written when not null.
 // Grid ceil(M / ROUTER_ROWS), 128 threads; dynamic shared memory 4 x ROUTER_ROWS x R floats
 // + (2 NG R + 2 NG) storage elements.
 #if WIDE_F16
@@ -472,7 +533,6 @@ extern "C" __global__ void __launch_bounds__(128) router_gate(const T* __restric
 #define ROUTER_MMA "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 #endif
 #define ROUTER_ROWS 16
-__device__ __forceinline__ unsigned ld_pair(const T* p) { return __ldg(reinterpret_cast<const unsigned*>(p)); }
 
 extern "C" __global__ void __launch_bounds__(128) router_gate_rows(const T* __restrict__ x, const T* __restrict__ w1, const T* __restrict__ b1,
                                                                    const T* __restrict__ w2, const T* __restrict__ b2, float offset,
@@ -489,25 +549,34 @@ extern "C" __global__ void __launch_bounds__(128) router_gate_rows(const T* __re
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const long long m0 = (long long)blockIdx.x * ROUTER_ROWS, ra = m0 + g, rb = m0 + g + 8;
     const bool va = ra < M, vb = rb < M;
-    const T* xa = x + (va ? ra : 0) * H + 2 * t;
-    const T* xb = x + (vb ? rb : 0) * H + 2 * t;
-    const T* wg = w1 + (long long)g * H + 2 * t;
+    // 16-byte loads: lane (g, t) takes elements [8t, 8t + 8) of each 32-wide k block of rows g
+    // and g + 8 of x and of W1 row 8j + g, and feeds elements 0-3 to the block's first k16 MMA,
+    // 4-7 to the second. That permutes k within the block the same way for A and B (it depends
+    // only on t), so each product still pairs x[., k] with W1[., k].
+    const T* xa = x + (va ? ra : 0) * H + 8 * t;
+    const T* xb = x + (vb ? rb : 0) * H + 8 * t;
+    const T* wg = w1 + (long long)g * H + 8 * t;
+    const uint4 z = make_uint4(0u, 0u, 0u, 0u);
     float acc[8][4];
 #pragma unroll
     for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
     const int kq = H / 4, k0 = warp * kq;
-#pragma unroll 4
-    for (int k = k0; k < k0 + kq; k += 16) {
-        const unsigned a0 = va ? ld_pair(xa + k) : 0u, a1 = vb ? ld_pair(xb + k) : 0u;
-        const unsigned a2 = va ? ld_pair(xa + k + 8) : 0u, a3 = vb ? ld_pair(xb + k + 8) : 0u;
+#pragma unroll 2
+    for (int k = k0; k < k0 + kq; k += 32) {
+        const uint4 av = va ? __ldg(reinterpret_cast<const uint4*>(xa + k)) : z;
+        const uint4 bv = vb ? __ldg(reinterpret_cast<const uint4*>(xb + k)) : z;
+        uint4 wv[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) wv[j] = j * 8 < R ? __ldg(reinterpret_cast<const uint4*>(wg + (long long)(j * 8) * H + k)) : z;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
             if (j * 8 < R) {
-                const T* wr = wg + (long long)(j * 8) * H + k;
-                const unsigned b0 = ld_pair(wr), b1v = ld_pair(wr + 8);
                 asm volatile(ROUTER_MMA " {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
                              : "+f"(acc[j][0]), "+f"(acc[j][1]), "+f"(acc[j][2]), "+f"(acc[j][3])
-                             : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1v));
+                             : "r"(av.x), "r"(bv.x), "r"(av.y), "r"(bv.y), "r"(wv[j].x), "r"(wv[j].y));
+                asm volatile(ROUTER_MMA " {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                             : "+f"(acc[j][0]), "+f"(acc[j][1]), "+f"(acc[j][2]), "+f"(acc[j][3])
+                             : "r"(av.z), "r"(bv.z), "r"(av.w), "r"(bv.w), "r"(wv[j].z), "r"(wv[j].w));
             }
         }
     }
