@@ -465,7 +465,7 @@ const ROUTER_ROWS: i64 = 16;
 /// The whole router and gate in one CUDA launch (first layer on the tensor cores, 16 tokens a
 /// block): the mask, the extended mask (as [`router_gate`]) and, with `with_hidden`, the first
 /// layer's output `[M, rank]`. None where the kernel does not apply: not bf16/f16 on CUDA, a rank
-/// that is not a multiple of 8 or above 64, a hidden size that is not a multiple of 128, or router
+/// that is not a multiple of 8 or above 64, a hidden size that is not a multiple of 256, or router
 /// weights too large for 48 KiB of shared memory.
 pub fn router_gate_rows(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64, with_hidden: bool) -> Result<Option<(Tensor, Option<Tensor>, Option<Tensor>)>> {
     let (m, hidden) = x.size2()?;
@@ -474,10 +474,13 @@ pub fn router_gate_rows(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64, 
     let (n2, r2) = r.w2.size2()?;
     ensure!(r2 == rank && n2 % 2 == 0, "router_gate: router layer {:?} does not take rank {rank}", r.w2.size());
     let ng = n2 / 2;
-    let smem = 4 * ROUTER_ROWS * rank * 4 + (2 * ng * rank + 2 * ng) * 2;
+    let smem = |warps: i64| warps * ROUTER_ROWS * rank * 4 + (2 * ng * rank + 2 * ng) * 2;
+    // As many warps as split the hidden size into 64-wide pieces and fit 48 KiB (the first layer
+    // is latency-bound: more warps, more loads in flight).
+    let Some(warps) = [16i64, 8, 4].into_iter().find(|&w| hidden % (64 * w) == 0 && smem(w) <= 48 * 1024) else { return Ok(None) };
     let Some((dev, f16)) = cuda_of(x) else { return Ok(None) };
     let same = [r.w1, r.b1, r.w2, r.b2].iter().all(|t| t.kind() == x.kind() && t.device() == x.device());
-    if !same || rank % 8 != 0 || rank > 64 || hidden % 128 != 0 || smem > 48 * 1024 || m < 1 || ((m + ROUTER_ROWS - 1) / ROUTER_ROWS) > i32::MAX as i64 {
+    if !same || rank % 8 != 0 || rank > 64 || m < 1 || ((m + ROUTER_ROWS - 1) / ROUTER_ROWS) > i32::MAX as i64 {
         return Ok(None);
     }
     let x = x.contiguous();
@@ -497,11 +500,11 @@ pub fn router_gate_rows(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64, 
     };
     // SAFETY: the arguments follow router_gate_rows' signature: x [M, H], w1 [R, H], b1 [R],
     // w2 [2 NG, R], b2 [2 NG] contiguous in the storage type; mask [M, NG] and ext
-    // [M, NG + EXTRA] bytes; h1 [M, R]; R % 8 == 0, R <= 64, H % 128 == 0, and the dynamic shared
+    // [M, NG + EXTRA] bytes; h1 [M, R]; R % 8 == 0, R <= 64, H % (64 x warps) == 0, and the dynamic shared
     // memory holds the partial sums, W2 and b2.
     unsafe {
         k.launch_pdl(
-            LaunchConfig { grid: (((m + ROUTER_ROWS - 1) / ROUTER_ROWS) as u32, 1, 1), block: (128, 1, 1), shared_mem_bytes: smem as u32 },
+            LaunchConfig { grid: (((m + ROUTER_ROWS - 1) / ROUTER_ROWS) as u32, 1, 1), block: (32 * warps as u32, 1, 1), shared_mem_bytes: smem(warps) as u32 },
             &[
                 KernelArg::tensor(&x)?,
                 KernelArg::tensor(&w1)?,

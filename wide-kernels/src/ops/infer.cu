@@ -520,12 +520,14 @@ extern "C" __global__ void __launch_bounds__(128) router_gate(const T* __restric
 
 // The whole router for ROUTER_ROWS tokens a block (prefill sizes), one launch instead of cuBLAS's
 // split-K GEMM, its reduction and router_gate: the first layer h1 = x W1^T + b1 on the tensor
-// cores (mma.sync m16n8k16, fp32 accumulation; the 4 warps split the hidden dimension and their
-// partial sums are added in shared memory in a fixed order, then rounded once to storage like
-// cuBLAS's linear with bias), then the second layer and the gate row by row (gate_row, with W2
-// and b2 staged in shared memory before the programmatic-launch wait).
-// x [M, H] (H % 128 == 0), w1 [R, H] (R % 8 == 0, R <= 64), h1 [M, R] written when not null.
-// Grid ceil(M / ROUTER_ROWS), 128 threads; dynamic shared memory 4 x ROUTER_ROWS x R floats
+// cores (mma.sync m16n8k16, fp32 accumulation; the block's NW warps split the hidden dimension
+// and their partial sums are added in shared memory in a fixed order, then rounded once to
+// storage like cuBLAS's linear with bias), then the second layer and the gate row by row
+// (gate_row, with W2 and b2 staged in shared memory before the programmatic-launch wait).
+// Many warps a block, each with two k blocks of loads in flight, because the first layer is
+// latency-bound: 16 tokens' rows and all of W1 (2 R H bytes) pass through every block.
+// x [M, H] (H % (64 NW) == 0), w1 [R, H] (R % 8 == 0, R <= 64), h1 [M, R] written when not null.
+// Grid ceil(M / ROUTER_ROWS), NW x 32 threads; dynamic shared memory NW x ROUTER_ROWS x R floats
 // + (2 NG R + 2 NG) storage elements.
 #if WIDE_F16
 #define ROUTER_MMA "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
@@ -533,14 +535,14 @@ extern "C" __global__ void __launch_bounds__(128) router_gate(const T* __restric
 #define ROUTER_MMA "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 #endif
 #define ROUTER_ROWS 16
-
-extern "C" __global__ void __launch_bounds__(128) router_gate_rows(const T* __restrict__ x, const T* __restrict__ w1, const T* __restrict__ b1,
+extern "C" __global__ void __launch_bounds__(512) router_gate_rows(const T* __restrict__ x, const T* __restrict__ w1, const T* __restrict__ b1,
                                                                    const T* __restrict__ w2, const T* __restrict__ b2, float offset,
                                                                    unsigned char* __restrict__ mask, unsigned char* __restrict__ ext,
                                                                    T* __restrict__ h1, long long M, int H, int R, int NG, int EXTRA) {
     extern __shared__ float sm[];
-    float* part = sm;  // [4 warps][ROUTER_ROWS][R]
-    T* w2s = reinterpret_cast<T*>(sm + 4 * ROUTER_ROWS * R);  // [2 NG][R]
+    const int nw = blockDim.x >> 5;
+    float* part = sm;  // [NW warps][ROUTER_ROWS][R]
+    T* w2s = reinterpret_cast<T*>(sm + nw * ROUTER_ROWS * R);  // [2 NG][R]
     T* b2s = w2s + 2 * NG * R;  // [2 NG]
     for (int i = threadIdx.x; i < NG * R / 4; i += blockDim.x) reinterpret_cast<uint4*>(w2s)[i] = __ldg(reinterpret_cast<const uint4*>(w2) + i);
     for (int i = threadIdx.x; i < 2 * NG; i += blockDim.x) b2s[i] = b2[i];
@@ -560,23 +562,28 @@ extern "C" __global__ void __launch_bounds__(128) router_gate_rows(const T* __re
     float acc[8][4];
 #pragma unroll
     for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-    const int kq = H / 4, k0 = warp * kq;
-#pragma unroll 2
-    for (int k = k0; k < k0 + kq; k += 32) {
-        const uint4 av = va ? __ldg(reinterpret_cast<const uint4*>(xa + k)) : z;
-        const uint4 bv = vb ? __ldg(reinterpret_cast<const uint4*>(xb + k)) : z;
-        uint4 wv[8];
+    const int kq = H / nw, k0 = warp * kq;
+    for (int k = k0; k < k0 + kq; k += 64) {
+        uint4 av[2], bv[2], wv[2][8];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) wv[j] = j * 8 < R ? __ldg(reinterpret_cast<const uint4*>(wg + (long long)(j * 8) * H + k)) : z;
+        for (int u = 0; u < 2; ++u) {
+            av[u] = va ? __ldg(reinterpret_cast<const uint4*>(xa + k + 32 * u)) : z;
+            bv[u] = vb ? __ldg(reinterpret_cast<const uint4*>(xb + k + 32 * u)) : z;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            if (j * 8 < R) {
-                asm volatile(ROUTER_MMA " {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                             : "+f"(acc[j][0]), "+f"(acc[j][1]), "+f"(acc[j][2]), "+f"(acc[j][3])
-                             : "r"(av.x), "r"(bv.x), "r"(av.y), "r"(bv.y), "r"(wv[j].x), "r"(wv[j].y));
-                asm volatile(ROUTER_MMA " {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                             : "+f"(acc[j][0]), "+f"(acc[j][1]), "+f"(acc[j][2]), "+f"(acc[j][3])
-                             : "r"(av.z), "r"(bv.z), "r"(av.w), "r"(bv.w), "r"(wv[j].z), "r"(wv[j].w));
+            for (int j = 0; j < 8; ++j) wv[u][j] = j * 8 < R ? __ldg(reinterpret_cast<const uint4*>(wg + (long long)(j * 8) * H + k + 32 * u)) : z;
+        }
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                if (j * 8 < R) {
+                    asm volatile(ROUTER_MMA " {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                                 : "+f"(acc[j][0]), "+f"(acc[j][1]), "+f"(acc[j][2]), "+f"(acc[j][3])
+                                 : "r"(av[u].x), "r"(bv[u].x), "r"(av[u].y), "r"(bv[u].y), "r"(wv[u][j].x), "r"(wv[u][j].y));
+                    asm volatile(ROUTER_MMA " {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                                 : "+f"(acc[j][0]), "+f"(acc[j][1]), "+f"(acc[j][2]), "+f"(acc[j][3])
+                                 : "r"(av[u].z), "r"(bv[u].z), "r"(av[u].w), "r"(bv[u].w), "r"(wv[u][j].z), "r"(wv[u][j].w));
+                }
             }
         }
     }
@@ -594,7 +601,8 @@ extern "C" __global__ void __launch_bounds__(128) router_gate_rows(const T* __re
     __syncthreads();
     for (int i = threadIdx.x; i < ROUTER_ROWS * R; i += blockDim.x) {
         const int c = i % R;
-        const float sum = ((part[i] + part[ROUTER_ROWS * R + i]) + part[2 * ROUTER_ROWS * R + i]) + part[3 * ROUTER_ROWS * R + i];
+        float sum = part[i];
+        for (int w = 1; w < nw; ++w) sum += part[w * ROUTER_ROWS * R + i];
         const T hv = ft(sum + tf(b1[c]));
         part[i] = tf(hv);
         const long long m = m0 + i / R;
