@@ -451,7 +451,10 @@ pub const ROUTER_ROWS_MIN: i64 = 64;
 pub fn router_gate(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64) -> Result<(Tensor, Option<Tensor>)> {
     let (m, hidden) = x.size2()?;
     ensure!(r.w1.size2()?.1 == hidden, "router_gate: compressor {:?} does not take hidden size {hidden}", r.w1.size());
-    if m >= ROUTER_ROWS_MIN {
+    static ONE_LAUNCH: OnceLock<bool> = OnceLock::new();
+    // WIDE_ROUTER_ROWS=0 keeps every router on cuBLAS + the gate kernel (A/B runs).
+    let one_launch = *ONE_LAUNCH.get_or_init(|| std::env::var("WIDE_ROUTER_ROWS").map(|v| v != "0").unwrap_or(true));
+    if m >= ROUTER_ROWS_MIN && one_launch {
         if let Some((mask, ext, _)) = router_gate_rows(x, r, offset, extra, false)? {
             return Ok((mask, ext));
         }
