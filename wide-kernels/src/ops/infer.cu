@@ -80,13 +80,14 @@ extern "C" __global__ void __launch_bounds__(512) add_rmsnorm(const T* x, const 
 // Second router layer and deterministic gate of token m on its first layer's output hs[R]
 // (f32 values of the stored h1): logits = h W2^T + b2 viewed [NG, 2] = (execute, skip); group g
 // runs iff skip - execute + offset <= 0. Writes mask u8 [M, NG] and, when ext != null, ext
-// [M, NG + EXTRA] with the EXTRA trailing groups on. Threads of the block share the groups.
+// [M, NG + EXTRA] with the EXTRA trailing groups on. Threads [0, nth) (by default the block's)
+// share the groups; `tid` is this thread's index among them.
 // With SH, w2 and b2 are copies in shared memory (plain loads) instead of global memory (__ldg).
 template <bool SH = false>
 __device__ __forceinline__ void gate_row(const float* hs, const T* __restrict__ w2, const T* __restrict__ b2, float offset,
                                          unsigned char* __restrict__ mask, unsigned char* __restrict__ ext, int R, int NG,
-                                         int EXTRA, long long m) {
-    for (int g = threadIdx.x; g < NG + EXTRA; g += blockDim.x) {
+                                         int EXTRA, long long m, int tid = threadIdx.x, int nth = blockDim.x) {
+    for (int g = tid; g < NG + EXTRA; g += nth) {
         unsigned char on = 1;
         if (g < NG) {
             float e = 0.f, s = 0.f;
@@ -609,6 +610,7 @@ extern "C" __global__ void __launch_bounds__(512) router_gate_rows(const T* __re
         if (h1 != nullptr && m < M) h1[m * R + c] = hv;
     }
     __syncthreads();
-    for (int r = 0; r < ROUTER_ROWS && m0 + r < M; ++r) gate_row<true>(part + r * R, w2s, b2s, offset, mask, ext, R, NG, EXTRA, m0 + r);
+    // One row a warp (16 warps: every row at once; fewer: in turns).
+    for (int r = warp; r < ROUTER_ROWS && m0 + r < M; r += nw) gate_row<true>(part + r * R, w2s, b2s, offset, mask, ext, R, NG, EXTRA, m0 + r, lane, 32);
 }
 
