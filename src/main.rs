@@ -385,7 +385,7 @@ struct TrainBenchArgs {
 
 #[derive(Args)]
 struct KernelsArgs {
-    /// Ops, comma separated: up, gate_up, down, q, o, attn_decode, attn_prefill, router (the token router at --m tokens).
+    /// Ops, comma separated: up, gate_up, down, q, o, attn_decode, attn_prefill.
     #[arg(long, value_delimiter = ',', default_value = "up,gate_up,down,q,o,attn_decode")]
     ops: Vec<String>,
     /// KV-cache lengths for attn_decode, prompt lengths for attn_prefill, comma separated.

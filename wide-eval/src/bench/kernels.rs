@@ -59,7 +59,7 @@ fn spec(name: &str) -> Result<OpSpec> {
         "down" => OpSpec { name: "down", op: RoutedOp::KPremasked, n: 4096, k: 14336, fixed_group: None },
         "q" => OpSpec { name: "q", op: RoutedOp::Mn, n: 4096, k: 4096, fixed_group: Some(512) },
         "o" => OpSpec { name: "o", op: RoutedOp::KPremasked, n: 4096, k: 4096, fixed_group: Some(512) },
-        o => bail!("unknown op `{o}` for bench kernels: use up, gate_up, down, q, o, attn_decode, attn_prefill or router"),
+        o => bail!("unknown op `{o}` for bench kernels: use up, gate_up, down, q, o, attn_decode or attn_prefill"),
     })
 }
 
@@ -116,10 +116,6 @@ pub fn run(cfg: &KernelBenchConfig) -> Result<serde_json::Value> {
         }
         if opname == "attn_prefill" {
             records.extend(bench_attn_prefill(cfg, &timer, &mut flush)?);
-            continue;
-        }
-        if opname == "router" {
-            records.extend(bench_router(cfg, &timer, &mut flush)?);
             continue;
         }
         let sp = spec(opname)?;
@@ -460,50 +456,6 @@ fn bench_attn_decode(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Tens
 /// (from 8192 tokens it measures the mask's skip rate: one sync), hinted =
 /// `attention_prefill_with` given the skip rate. Outputs are checked
 /// against an f32 reference on the first 4 query heads (one KV head) before timing.
-/// The token router at prefill sizes (rank 32 over hidden 4096; the attention router's 8 groups
-/// and the FFN router's 112): cuBLAS's first layer + the gate kernel against the one-launch
-/// router (`router_gate_rows`). "dense_ms" is the two-launch path, "routed_ms" the one launch.
-fn bench_router(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Tensor) -> Result<Vec<serde_json::Value>> {
-    use wide_kernels::ops::fused::{router_gate_from_hidden, router_gate_rows, RouterWeights};
-    let device = cfg.device;
-    let dev = cuda_index(device)?;
-    let mut out = vec![];
-    for &m in &cfg.m {
-        for ng in [8i64, 112] {
-            let x = Tensor::randn([m, 4096], (cfg.kind, device));
-            let (w1, b1) = (Tensor::randn([32, 4096], (cfg.kind, device)) * 0.03, Tensor::randn([32], (cfg.kind, device)) * 0.1);
-            let (w2, b2) = (Tensor::randn([2 * ng, 32], (cfg.kind, device)) * 0.2, Tensor::randn([2 * ng], (cfg.kind, device)) * 0.1);
-            let r = RouterWeights { w1: &w1, b1: &b1, w2: &w2, b2: &b2 };
-            let two = router_gate_from_hidden(&x.linear(&w1, Some(&b1)), &r, 0.0, 0)?.0;
-            let Some((one, _, _)) = router_gate_rows(&x, &r, 0.0, 0, false)? else {
-                bail!("bench router: the one-launch router does not apply to M={m}");
-            };
-            let agree = one.eq_tensor(&two).to_kind(Kind::Float).mean(Kind::Float).double_value(&[]);
-            for l2mode in &cfg.l2 {
-                let cold = l2_cold(l2mode)?;
-                let two_ms = median_ms(cfg, timer, flush, dev, cold, || Ok(()), |_| {
-                    let _ = router_gate_from_hidden(&x.linear(&w1, Some(&b1)), &r, 0.0, 0)?;
-                    Ok(())
-                })?;
-                let one_ms = median_ms(cfg, timer, flush, dev, cold, || Ok(()), |_| {
-                    let _ = router_gate_rows(&x, &r, 0.0, 0, false)?;
-                    Ok(())
-                })?;
-                eprintln!("router M={m:>5} groups={ng:>3} {l2mode}: cuBLAS + gate {two_ms:.4} ms  one launch {one_ms:.4} ms ({:.2}x)  decisions agree {agree:.4}", two_ms / one_ms);
-                out.push(json!({
-                    "op": "router", "M": m, "N": 2 * ng, "K": 4096, "G": ng, "sparsity": serde_json::Value::Null, "l2": l2mode,
-                    "dense_ms": two_ms, "routed_ms": one_ms, "speedup": two_ms / one_ms, "routed_kernel": "router_gate_rows",
-                    "dispatch_path": if m >= wide_kernels::ops::fused::ROUTER_ROWS_MIN { "router_gate_rows" } else { "cublas+router_gate" },
-                    "dispatch_ms": if m >= wide_kernels::ops::fused::ROUTER_ROWS_MIN { one_ms } else { two_ms },
-                    "dispatch_speedup": if m >= wide_kernels::ops::fused::ROUTER_ROWS_MIN { two_ms / one_ms } else { 1.0 },
-                    "decisions_agree": agree, "max_rel_err": 0.0,
-                }));
-            }
-        }
-    }
-    Ok(out)
-}
-
 fn bench_attn_prefill(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Tensor) -> Result<Vec<serde_json::Value>> {
     use wide_kernels::ops::attention::{attention_prefill_dense, attention_prefill_routed, PrefillTile, PREFILL_TILES};
     let device = cfg.device;

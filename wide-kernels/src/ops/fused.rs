@@ -439,94 +439,14 @@ fn gate_from_hidden_reference(h: &Tensor, r: &RouterWeights, offset: f64) -> Ten
     (logits.select(-1, 1) - logits.select(-1, 0) + offset).le(0.0)
 }
 
-/// From this many tokens [`router_gate`] runs the whole router in one launch
-/// ([`router_gate_rows`]); below, the first layer stays on cuBLAS (a GEMV over all SMs).
-pub const ROUTER_ROWS_MIN: i64 = 64;
-
 /// The router on `x: [M, hidden]` and the deterministic gate (a group runs iff
 /// `skip - execute + offset <= 0`): returns the mask bool `[M, groups]` and, with `extra > 0`,
-/// the same mask with `extra` always-on groups appended, `[M, groups + extra]`. On CUDA, from
-/// `ROUTER_ROWS_MIN` tokens one launch ([`router_gate_rows`]) where it applies; otherwise the
-/// first layer runs on cuBLAS, then [`router_gate_from_hidden`].
+/// the same mask with `extra` always-on groups appended, `[M, groups + extra]`. On CUDA the
+/// first layer runs on cuBLAS (a GEMV or GEMM over all SMs), then [`router_gate_from_hidden`].
 pub fn router_gate(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64) -> Result<(Tensor, Option<Tensor>)> {
-    let (m, hidden) = x.size2()?;
+    let (_, hidden) = x.size2()?;
     ensure!(r.w1.size2()?.1 == hidden, "router_gate: compressor {:?} does not take hidden size {hidden}", r.w1.size());
-    static ONE_LAUNCH: OnceLock<bool> = OnceLock::new();
-    // WIDE_ROUTER_ROWS=0 keeps every router on cuBLAS + the gate kernel (A/B runs).
-    let one_launch = *ONE_LAUNCH.get_or_init(|| std::env::var("WIDE_ROUTER_ROWS").map(|v| v != "0").unwrap_or(true));
-    if m >= ROUTER_ROWS_MIN && one_launch {
-        if let Some((mask, ext, _)) = router_gate_rows(x, r, offset, extra, false)? {
-            return Ok((mask, ext));
-        }
-    }
     router_gate_from_hidden(&x.linear(r.w1, Some(r.b1)), r, offset, extra)
-}
-
-/// Tokens a block of `router_gate_rows` takes (`ROUTER_ROWS` in infer.cu).
-const ROUTER_ROWS: i64 = 16;
-
-/// The whole router and gate in one CUDA launch (first layer on the tensor cores, 16 tokens a
-/// block): the mask, the extended mask (as [`router_gate`]) and, with `with_hidden`, the first
-/// layer's output `[M, rank]`. None where the kernel does not apply: not bf16/f16 on CUDA, a rank
-/// that is not a multiple of 8 or above 64, a hidden size that is not a multiple of 256, or router
-/// weights too large for 48 KiB of shared memory.
-pub fn router_gate_rows(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64, with_hidden: bool) -> Result<Option<(Tensor, Option<Tensor>, Option<Tensor>)>> {
-    let (m, hidden) = x.size2()?;
-    let (rank, h1) = r.w1.size2()?;
-    ensure!(h1 == hidden, "router_gate: compressor {:?} does not take hidden size {hidden}", r.w1.size());
-    let (n2, r2) = r.w2.size2()?;
-    ensure!(r2 == rank && n2 % 2 == 0, "router_gate: router layer {:?} does not take rank {rank}", r.w2.size());
-    let ng = n2 / 2;
-    let smem = |warps: i64| warps * ROUTER_ROWS * rank * 4 + (2 * ng * rank + 2 * ng) * 2;
-    // As many warps as split the hidden size into 64-wide pieces and fit 48 KiB (the first layer
-    // is latency-bound: more warps, more loads in flight).
-    let Some(warps) = [16i64, 8, 4].into_iter().find(|&w| hidden % (64 * w) == 0 && smem(w) <= 48 * 1024) else { return Ok(None) };
-    let Some((dev, f16)) = cuda_of(x) else { return Ok(None) };
-    let same = [r.w1, r.b1, r.w2, r.b2].iter().all(|t| t.kind() == x.kind() && t.device() == x.device());
-    if !same || rank % 8 != 0 || rank > 64 || m < 1 || ((m + ROUTER_ROWS - 1) / ROUTER_ROWS) > i32::MAX as i64 {
-        return Ok(None);
-    }
-    let x = x.contiguous();
-    let (w1, b1, w2, b2) = (r.w1.contiguous(), r.b1.contiguous(), r.w2.contiguous(), r.b2.contiguous());
-    if x.data_ptr() as usize % 16 != 0 || w1.data_ptr() as usize % 16 != 0 || w2.data_ptr() as usize % 16 != 0 {
-        return Ok(None);
-    }
-    let mask = Tensor::empty([m, ng], (Kind::Bool, x.device()));
-    let ext = (extra > 0).then(|| Tensor::empty([m, ng + extra], (Kind::Bool, x.device())));
-    let hid = with_hidden.then(|| Tensor::empty([m, rank], (x.kind(), x.device())));
-    let k = kernel(f16, "router_gate_rows", dev)?;
-    let opt = |t: &Option<Tensor>| -> Result<KernelArg> {
-        Ok(match t {
-            Some(t) => KernelArg::tensor(t)?,
-            None => KernelArg::Ptr(0),
-        })
-    };
-    // SAFETY: the arguments follow router_gate_rows' signature: x [M, H], w1 [R, H], b1 [R],
-    // w2 [2 NG, R], b2 [2 NG] contiguous in the storage type; mask [M, NG] and ext
-    // [M, NG + EXTRA] bytes; h1 [M, R]; R % 8 == 0, R <= 64, H % (64 x warps) == 0, and the dynamic shared
-    // memory holds the partial sums, W2 and b2.
-    unsafe {
-        k.launch_pdl(
-            LaunchConfig { grid: (((m + ROUTER_ROWS - 1) / ROUTER_ROWS) as u32, 1, 1), block: (32 * warps as u32, 1, 1), shared_mem_bytes: smem(warps) as u32 },
-            &[
-                KernelArg::tensor(&x)?,
-                KernelArg::tensor(&w1)?,
-                KernelArg::tensor(&b1)?,
-                KernelArg::tensor(&w2)?,
-                KernelArg::tensor(&b2)?,
-                KernelArg::F32(offset as f32),
-                KernelArg::tensor(&mask)?,
-                opt(&ext)?,
-                opt(&hid)?,
-                KernelArg::I64(m),
-                KernelArg::I32(hidden as i32),
-                KernelArg::I32(rank as i32),
-                KernelArg::I32(ng as i32),
-                KernelArg::I32(extra as i32),
-            ],
-        )?;
-    }
-    Ok(Some((mask, ext, hid)))
 }
 
 /// The router's second layer and the gate on its first layer's output `h: [M, rank]` (from

@@ -80,14 +80,13 @@ extern "C" __global__ void __launch_bounds__(512) add_rmsnorm(const T* x, const 
 // Second router layer and deterministic gate of token m on its first layer's output hs[R]
 // (f32 values of the stored h1): logits = h W2^T + b2 viewed [NG, 2] = (execute, skip); group g
 // runs iff skip - execute + offset <= 0. Writes mask u8 [M, NG] and, when ext != null, ext
-// [M, NG + EXTRA] with the EXTRA trailing groups on. Threads [0, nth) (by default the block's)
-// share the groups; `tid` is this thread's index among them.
+// [M, NG + EXTRA] with the EXTRA trailing groups on. Threads of the block share the groups.
 // With SH, w2 and b2 are copies in shared memory (plain loads) instead of global memory (__ldg).
 template <bool SH = false>
 __device__ __forceinline__ void gate_row(const float* hs, const T* __restrict__ w2, const T* __restrict__ b2, float offset,
                                          unsigned char* __restrict__ mask, unsigned char* __restrict__ ext, int R, int NG,
-                                         int EXTRA, long long m, int tid = threadIdx.x, int nth = blockDim.x) {
-    for (int g = tid; g < NG + EXTRA; g += nth) {
+                                         int EXTRA, long long m) {
+    for (int g = threadIdx.x; g < NG + EXTRA; g += blockDim.x) {
         unsigned char on = 1;
         if (g < NG) {
             float e = 0.f, s = 0.f;
@@ -373,7 +372,8 @@ extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router_cluster(NOR
 }
 
 // qkv [M, (HQ + 2 HKV) D] (one row per token; token m = b * T + t). Rotates q and k by the
-// token's position pos[m] + pos_add, writes q to q_out [B, HQ, T, D], k and v to the caches
+// token's position pos[m] + pos_add, writes q to q_out [B, HQ, T, D] (or [B, T, HQ, D] with
+// q_token_major, the layout SDPA's output then follows), k and v to the caches
 // [B, HKV, CAP, D] at slot = that position. Block (D / 2, heads a block), grid (M, ceil((HQ + HKV)
 // / heads a block)): one block per head would be hundreds of thousands of tiny blocks at
 // prefill sizes, bound by the rate blocks are scheduled, not by the bytes.
@@ -517,100 +517,5 @@ extern "C" __global__ void __launch_bounds__(128) router_gate(const T* __restric
     for (int r = threadIdx.x; r < R; r += blockDim.x) hs[r] = tf(h[(long long)m * R + r]);
     __syncthreads();
     gate_row(hs, w2, b2, offset, mask, ext, R, NG, EXTRA, m);
-}
-
-// The whole router for ROUTER_ROWS tokens a block (prefill sizes), one launch instead of cuBLAS's
-// split-K GEMM, its reduction and router_gate: the first layer h1 = x W1^T + b1 on the tensor
-// cores (mma.sync m16n8k16, fp32 accumulation; the block's NW warps split the hidden dimension
-// and their partial sums are added in shared memory in a fixed order, then rounded once to
-// storage like cuBLAS's linear with bias), then the second layer and the gate row by row
-// (gate_row, with W2 and b2 staged in shared memory before the programmatic-launch wait).
-// Many warps a block, each with two k blocks of loads in flight, because the first layer is
-// latency-bound: 16 tokens' rows and all of W1 (2 R H bytes) pass through every block.
-// x [M, H] (H % (64 NW) == 0), w1 [R, H] (R % 8 == 0, R <= 64), h1 [M, R] written when not null.
-// Grid ceil(M / ROUTER_ROWS), NW x 32 threads; dynamic shared memory NW x ROUTER_ROWS x R floats
-// + (2 NG R + 2 NG) storage elements.
-#if WIDE_F16
-#define ROUTER_MMA "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
-#else
-#define ROUTER_MMA "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
-#endif
-#define ROUTER_ROWS 16
-extern "C" __global__ void __launch_bounds__(512) router_gate_rows(const T* __restrict__ x, const T* __restrict__ w1, const T* __restrict__ b1,
-                                                                   const T* __restrict__ w2, const T* __restrict__ b2, float offset,
-                                                                   unsigned char* __restrict__ mask, unsigned char* __restrict__ ext,
-                                                                   T* __restrict__ h1, long long M, int H, int R, int NG, int EXTRA) {
-    extern __shared__ float sm[];
-    const int nw = blockDim.x >> 5;
-    float* part = sm;  // [NW warps][ROUTER_ROWS][R]
-    T* w2s = reinterpret_cast<T*>(sm + nw * ROUTER_ROWS * R);  // [2 NG][R]
-    T* b2s = w2s + 2 * NG * R;  // [2 NG]
-    for (int i = threadIdx.x; i < NG * R / 4; i += blockDim.x) reinterpret_cast<uint4*>(w2s)[i] = __ldg(reinterpret_cast<const uint4*>(w2) + i);
-    for (int i = threadIdx.x; i < 2 * NG; i += blockDim.x) b2s[i] = b2[i];
-    pdl_wait();
-    pdl_trigger();
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const long long m0 = (long long)blockIdx.x * ROUTER_ROWS, ra = m0 + g, rb = m0 + g + 8;
-    const bool va = ra < M, vb = rb < M;
-    // 16-byte loads: lane (g, t) takes elements [8t, 8t + 8) of each 32-wide k block of rows g
-    // and g + 8 of x and of W1 row 8j + g, and feeds elements 0-3 to the block's first k16 MMA,
-    // 4-7 to the second. That permutes k within the block the same way for A and B (it depends
-    // only on t), so each product still pairs x[., k] with W1[., k].
-    const T* xa = x + (va ? ra : 0) * H + 8 * t;
-    const T* xb = x + (vb ? rb : 0) * H + 8 * t;
-    const T* wg = w1 + (long long)g * H + 8 * t;
-    const uint4 z = make_uint4(0u, 0u, 0u, 0u);
-    float acc[8][4];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-    const int kq = H / nw, k0 = warp * kq;
-    for (int k = k0; k < k0 + kq; k += 64) {
-        uint4 av[2], bv[2], wv[2][8];
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-            av[u] = va ? __ldg(reinterpret_cast<const uint4*>(xa + k + 32 * u)) : z;
-            bv[u] = vb ? __ldg(reinterpret_cast<const uint4*>(xb + k + 32 * u)) : z;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) wv[u][j] = j * 8 < R ? __ldg(reinterpret_cast<const uint4*>(wg + (long long)(j * 8) * H + k + 32 * u)) : z;
-        }
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                if (j * 8 < R) {
-                    asm volatile(ROUTER_MMA " {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                                 : "+f"(acc[j][0]), "+f"(acc[j][1]), "+f"(acc[j][2]), "+f"(acc[j][3])
-                                 : "r"(av[u].x), "r"(bv[u].x), "r"(av[u].y), "r"(bv[u].y), "r"(wv[u][j].x), "r"(wv[u][j].y));
-                    asm volatile(ROUTER_MMA " {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                                 : "+f"(acc[j][0]), "+f"(acc[j][1]), "+f"(acc[j][2]), "+f"(acc[j][3])
-                                 : "r"(av[u].z), "r"(bv[u].z), "r"(av[u].w), "r"(bv[u].w), "r"(wv[u][j].z), "r"(wv[u][j].w));
-                }
-            }
-        }
-    }
-    // Accumulator (row g / g + 8, columns 2t, 2t + 1 of each 8-column tile) to shared memory.
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        if (j * 8 < R) {
-            float* pa = part + ((long long)warp * ROUTER_ROWS + g) * R + j * 8 + 2 * t;
-            pa[0] = acc[j][0];
-            pa[1] = acc[j][1];
-            pa[8 * R] = acc[j][2];
-            pa[8 * R + 1] = acc[j][3];
-        }
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < ROUTER_ROWS * R; i += blockDim.x) {
-        const int c = i % R;
-        float sum = part[i];
-        for (int w = 1; w < nw; ++w) sum += part[w * ROUTER_ROWS * R + i];
-        const T hv = ft(sum + tf(b1[c]));
-        part[i] = tf(hv);
-        const long long m = m0 + i / R;
-        if (h1 != nullptr && m < M) h1[m * R + c] = hv;
-    }
-    __syncthreads();
-    // One row a warp (16 warps: every row at once; fewer: in turns).
-    for (int r = warp; r < ROUTER_ROWS && m0 + r < M; r += nw) gate_row<true>(part + r * R, w2s, b2s, offset, mask, ext, R, NG, EXTRA, m0 + r, lane, 32);
 }
 
