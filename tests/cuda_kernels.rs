@@ -78,6 +78,17 @@ fn run_mn_case(kind: Kind, m: i64, n: i64, k: i64, g: i64, p_active: f64, fused:
         let (y, _) = routed_gemm(op, &x, &w, up, &l, g, Some(p)).unwrap();
         check(&y, &r, Some(&off), &format!("{op:?} {kind:?} M={m} N={n} K={k} G={g} active={p_active} {}", p.label()));
     }
+    if fused {
+        // Gate and up as views of one stacked weight (the engine's layout; dense+mask then runs
+        // one GEMM over both and the SwiGLU kernel).
+        let stacked = Tensor::cat(&[&w, &w2], 0);
+        let (ws, us) = (stacked.narrow(0, 0, n), stacked.narrow(0, n, n));
+        for p in paths_for(&s) {
+            poison(m, n, kind);
+            let (y, _) = routed_gemm(op, &x, &ws, Some(&us), &l, g, Some(p)).unwrap();
+            check(&y, &r, Some(&off), &format!("{op:?} {kind:?} M={m} N={n} K={k} G={g} active={p_active} {}, stacked weights", p.label()));
+        }
+    }
     if m <= 16 {
         // Trailing groups declared always on (the fused Q|K|V's K|V groups; all of them for a
         // dense projection): their warps load weights before the wait and never read the mask.

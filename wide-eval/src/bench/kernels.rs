@@ -122,12 +122,16 @@ pub fn run(cfg: &KernelBenchConfig) -> Result<serde_json::Value> {
         let groups = sp.fixed_group.map(|g| vec![g]).unwrap_or_else(|| cfg.groups.clone());
         for &m in &cfg.m {
             let x = Tensor::randn([m, sp.k], (kind, device));
-            let w = Tensor::randn([sp.n, sp.k], (kind, device)) * 0.02;
-            let w2 = (sp.op == RoutedOp::MnSwiglu).then(|| Tensor::randn([sp.n, sp.k], (kind, device)) * 0.02);
+            // Gate and up are views of one stacked weight, as in the inference engine; its dense
+            // gate+up, one GEMM over both and the SwiGLU kernel, is a second dense baseline
+            // beside the two GEMMs plus tch's activation.
+            let w_gate_up = (sp.op == RoutedOp::MnSwiglu).then(|| Tensor::randn([2 * sp.n, sp.k], (kind, device)) * 0.02);
+            let w = match &w_gate_up {
+                Some(s) => s.narrow(0, 0, sp.n),
+                None => Tensor::randn([sp.n, sp.k], (kind, device)) * 0.02,
+            };
+            let w2 = w_gate_up.as_ref().map(|s| s.narrow(0, sp.n, sp.n));
             let (xf, wf, w2f) = (x.to_kind(Kind::Float), w.to_kind(Kind::Float), w2.as_ref().map(|u| u.to_kind(Kind::Float)));
-            // The inference engine's dense gate+up: one GEMM over the stacked weights, then the
-            // SwiGLU kernel (a second dense baseline beside the two GEMMs plus tch's activation).
-            let w_gate_up = w2.as_ref().map(|u| Tensor::cat(&[&w, u], 0));
             for &g in &groups {
                 let routed_dim = if sp.op.reduces_over_groups() { sp.k } else { sp.n };
                 if routed_dim % g != 0 {

@@ -321,7 +321,13 @@ fn dense_masked(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layo
             y
         }
         RoutedOp::MnSwiglu => {
-            let (g, u) = (x.linear::<&Tensor>(w, None), x.linear::<&Tensor>(w2.context("w_up")?, None));
+            let u = w2.context("w_up")?;
+            if let Some(gu) = stacked(w, u) {
+                // Gate and up rows adjacent in memory (the engine's fused weight): one GEMM over
+                // both, then the SwiGLU kernel with the mask, as the engine's own dense path.
+                return super::fused::swiglu(&x.linear::<&Tensor>(&gu, None), Some(layout.mask()), s.group);
+            }
+            let (g, u) = (x.linear::<&Tensor>(w, None), x.linear::<&Tensor>(u, None));
             apply(&g, Some(&u), &g, s.n, 2)?;
             g
         }
@@ -333,6 +339,24 @@ fn dense_masked(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layo
         }
         RoutedOp::KPremasked => x.linear::<&Tensor>(w, None),
     })
+}
+
+/// `[2N, K]`: `w` and `u` (both `[N, K]`, contiguous) as one matrix when `u` starts right where
+/// `w` ends in the same storage (views of a stacked gate|up weight); None otherwise.
+fn stacked(w: &Tensor, u: &Tensor) -> Option<Tensor> {
+    let (n, k) = w.size2().ok()?;
+    let adjacent = u.size() == [n, k]
+        && w.is_contiguous()
+        && u.is_contiguous()
+        && w.kind() == u.kind()
+        && w.device() == u.device()
+        && u.data_ptr() as usize == w.data_ptr() as usize + (n * k) as usize * w.kind().elt_size_in_bytes();
+    if !adjacent {
+        return None;
+    }
+    // A view of w's storage from w's offset: ATen refuses it (Err) unless that storage holds
+    // the 2N rows, i.e. u's bytes are part of it (two live storages never overlap).
+    w.f_as_strided([2 * n, k], [k, 1], None::<i64>).ok()
 }
 
 fn launch_tiled(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: &RouteLayout, t: TileConfig) -> Result<Tensor> {
@@ -434,6 +458,20 @@ pub fn tuned_records() -> Vec<(TuneKey, Tuned)> {
 mod tests {
     use super::super::layout::route_layout;
     use super::*;
+
+    #[test]
+    fn stacked_weights_are_found_only_in_one_storage() {
+        let cat = Tensor::randn([6, 4], (Kind::Float, Device::Cpu));
+        let (w, u) = (cat.narrow(0, 0, 3), cat.narrow(0, 3, 3));
+        let s = stacked(&w, &u).expect("adjacent views of one tensor");
+        assert_eq!(s.size(), [6, 4]);
+        assert!(s.equal(&cat));
+        assert!(stacked(&u, &w).is_none(), "u before w");
+        assert!(stacked(&w, &cat.narrow(0, 2, 3)).is_none(), "overlapping");
+        assert!(stacked(&w, &u.copy()).is_none(), "separate storage");
+        let (a, b) = (Tensor::randn([3, 4], (Kind::Float, Device::Cpu)), Tensor::randn([3, 4], (Kind::Float, Device::Cpu)));
+        assert!(stacked(&a, &b).is_none());
+    }
 
     fn rand_mask(m: i64, ng: i64, p_active: f64) -> Tensor {
         Tensor::rand([m, ng], (Kind::Float, Device::Cpu)).lt(p_active)
