@@ -27,7 +27,7 @@ fn fused_kernels_match_their_references() {
     let _g = tch::no_grad_guard();
     tch::manual_seed(1);
     let bf = (Kind::BFloat16, dev);
-    for (m, h) in [(1i64, 4096i64), (37, 512), (5, 8192)] {
+    for (m, h) in [(1i64, 4096i64), (37, 512), (5, 8192), (64, 4096)] {
         let x = Tensor::randn([m, h], bf);
         let d = Tensor::randn([m, h], bf);
         let w = Tensor::randn([h], bf);

@@ -204,6 +204,14 @@ fn is_fast_dtype(t: &Tensor) -> bool {
     matches!(t.device(), Device::Cuda(_)) && matches!(t.kind(), Kind::BFloat16 | Kind::Half)
 }
 
+/// Up to this many tokens the norm launch also runs the router and its gate (one launch instead
+/// of the norm, cuBLAS's first layer and the gate kernel); `WIDE_ROUTER_FUSE_MAX_M=N` moves the
+/// bound (a measurement knob). Above it the per-token router blocks would each read all of W1.
+fn router_fuse_max_m() -> i64 {
+    static V: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("WIDE_ROUTER_FUSE_MAX_M").ok().and_then(|v| v.parse().ok()).unwrap_or(64))
+}
+
 /// Up to this many tokens, dense projections run on the project's GEMV kernels (every group on)
 /// rather than cuBLAS: with programmatic dependent launch they overlap the launch before them.
 const DENSE_GEMV_MAX_M: i64 = 1;
@@ -457,12 +465,14 @@ impl<'m> Engine<'m> {
             RouterKind::Ffn => layer.and_then(|l| l.ffn.as_ref()),
             RouterKind::Layer => None,
         };
-        let fuse = rc.fit.is_none() && matches!(rc.source, MaskSource::Routers) && x.size()[0] <= GEMV_MAX_M && is_fast_dtype(x);
+        let mt = x.size()[0];
+        let fuse = rc.fit.is_none() && matches!(rc.source, MaskSource::Routers) && mt <= router_fuse_max_m() && is_fast_dtype(x);
         match router.filter(|_| fuse) {
             Some(r) => {
-                // The extra always-on groups the attention gate will ask for (see attention_decision).
+                // The extra always-on groups the attention gate will ask for (see attention_decision:
+                // only where the fused Q|K|V runs on the routed GEMV).
                 let extra = match kind {
-                    RouterKind::Attention if rc.valid.is_none() => self.q_extra(self.model.config.num_attention_heads / r.groups),
+                    RouterKind::Attention if rc.valid.is_none() && mt <= GEMV_MAX_M => self.q_extra(self.model.config.num_attention_heads / r.groups),
                     _ => 0,
                 };
                 let off = self.offsets.borrow()[i][kind_index(kind)];
