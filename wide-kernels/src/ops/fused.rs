@@ -309,39 +309,22 @@ pub fn rope_qkv_cache_with(qkv: &Tensor, pos: &Tensor, inv_freq: &Tensor, s: &Qk
             };
             let pos = pos.to_kind(Kind::Int).contiguous();
             let aligned = [qkv, &q, k_cache, v_cache].iter().all(|t| t.data_ptr() as usize % 16 == 0);
-            if d % 16 == 0 && aligned {
-                let k = kernel(f16, "rope_qkv_cache8", dev)?;
+            // 16-byte accesses where head_dim and every buffer allow them; else the scalar
+            // kernel: up to 512 threads a block, D / 2 a head, several heads of one token.
+            let (entry, cfg) = if d % 16 == 0 && aligned {
                 let threads = (b * t * (hq + hkv) * d / 16) as u64;
-                // SAFETY: as below; 16-byte accesses: D % 16 == 0 and every buffer 16-byte aligned.
-                unsafe {
-                    k.launch_pdl(
-                        LaunchConfig { grid: (threads.div_ceil(256) as u32, 1, 1), block: (256, 1, 1), shared_mem_bytes: 0 },
-                        &[
-                            KernelArg::tensor(qkv)?,
-                            KernelArg::tensor(&pos)?,
-                            KernelArg::I32(0),
-                            KernelArg::tensor(inv_freq)?,
-                            KernelArg::tensor(&q)?,
-                            KernelArg::tensor(k_cache)?,
-                            KernelArg::tensor(v_cache)?,
-                            KernelArg::I64(b * t),
-                            KernelArg::I32(t as i32),
-                            KernelArg::I32(hq as i32),
-                            KernelArg::I32(hkv as i32),
-                            KernelArg::I32(d as i32),
-                            KernelArg::I32(cs[2] as i32),
-                            KernelArg::I32(token_major_q as i32),
-                        ],
-                    )?;
-                }
-                return Ok(q);
-            }
-            let k = kernel(f16, "rope_qkv_cache", dev)?;
-            // Up to 512 threads a block: D / 2 a head, several heads of one token.
-            let heads = (512 / (d / 2)).clamp(1, hq + hkv);
+                ("rope_qkv_cache8", LaunchConfig { grid: (threads.div_ceil(256) as u32, 1, 1), block: (256, 1, 1), shared_mem_bytes: 0 })
+            } else {
+                let heads = (512 / (d / 2)).clamp(1, hq + hkv);
+                ("rope_qkv_cache", LaunchConfig { grid: ((b * t) as u32, ((hq + hkv + heads - 1) / heads) as u32, 1), block: ((d / 2) as u32, heads as u32, 1), shared_mem_bytes: 0 })
+            };
+            let k = kernel(f16, entry, dev)?;
+            // SAFETY: both entries take these arguments: qkv [B*T, (HQ + 2 HKV) D], positions
+            // [B*T] i32, inv_freq [D / 2] f32, q as allocated above, the caches [B, HKV, CAP, D]
+            // (all contiguous); the 16-byte one only with D % 16 == 0 and aligned buffers.
             unsafe {
                 k.launch_pdl(
-                    LaunchConfig { grid: ((b * t) as u32, ((hq + hkv + heads - 1) / heads) as u32, 1), block: ((d / 2) as u32, heads as u32, 1), shared_mem_bytes: 0 },
+                    cfg,
                     &[
                         KernelArg::tensor(qkv)?,
                         KernelArg::tensor(&pos)?,
@@ -350,6 +333,7 @@ pub fn rope_qkv_cache_with(qkv: &Tensor, pos: &Tensor, inv_freq: &Tensor, s: &Qk
                         KernelArg::tensor(&q)?,
                         KernelArg::tensor(k_cache)?,
                         KernelArg::tensor(v_cache)?,
+                        KernelArg::I64(b * t),
                         KernelArg::I32(t as i32),
                         KernelArg::I32(hq as i32),
                         KernelArg::I32(hkv as i32),

@@ -379,7 +379,9 @@ extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router_cluster(NOR
 // prefill sizes, bound by the rate blocks are scheduled, not by the bytes.
 extern "C" __global__ void rope_qkv_cache(const T* __restrict__ qkv, const int* __restrict__ pos, int pos_add,
                                           const float* __restrict__ inv_freq, T* __restrict__ q_out, T* __restrict__ kc,
-                                          T* __restrict__ vc, int T_, int HQ, int HKV, int D, int CAP, int q_token_major) {
+                                          T* __restrict__ vc, long long M, int T_, int HQ, int HKV, int D, int CAP,
+                                          int q_token_major) {
+    (void)M;  // the grid covers the tokens (the argument list is rope_qkv_cache8's)
     pdl_wait();
     pdl_trigger();
     const int m = blockIdx.x, h = blockIdx.y * blockDim.y + threadIdx.y, i = threadIdx.x, half = D >> 1;
