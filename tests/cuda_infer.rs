@@ -174,10 +174,11 @@ fn engine_prefill_matches_training_path_on_gpu() {
     assert!(e < 2e-2, "dense engine vs backbone (bf16): rel {e}");
 }
 
-/// Prefill long enough for the fused gate+up to take a routed large-M kernel when the
-/// autotuner measures it faster (with `WIDE_ROUTED=wgmma`: always the Hopper kernel), on a
-/// random model whose FFN groups (128 channels) fit the wgmma tiles; the engine must still
-/// equal the training path for the same masks.
+/// Prefill long enough for the fused gate+up and the fused Q|K|V (K|V groups always on) to take
+/// a routed large-M kernel when the autotuner measures it faster (with `WIDE_ROUTED=wgmma`:
+/// always the Hopper kernel, so run it that way too), on a random model whose FFN groups (128
+/// channels) and head groups (2 x 128) fit the wgmma tiles; the engine must still equal the
+/// training path for the same masks.
 #[test]
 fn engine_prefill_with_large_m_routed_gate_up_matches_training_path() {
     let _g = tch::no_grad_guard();

@@ -204,6 +204,13 @@ fn is_fast_dtype(t: &Tensor) -> bool {
     matches!(t.device(), Device::Cuda(_)) && matches!(t.kind(), Kind::BFloat16 | Kind::Half)
 }
 
+/// Whether the fused Q|K|V of these tokens may run on the routed GEMV, the one consumer of the
+/// attention mask extended with always-on K|V groups (the norm launch, the gate and the
+/// attention decision must agree on it).
+fn qkv_on_gemv(x: &Tensor) -> bool {
+    x.size()[0] <= GEMV_MAX_M && is_fast_dtype(x)
+}
+
 /// Up to this many tokens the norm launch also runs the router and its gate (one launch instead
 /// of the norm, cuBLAS's first layer and the gate kernel); `WIDE_ROUTER_FUSE_MAX_M=N` moves the
 /// bound (a measurement knob). Above it the per-token router blocks would each read all of W1.
@@ -472,7 +479,7 @@ impl<'m> Engine<'m> {
                 // The extra always-on groups the attention gate will ask for (see attention_decision:
                 // only where the fused Q|K|V runs on the routed GEMV).
                 let extra = match kind {
-                    RouterKind::Attention if rc.valid.is_none() && mt <= GEMV_MAX_M => self.q_extra(self.model.config.num_attention_heads / r.groups),
+                    RouterKind::Attention if rc.valid.is_none() && qkv_on_gemv(x) => self.q_extra(self.model.config.num_attention_heads / r.groups),
                     _ => 0,
                 };
                 let off = self.offsets.borrow()[i][kind_index(kind)];
@@ -584,7 +591,7 @@ impl<'m> Engine<'m> {
         let (mask, ext) = if let Some(ar) = &l.attention {
             let gh = nh / ar.groups;
             let extra = self.q_extra(gh);
-            let want_ext = extra > 0 && mt <= GEMV_MAX_M && is_fast_dtype(x);
+            let want_ext = extra > 0 && qkv_on_gemv(x);
             self.gate(i, RouterKind::Attention, ar, x, rc, if want_ext { extra } else { 0 })?
         } else if let Some(s) = &l.static_attention {
             (self.static_mask(RouterKind::Attention, s, mt, rc), None)
@@ -596,7 +603,7 @@ impl<'m> Engine<'m> {
         let group = nh / mask.size()[1];
         let ext = match ext {
             Some(e) => Some(e),
-            None if self.q_extra(group) > 0 && mt <= GEMV_MAX_M && is_fast_dtype(x) => {
+            None if self.q_extra(group) > 0 && qkv_on_gemv(x) => {
                 Some(Tensor::cat(&[&mask, &Tensor::ones([mt, self.q_extra(group)], (Kind::Bool, x.device()))], 1))
             }
             None => None,
