@@ -175,6 +175,9 @@ pub struct Engine<'m> {
     inv_freq: Tensor,
     scale: f64,
     ones: RefCell<BTreeMap<i64, Tensor>>,
+    /// Whether the dispatch ran the fused Q|K|V routed, per (tokens, skip-rate hint in 64ths,
+    /// heads a group): a known "no" skips building the extended mask on later layers and prefills.
+    qkv_routed: RefCell<BTreeMap<(i64, i64, i64), bool>>,
     /// Ops run twice (see [`Engine::set_repeat`]).
     repeat: RefCell<std::collections::BTreeSet<String>>,
 }
@@ -258,6 +261,7 @@ impl<'m> Engine<'m> {
             inv_freq,
             scale: 1.0 / (c.head_dim as f64).sqrt(),
             ones: RefCell::new(BTreeMap::new()),
+            qkv_routed: RefCell::new(BTreeMap::new()),
             repeat: RefCell::new(Default::default()),
         })
     }
@@ -672,15 +676,21 @@ impl<'m> Engine<'m> {
         if mt < LARGE_M_MIN || extra == 0 || !is_fast_dtype(h) {
             return Ok(None);
         }
+        let key = (mt, (self.sparsity_hint[0] * 64.0).round() as i64, d.group);
+        if self.qkv_routed.borrow().get(&key) == Some(&false) {
+            return Ok(None);
+        }
         let ng = d.mask.size()[1];
         let ext = Tensor::cat(&[&d.mask, &Tensor::ones([mt, extra], (Kind::Bool, h.device()))], 1);
         let sp = self.sparsity_hint[0] * ng as f64 / (ng + extra) as f64;
         let lay = route_layout(&ext)?.with_sparsity_hint(sp).with_always_on_from(ng)?;
         let group = d.group * self.model.config.head_dim;
-        Ok(match choose_path(RoutedOp::Mn, h, w, None, &lay, group)? {
+        let path = match choose_path(RoutedOp::Mn, h, w, None, &lay, group)? {
             p @ (GemmPath::Wgmma | GemmPath::Tiled(_)) => Some((lay, group, p)),
             _ => None,
-        })
+        };
+        self.qkv_routed.borrow_mut().insert(key, path.is_some());
+        Ok(path)
     }
 
     fn layout<'d>(&self, d: &'d Decision, kind: usize) -> Result<&'d RouteLayout> {
