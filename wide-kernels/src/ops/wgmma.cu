@@ -38,6 +38,11 @@
 // mbarrier when its group has completed.
 // A consumer computes only its sub-tiles that hold active rows (a separate instantiation of
 // its loop for each count, so no branch around a wgmma looks divergent to the compiler).
+// Epilogue: once every wgmma of the block has completed, the consumers stage their results (the
+// SwiGLU applied) in the free stage memory, and all 384 threads write the tile's rows out with
+// 16-byte stores, a row's 256 contiguous bytes by 16 consecutive threads, zeros for the listed
+// inactive tokens included (register-to-global stores of 4 bytes took ~14% of the consumers'
+// time in an ncu source profile of up at M = 4096).
 
 #ifndef FUSED
 #define FUSED 0
@@ -142,11 +147,19 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], unsigned long 
 }
 #endif
 
+// The two block barriers around the staging of a computing block's results (the consumers
+// write the stage memory between them); the producer and a consumer without active rows pass
+// them too.
+__device__ __forceinline__ void stage_barriers() {
+    __syncthreads();
+    __syncthreads();
+}
+
 // One consumer warpgroup's k loop over its first NS sub-tiles (rows (cw + 2 i) * 64, i < NS),
-// then the scatter of its results to the token rows.
+// then its results (with the SwiGLU applied) into the staging area at `base`, between the two
+// block barriers every thread of a computing block passes (see `stage_barriers`).
 template <int NS>
-__device__ __forceinline__ void consume(unsigned base, const unsigned long long* full_bar, const unsigned long long* empty_bar,
-                                        const int* rows, int nact, int cw, int KT, T* __restrict__ out, int N, int n0) {
+__device__ __forceinline__ void consume(unsigned base, const unsigned long long* full_bar, const unsigned long long* empty_bar, int cw, int KT) {
     const int ct = threadIdx.x & 127, warp = ct >> 5, lane = threadIdx.x & 31;
     // Sub-tile i's accumulators: the gate (or only) tile in 0-63, the up tile in 64-127.
     float acc[NS][NB * 64];
@@ -196,26 +209,31 @@ __device__ __forceinline__ void consume(unsigned base, const unsigned long long*
     wg_wait<0>();
 #pragma unroll
     for (int i = 0; i < NS; ++i) fence_acc(acc[i]);
+    // Every wgmma of both consumers has read its operands once all 384 threads pass this
+    // barrier (the producer's copies completed before the last stage was consumed), so the
+    // stage memory is free for the staged results.
+    __syncthreads();
     // Accumulator fragment: register 4j + e holds row 16 warp + lane / 4 (+8 for e >= 2),
-    // column 8 j + 2 (lane % 4) + (e % 2).
+    // column 8 j + 2 (lane % 4) + (e % 2). Staged as [BM rows][BN columns] of T, 256 bytes a
+    // row, 16-byte chunk j of row r at chunk j ^ (r % 8): a warp's eight rows of one chunk then
+    // fall on 32 different banks.
 #pragma unroll
     for (int i = 0; i < NS; ++i)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int r = (cw + 2 * i) * 64 + warp * 16 + (lane >> 2) + 8 * h;
-            if (r < nact) {
-                T* orow = out + (long long)rows[r] * N + n0 + (lane & 3) * 2;
+            const unsigned srow = base + r * (BN * 2) + (lane & 3) * 4;
 #pragma unroll
-                for (int j = 0; j < 16; ++j) {
-                    float v0 = acc[i][4 * j + 2 * h], v1 = acc[i][4 * j + 2 * h + 1];
+            for (int j = 0; j < 16; ++j) {
+                float v0 = acc[i][4 * j + 2 * h], v1 = acc[i][4 * j + 2 * h + 1];
 #if FUSED
-                    v0 = silu(v0) * acc[i][64 + 4 * j + 2 * h];
-                    v1 = silu(v1) * acc[i][64 + 4 * j + 2 * h + 1];
+                v0 = silu(v0) * acc[i][64 + 4 * j + 2 * h];
+                v1 = silu(v1) * acc[i][64 + 4 * j + 2 * h + 1];
 #endif
-                    *reinterpret_cast<unsigned*>(orow + 8 * j) = pack2(v0, v1);
-                }
+                asm volatile("st.shared.u32 [%0], %1;" ::"r"(srow + ((j ^ (r & 7)) << 4)), "r"(pack2(v0, v1)) : "memory");
             }
         }
+    __syncthreads();
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
@@ -357,6 +375,7 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
             fence_proxy_async();
             for (int j = max(KT - LAG, 0); j < KT; ++j) mbar_arrive(smem_u32(&full_bar[j % STAGES]));
 #endif
+            stage_barriers();
         } else {
             const int cw = wg - 1;
             const int lane = tid & 31;
@@ -377,22 +396,31 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
                         ph ^= 1u;
                     }
                 }
+                stage_barriers();
             }
 #if MI >= 2
             else if (ns == 2) {
-                consume<2>(base, full_bar, empty_bar, rows, nact, cw, KT, out, N, n0);
+                consume<2>(base, full_bar, empty_bar, cw, KT);
             }
 #endif
             else {
-                consume<1>(base, full_bar, empty_bar, rows, nact, cw, KT, out, N, n0);
+                consume<1>(base, full_bar, empty_bar, cw, KT);
             }
         }
     }
-    // Zeros for the inactive tokens listed in this tile (all of it when the tile has none active).
-    const int first = max(nact, 0);
-    for (int i = tid; i < (BM - first) * (BN / 8); i += THREADS) {
-        const int r = first + i / (BN / 8), c = i % (BN / 8);
-        if (rows[r] >= 0) *reinterpret_cast<uint4*>(out + (long long)rows[r] * N + n0 + c * 8) = make_uint4(0, 0, 0, 0);
+    // The tile's rows out, 16 bytes a thread, a row's 256 bytes by 16 consecutive threads: the
+    // staged results of the active rows, zeros for the inactive tokens listed after them (all
+    // rows when the tile has no active one; nothing was staged then).
+    for (int i = tid; i < BM * (BN / 8); i += THREADS) {
+        const int r = i / (BN / 8), c = i % (BN / 8);
+        const int tok = rows[r];
+        if (tok < 0) continue;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (r < nact)
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                         : "r"(base + r * (BN * 2) + ((c ^ (r & 7)) << 4)));
+        *reinterpret_cast<uint4*>(out + (long long)tok * N + n0 + c * 8) = v;
     }
 #if CLUSTER == 2
     // The other block may still arrive on this block's barriers: leave together.
