@@ -65,6 +65,11 @@
 #ifndef TMA_B
 #define TMA_B 0
 #endif
+// L2_HINT 1: the gathered x rows are copied with an evict-last L2 policy (each row is read by
+// about (1 - sparsity) * N / G tiles) and the outputs stored with evict-first (written once).
+#ifndef L2_HINT
+#define L2_HINT 0
+#endif
 #if TMA_B && (CLUSTER != 1 || !ASYNC_ARRIVE)
 #error "TMA_B needs CLUSTER 1 and ASYNC_ARRIVE"
 #endif
@@ -85,6 +90,26 @@
 #error "STAGES must be at least 3"
 #endif
 
+#if L2_HINT
+__device__ __forceinline__ unsigned long long l2_policy_evict_last() {
+    unsigned long long p;
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
+    return p;
+}
+__device__ __forceinline__ unsigned long long l2_policy_evict_first() {
+    unsigned long long p;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+    return p;
+}
+// 16-byte copy of `bytes` (16 or 0: zero fill) source bytes with an L2 policy.
+__device__ __forceinline__ void cp_async16_hint(unsigned dst, const void* src, int bytes, unsigned long long pol) {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;" ::"r"(dst), "l"(src), "r"(bytes), "l"(pol) : "memory");
+}
+#endif
+// 16-byte copy of `bytes` (16 or 0: zero fill) source bytes.
+__device__ __forceinline__ void cp_async16_sz(unsigned dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
 __device__ __forceinline__ float silu(float a) { return a / (1.0f + __expf(-a)); }
 __device__ __forceinline__ unsigned cluster_rank() {
     unsigned r;
@@ -301,18 +326,24 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
         if (wg == 0) {
             // Producer: thread t copies chunk c = t % 8 of rows t / 8 + 16 i.
             const int c = tid & 7, r0 = tid >> 3;
+            // Row r0 + 16 i: its source (row 0 of x when inactive, a valid address that the
+            // zero-byte copy does not read) and its copy size (16 or 0 bytes: zero-filled), both
+            // fixed for the k loop, so each copy is one address add.
             const T* asrc[BM / 16];
-            unsigned aval = 0;  // bit i: row r0 + 16 i is active
+            int asz[BM / 16];
 #pragma unroll
             for (int i = 0; i < BM / 16; ++i) {
                 const int r = r0 + 16 * i;
                 const bool v = r < nact;
-                aval |= (unsigned)v << i;
-                asrc[i] = v ? x + (long long)rows[r] * K + c * 8 : x;
+                asz[i] = v ? 16 : 0;
+                asrc[i] = x + (v ? (long long)rows[r] * K : 0) + c * 8;
             }
 #if !B_BY_TMA
             const T* bsrc = w + (long long)(n0 + r0) * K + c * 8;
             const T* bsrc2 = w2 + (long long)(n0 + r0) * K + c * 8;
+#endif
+#if L2_HINT
+            const unsigned long long xpol = l2_policy_evict_last();
 #endif
             int s = 0;
             unsigned ph = 0;  // (kt / STAGES) & 1
@@ -322,8 +353,11 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
                 const int k0 = kt * BK;
 #pragma unroll
                 for (int i = 0; i < BM / 16; ++i) {
-                    const bool v = (aval >> i) & 1u;
-                    cp_async16(sa + sw128_off(r0 + 16 * i, c), asrc[i] + (v ? k0 : 0), v);
+#if L2_HINT
+                    cp_async16_hint(sa + sw128_off(r0 + 16 * i, c), asrc[i] + k0, asz[i], xpol);
+#else
+                    cp_async16_sz(sa + sw128_off(r0 + 16 * i, c), asrc[i] + k0, asz[i]);
+#endif
                 }
 #if CLUSTER == 2
                 // Rows [64 rank, 64 rank + 64) of each weight tile, to both blocks.
@@ -411,6 +445,9 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
     // The tile's rows out, 16 bytes a thread, a row's 256 bytes by 16 consecutive threads: the
     // staged results of the active rows, zeros for the inactive tokens listed after them (all
     // rows when the tile has no active one; nothing was staged then).
+#if L2_HINT
+    const unsigned long long opol = l2_policy_evict_first();
+#endif
     for (int i = tid; i < BM * (BN / 8); i += THREADS) {
         const int r = i / (BN / 8), c = i % (BN / 8);
         const int tok = rows[r];
@@ -420,7 +457,13 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
             asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
                          : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                          : "r"(base + r * (BN * 2) + ((c ^ (r & 7)) << 4)));
+#if L2_HINT
+        asm volatile("st.global.L1::no_allocate.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(out + (long long)tok * N + n0 + c * 8),
+                     "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "l"(opol)
+                     : "memory");
+#else
         *reinterpret_cast<uint4*>(out + (long long)tok * N + n0 + c * 8) = v;
+#endif
     }
 #if CLUSTER == 2
     // The other block may still arrive on this block's barriers: leave together.

@@ -61,6 +61,8 @@ pub struct WgmmaConfig {
     /// Without clusters: one producer thread loads the weight tile(s) with TMA (else 128
     /// threads' cp.async); needs `async_arrive`.
     pub tma: bool,
+    /// L2 policies: the gathered x rows evict-last, the outputs evict-first.
+    pub l2_hint: bool,
 }
 
 impl WgmmaConfig {
@@ -71,7 +73,7 @@ impl WgmmaConfig {
     /// / 0.447-0.464 / 1.729-1.859 against 0.241-0.242 / 0.479-0.481 / 1.874-1.912, gate+up
     /// 0.444 / 0.869-0.875 / 3.445-3.500 against 0.438-0.453 / 0.889-0.907 / 3.463-3.485.
     pub fn default_for(fused: bool) -> Self {
-        Self { mi: if fused { 1 } else { 2 }, stages: 4, async_arrive: true, cluster: 1, tma: true }
+        Self { mi: if fused { 1 } else { 2 }, stages: 4, async_arrive: true, cluster: 1, tma: true, l2_hint: false }
     }
     /// Token rows of a tile.
     pub fn bm(&self) -> i64 {
@@ -95,12 +97,13 @@ impl WgmmaConfig {
     }
     pub fn label(&self) -> String {
         format!(
-            "wgmma{}x128x64s{}{}{}{}",
+            "wgmma{}x128x64s{}{}{}{}{}",
             self.bm(),
             self.stages,
             if self.async_arrive { "" } else { "w" },
             if self.cluster == 2 { "c2" } else { "" },
-            if self.tma { "t" } else { "" }
+            if self.tma { "t" } else { "" },
+            if self.l2_hint { "h" } else { "" }
         )
     }
 }
@@ -111,9 +114,11 @@ pub fn sweep(fused: bool) -> Vec<WgmmaConfig> {
     let mut v = vec![WgmmaConfig::default_for(fused)];
     for mi in [1, 2] {
         for (stages, async_arrive, cluster, tma) in [(4, true, 1, true), (4, true, 1, false), (4, false, 1, false), (5, true, 1, true), (4, true, 2, false), (5, true, 2, false)] {
-            let c = WgmmaConfig { mi, stages, async_arrive, cluster, tma };
-            if c.valid(fused) && !v.contains(&c) {
-                v.push(c);
+            for l2_hint in [false, true] {
+                let c = WgmmaConfig { mi, stages, async_arrive, cluster, tma, l2_hint };
+                if c.valid(fused) && !v.contains(&c) && (!l2_hint || (stages == 4 && tma)) {
+                    v.push(c);
+                }
             }
         }
     }
@@ -121,7 +126,7 @@ pub fn sweep(fused: bool) -> Vec<WgmmaConfig> {
 }
 
 /// The configuration used: the default, or the one `WIDE_WGMMA` names for benchmark sweeps
-/// (`mi=1,stages=5,arrive=wait,cluster=2`, `tma=1`; read once; ignored unless valid for this op).
+/// (`mi=1,stages=5,arrive=wait,cluster=2`, `tma=1`, `hint=1`; read once; ignored unless valid for this op).
 pub fn config(fused: bool) -> WgmmaConfig {
     static V: OnceLock<Option<String>> = OnceLock::new();
     let d = WgmmaConfig::default_for(fused);
@@ -134,6 +139,7 @@ pub fn config(fused: bool) -> WgmmaConfig {
             Some(("arrive", v)) => c.async_arrive = v != "wait",
             Some(("cluster", v)) => c.cluster = v.parse().unwrap_or(c.cluster),
             Some(("tma", v)) => c.tma = v == "1",
+            Some(("hint", v)) => c.l2_hint = v == "1",
             _ => {}
         }
     }
@@ -155,6 +161,7 @@ pub fn source(f16: bool, fused: bool, c: WgmmaConfig) -> KernelSource {
         .define("ASYNC_ARRIVE", c.async_arrive as u32)
         .define("CLUSTER", c.cluster)
         .define("TMA_B", c.tma as u32)
+        .define("L2_HINT", c.l2_hint as u32)
 }
 
 /// Every variant shipped (the defaults and the sweep), for the compile-everything test.
@@ -262,12 +269,12 @@ mod tests {
         assert_eq!(WgmmaConfig::default_for(true).smem_bytes(true), 4 * (16384 + 32768) + 1024);
         assert_eq!(WgmmaConfig::default_for(false).bm(), 256);
         // Fused with 256-token tiles would need 256 accumulators a thread.
-        assert!(!WgmmaConfig { mi: 2, stages: 3, async_arrive: true, cluster: 1, tma: false }.valid(true));
-        assert!(!WgmmaConfig { mi: 1, stages: 2, async_arrive: true, cluster: 1, tma: false }.valid(false));
-        assert!(!WgmmaConfig { mi: 2, stages: 5, async_arrive: true, cluster: 1, tma: false }.valid(false), "240 KiB");
-        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 2, tma: false }.valid(false), "clusters need the async arrive");
-        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 1, tma: true }.valid(false), "TMA weights need the async arrive");
-        assert!(!WgmmaConfig { mi: 1, stages: 4, async_arrive: true, cluster: 2, tma: true }.valid(true), "TMA weights are the cluster-free path");
+        assert!(!WgmmaConfig { mi: 2, stages: 3, async_arrive: true, cluster: 1, tma: false, l2_hint: false }.valid(true));
+        assert!(!WgmmaConfig { mi: 1, stages: 2, async_arrive: true, cluster: 1, tma: false, l2_hint: false }.valid(false));
+        assert!(!WgmmaConfig { mi: 2, stages: 5, async_arrive: true, cluster: 1, tma: false, l2_hint: false }.valid(false), "240 KiB");
+        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 2, tma: false, l2_hint: false }.valid(false), "clusters need the async arrive");
+        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 1, tma: true, l2_hint: false }.valid(false), "TMA weights need the async arrive");
+        assert!(!WgmmaConfig { mi: 1, stages: 4, async_arrive: true, cluster: 2, tma: true, l2_hint: false }.valid(true), "TMA weights are the cluster-free path");
         assert!(sweep(false).iter().any(|c| !c.tma && c.cluster == 1) && sweep(true).iter().any(|c| !c.tma && c.cluster == 1), "the cp.async weight path stays in the sweep");
         assert!(WgmmaConfig::default_for(true).tma && WgmmaConfig::default_for(false).tma);
         assert!(sweep(false).iter().any(|c| c.cluster == 2) && sweep(true).iter().any(|c| c.cluster == 2));
