@@ -147,6 +147,17 @@ __device__ __forceinline__ void tma_load_2d(unsigned dst, const TmaDesc* map, in
                  "l"(reinterpret_cast<unsigned long long>(map)), "r"(k0), "r"(row0), "r"(bar)
                  : "memory");
 }
+// The weight tile(s) of the stage at `sa` in two boxes of 64 rows each, by one thread, with the
+// expect_tx arrival on the stage's barrier.
+__device__ __forceinline__ void load_weights_tma(unsigned sa, unsigned fb, const TmaDesc* w, const TmaDesc* w2, int k0, int n0) {
+    mbar_arrive_expect_tx(fb, NB * B_BYTES);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        tma_load_2d(sa + A_BYTES + h * (B_BYTES / 2), w, k0, n0 + 64 * h, fb);
+        if (FUSED) tma_load_2d(sa + A_BYTES + B_BYTES + h * (B_BYTES / 2), w2, k0, n0 + 64 * h, fb);
+    }
+}
+
 // A consumer warp's release of a stage: to its own block's producer and, with clusters, to the
 // other block's (whose multicast also writes this block's stage).
 __device__ __forceinline__ void release_stage(unsigned bar) {
@@ -298,7 +309,6 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
     const int n0 = nt * BN;
     const int g = n0 / G;
     const int* pg = perm + (long long)g * M;
-    for (int i = tid; i < BM; i += THREADS) rows[i] = (m0 + i < M) ? pg[m0 + i] : -1;
     // Block-uniform values broadcast from lane 0, so that the compiler sees the branches around
     // the wgmma instructions as warp-uniform (in a path it thinks divergent, ptxas serialises
     // every wgmma: warning C7518).
@@ -321,11 +331,22 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
     cluster_sync();
 #endif
     const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
+    // The tile's token rows, for the write-out only: filled by the consumer threads (idle until
+    // the first stage arrives; BM <= 256), read after the stage barriers (or the barrier of a
+    // block that computes nothing). The producer reads its own rows from global memory, so its
+    // first copies wait for nothing but those loads.
+    for (int i = tid - 128; i >= 0 && i < BM; i += THREADS - 128) rows[i] = (m0 + i < M) ? pg[m0 + i] : -1;
     if (run) {
         const int KT = K / BK;
         if (wg == 0) {
             // Producer: thread t copies chunk c = t % 8 of rows t / 8 + 16 i.
             const int c = tid & 7, r0 = tid >> 3;
+#if TMA_B
+            // The weight tiles of the first stages depend on nothing: requested before the x
+            // rows' addresses are known.
+            if (tid == 0)
+                for (int kt = 0; kt < min(STAGES, KT); ++kt) load_weights_tma(base + kt * STAGE_BYTES, smem_u32(&full_bar[kt]), &tmap_w, &tmap_w2, kt * BK, n0);
+#endif
             // Row r0 + 16 i: its source (row 0 of x when inactive, a valid address that the
             // zero-byte copy does not read) and its copy size (16 or 0 bytes: zero-filled), both
             // fixed for the k loop, so each copy is one address add.
@@ -336,7 +357,7 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
                 const int r = r0 + 16 * i;
                 const bool v = r < nact;
                 asz[i] = v ? 16 : 0;
-                asrc[i] = x + (v ? (long long)rows[r] * K : 0) + c * 8;
+                asrc[i] = x + (v ? (long long)pg[m0 + r] * K : 0) + c * 8;
             }
 #if !B_BY_TMA
             const T* bsrc = w + (long long)(n0 + r0) * K + c * 8;
@@ -368,16 +389,7 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
                     if (FUSED) tma_load_multicast(sa + A_BYTES + B_BYTES + rank * (B_BYTES / 2), &tmap_w2, k0, n0 + 64 * rank, fb);
                 }
 #elif TMA_B
-                // The weight tile(s) in two boxes of 64 rows each, by one thread.
-                if (tid == 0) {
-                    const unsigned fb = smem_u32(&full_bar[s]);
-                    mbar_arrive_expect_tx(fb, NB * B_BYTES);
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        tma_load_2d(sa + A_BYTES + h * (B_BYTES / 2), &tmap_w, k0, n0 + 64 * h, fb);
-                        if (FUSED) tma_load_2d(sa + A_BYTES + B_BYTES + h * (B_BYTES / 2), &tmap_w2, k0, n0 + 64 * h, fb);
-                    }
-                }
+                if (tid == 0 && kt >= STAGES) load_weights_tma(sa, smem_u32(&full_bar[s]), &tmap_w, &tmap_w2, k0, n0);
 #else
 #pragma unroll
                 for (int i = 0; i < 8; ++i) {
@@ -442,6 +454,7 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
             }
         }
     }
+    if (!run) __syncthreads();  // the rows filled above
     // The tile's rows out, 16 bytes a thread, a row's 256 bytes by 16 consecutive threads: the
     // staged results of the active rows, zeros for the inactive tokens listed after them (all
     // rows when the tile has no active one; nothing was staged then).
