@@ -209,6 +209,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             mbar_init(smem_u32(&full_bar[s]), 1);  // the producer's expect_tx
             mbar_init(smem_u32(&empty_bar[s]), 8);   // every consumer warp
         }
+        // The initialised barriers visible to the async proxy (the K/V tensor copies complete on them).
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
     const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);

@@ -322,9 +322,10 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
             mbar_init(smem_u32(&full_bar[s]), 128 + B_BY_TMA);  // every producer thread (+ the expect_tx)
             mbar_init(smem_u32(&empty_bar[s]), 8 * CLUSTER);          // every consumer warp of the cluster
         }
-#if CLUSTER == 2
+        // The initialised barriers visible to the async proxy (the tensor copies complete on
+        // them, the first ones right after the barrier below) and, with clusters, to the other
+        // block.
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-#endif
     }
     __syncthreads();
 #if CLUSTER == 2
