@@ -127,7 +127,10 @@ int wide_graph_capture_begin(void* handle) {
     g->previous_stream = c10::cuda::getCurrentCUDAStream(g->device);
     c10::cuda::setCurrentCUDAStream(side);
     try {
-      g->graph.capture_begin();
+      // Thread-local capture mode: another thread's CUDA calls (a caching-allocator cudaMalloc,
+      // say) neither fail nor invalidate this capture, as they do in the global mode (the
+      // default), which broke parallel GPU tests at random.
+      g->graph.capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
     } catch (...) {
       g->restore_stream();
       throw;
