@@ -65,6 +65,17 @@
 #ifndef TMA_B
 #define TMA_B 0
 #endif
+// PERSIST 1 (with TMA_B 1, CLUSTER 1, ASYNC_ARRIVE 1; K >= 128): one block a multiprocessor
+// walks the tiles t = blockIdx.x, + gridDim.x, ... in the banded order; the stage ring runs on
+// across tiles, so the producer loads the next tile while the consumers finish this one; the
+// consumers keep the tile's last two stages, stage the results there, write them out and only
+// then release those two (see gemm_mn_wgmma below).
+#ifndef PERSIST
+#define PERSIST 0
+#endif
+#if PERSIST && (!TMA_B || CLUSTER != 1 || !ASYNC_ARRIVE)
+#error "PERSIST needs TMA_B, CLUSTER 1 and ASYNC_ARRIVE"
+#endif
 // L2_HINT 1: the gathered x rows are copied with an evict-last L2 policy (each row is read by
 // about (1 - sparsity) * N / G tiles) and the outputs stored with evict-first (written once).
 #ifndef L2_HINT
@@ -272,6 +283,7 @@ __device__ __forceinline__ void consume(unsigned base, const unsigned long long*
     __syncthreads();
 }
 
+#if !PERSIST
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 #if CLUSTER == 2
 __cluster_dims__(2, 1, 1)
@@ -484,3 +496,210 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
     cluster_sync();
 #endif
 }
+#endif  // !PERSIST
+
+#if PERSIST
+// Barrier 1 of the two consumer warpgroups (256 threads; the producer never waits on it).
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
+
+// Tile t of the banded order (token tile fastest inside a band of BAND token tiles).
+__device__ __forceinline__ void tile_origin(int t, int M, int N, int& m0, int& n0) {
+    const int MT = (M + BM - 1) / BM;
+    const int per_band = BAND * (N / BN);
+    const int band = t / per_band, idx = t % per_band;
+    const int bm = min(BAND, MT - band * BAND);
+    m0 = (band * BAND + idx % bm) * BM;
+    n0 = (idx / bm) * BN;
+}
+
+// Staging address of 16-byte chunk c of row r: rows 0-127 in the stage at `lo`, 128-255 in the
+// stage at `hi`, 256 bytes a row, the chunk index XORed with r % 8.
+__device__ __forceinline__ unsigned staged(unsigned lo, unsigned hi, int r, int c) {
+    return (r < 128 ? lo + r * (BN * 2) : hi + (r - 128) * (BN * 2)) + ((c ^ (r & 7)) << 4);
+}
+
+// One consumer warpgroup's share of a computing tile: the k loop over its first NS sub-tiles
+// (NS = 0: only passes the stages along), every stage released but the tile's last two (at
+// `lo`, `hi`), the results staged there, the tile written out by both consumers, then those
+// two stages released. (s, ph) is the ring position, carried across tiles.
+template <int NS>
+__device__ __forceinline__ void consume_tile(unsigned base, const unsigned long long* full_bar, const unsigned long long* empty_bar,
+                                             int cw, int KT, int& s, unsigned& ph, const int* rows, int nact, T* __restrict__ out,
+                                             int N, int n0) {
+    const int ct = threadIdx.x - 128, warp = (threadIdx.x & 127) >> 5, lane = threadIdx.x & 31;
+    float acc[NS > 0 ? NS : 1][NB * 64];
+#pragma unroll
+    for (int i = 0; i < NS; ++i)
+#pragma unroll
+        for (int e = 0; e < NB * 64; ++e) acc[i][e] = 0.f;
+    const int s_lo = (s + KT - 2) % STAGES, s_hi = (s + KT - 1) % STAGES;
+    int prev = 0;
+    for (int kt = 0; kt < KT; ++kt) {
+        mbar_wait(smem_u32(&full_bar[s]), ph);
+        if (NS > 0) {
+            fence_proxy_async();
+            const unsigned sa = base + s * STAGE_BYTES + cw * 64 * 128;
+            const unsigned sb = base + s * STAGE_BYTES + A_BYTES;
+#pragma unroll
+            for (int i = 0; i < NS; ++i) fence_acc(acc[i]);
+            wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < BK / 16; ++kk) {
+#pragma unroll
+                for (int i = 0; i < NS; ++i) {
+                    const unsigned long long da = sw128_desc(sa + i * 128 * 128 + kk * 32);
+#if FUSED
+                    wgmma_m64n256k16(acc[i], da, sw128_desc(sb + kk * 32));
+#else
+                    wgmma_m64n128k16(acc[i], da, sw128_desc(sb + kk * 32));
+#endif
+                }
+            }
+            wg_commit();
+#pragma unroll
+            for (int i = 0; i < NS; ++i) fence_acc(acc[i]);
+            wg_wait<1>();
+#pragma unroll
+            for (int i = 0; i < NS; ++i) fence_acc(acc[i]);
+        }
+        __syncwarp();
+        // Stage kt - 1 is done with (its wgmma group has completed); the last two are kept.
+        if (kt > 0 && kt - 1 < KT - 2 && lane == 0) release_stage(smem_u32(&empty_bar[prev]));
+        prev = s;
+        if (++s == STAGES) {
+            s = 0;
+            ph ^= 1u;
+        }
+    }
+    const unsigned lo = base + s_lo * STAGE_BYTES, hi = base + s_hi * STAGE_BYTES;
+    if (NS > 0) {
+        wg_wait<0>();
+#pragma unroll
+        for (int i = 0; i < NS; ++i) fence_acc(acc[i]);
+    }
+    consumers_sync();  // both consumers' wgmma have read the kept stages
+#pragma unroll
+    for (int i = 0; i < NS; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = (cw + 2 * i) * 64 + warp * 16 + (lane >> 2) + 8 * h;
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                float v0 = acc[i][4 * j + 2 * h], v1 = acc[i][4 * j + 2 * h + 1];
+#if FUSED
+                v0 = silu(v0) * acc[i][64 + 4 * j + 2 * h];
+                v1 = silu(v1) * acc[i][64 + 4 * j + 2 * h + 1];
+#endif
+                asm volatile("st.shared.u32 [%0], %1;" ::"r"(staged(lo, hi, r, j) + (lane & 3) * 4), "r"(pack2(v0, v1)) : "memory");
+            }
+        }
+    consumers_sync();
+    for (int i = ct; i < BM * (BN / 8); i += 256) {
+        const int r = i / (BN / 8), c = i % (BN / 8);
+        const int tok = rows[r];
+        if (tok < 0) continue;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (r < nact)
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(staged(lo, hi, r, c)));
+        *reinterpret_cast<uint4*>(out + (long long)tok * N + n0 + c * 8) = v;
+    }
+    // The kept stages were written and read through the generic proxy; the weight copies that
+    // refill them are async-proxy writes.
+    fence_proxy_async();
+    consumers_sync();  // the kept stages and the rows are read
+    __syncwarp();
+    if (lane == 0) {
+        release_stage(smem_u32(&empty_bar[s_lo]));
+        release_stage(smem_u32(&empty_bar[s_hi]));
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ w2, const int* __restrict__ perm,
+              const int* __restrict__ count, T* __restrict__ out, int M, int N, int K, int G, const __grid_constant__ TmaDesc tmap_w,
+              const __grid_constant__ TmaDesc tmap_w2) {
+    extern __shared__ unsigned char smem_raw[];
+    __shared__ int rows[BM];
+    __shared__ __align__(8) unsigned long long full_bar[STAGES], empty_bar[STAGES];
+    const unsigned base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    const int tid = threadIdx.x;
+    const int tiles = (M + BM - 1) / BM * (N / BN);
+    const int KT = K / BK;  // >= 2 (the two kept stages)
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(smem_u32(&full_bar[s]), 128 + 1);  // every producer thread + the expect_tx
+            mbar_init(smem_u32(&empty_bar[s]), 8);       // every consumer warp
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
+    int s = 0;
+    unsigned ph = 0;
+    if (wg == 0) {
+        // Producer: thread t copies chunk c = t % 8 of rows t / 8 + 16 i of every computing tile.
+        const int c = tid & 7, r0 = tid >> 3;
+        long long it = 0;  // stages issued so far
+        for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+            int m0, n0;
+            tile_origin(t, M, N, m0, n0);
+            const int g = n0 / G;
+            const int nact = min(BM, __shfl_sync(0xffffffffu, count[g], 0) - m0);
+            if (nact <= 0) continue;
+            const int* pg = perm + (long long)g * M;
+            const T* asrc[BM / 16];
+            int asz[BM / 16];
+#pragma unroll
+            for (int i = 0; i < BM / 16; ++i) {
+                const int r = r0 + 16 * i;
+                const bool v = r < nact;
+                asz[i] = v ? 16 : 0;
+                asrc[i] = x + (v ? (long long)pg[m0 + r] * K : 0) + c * 8;
+            }
+            for (int kt = 0; kt < KT; ++kt, ++it) {
+                if (it >= STAGES) mbar_wait(smem_u32(&empty_bar[s]), ph ^ 1u);
+                const unsigned sa = base + s * STAGE_BYTES;
+                const int k0 = kt * BK;
+#pragma unroll
+                for (int i = 0; i < BM / 16; ++i) cp_async16_sz(sa + sw128_off(r0 + 16 * i, c), asrc[i] + k0, asz[i]);
+                if (tid == 0) load_weights_tma(sa, smem_u32(&full_bar[s]), &tmap_w, &tmap_w2, k0, n0);
+                cp_async_arrive(smem_u32(&full_bar[s]));
+                if (++s == STAGES) {
+                    s = 0;
+                    ph ^= 1u;
+                }
+            }
+        }
+        cp_wait<0>();
+    } else {
+        const int cw = wg - 1;
+        for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+            int m0, n0;
+            tile_origin(t, M, N, m0, n0);
+            const int g = n0 / G;
+            const int nact = min(BM, __shfl_sync(0xffffffffu, count[g], 0) - m0);
+            const int* pg = perm + (long long)g * M;
+            for (int i = tid - 128; i < BM; i += 256) rows[i] = (m0 + i < M) ? pg[m0 + i] : -1;
+            if (nact <= 0) {
+                // No active token: zeros for the listed ones.
+                consumers_sync();
+                for (int i = tid - 128; i < BM * (BN / 8); i += 256) {
+                    const int r = i / (BN / 8), c = i % (BN / 8);
+                    if (rows[r] >= 0) *reinterpret_cast<uint4*>(out + (long long)rows[r] * N + n0 + c * 8) = make_uint4(0, 0, 0, 0);
+                }
+                consumers_sync();
+                continue;
+            }
+            // The rows are read after the barriers inside consume_tile.
+            int ns = 0;
+#pragma unroll
+            for (int i = 0; i < MI; ++i) ns += (cw + 2 * i) * 64 < nact;
+            if (ns == 0) consume_tile<0>(base, full_bar, empty_bar, cw, KT, s, ph, rows, nact, out, N, n0);
+#if MI >= 2
+            else if (ns == 2) consume_tile<2>(base, full_bar, empty_bar, cw, KT, s, ph, rows, nact, out, N, n0);
+#endif
+            else consume_tile<1>(base, full_bar, empty_bar, cw, KT, s, ph, rows, nact, out, N, n0);
+        }
+    }
+}
+#endif  // PERSIST
