@@ -3,6 +3,8 @@
 //! the GPU against the CPU.
 #![cfg(feature = "cuda-tests")]
 
+mod common;
+
 use tch::{nn, Device, Kind, Tensor};
 use wide_core::decode::StaticDecoder;
 use wide_core::{presets, ForwardOptions, LlamaModel, RandomWeights, SamplingConfig};
@@ -10,8 +12,7 @@ use wide_kernels::ops::scale_shift::{scale_shift, scale_shift_reference};
 use wide_kernels::{current_stream, CudaGraph, MemoryStats};
 
 fn gpu() -> Device {
-    assert!(tch::Cuda::is_available(), "cuda-tests need a CUDA device (libtorch sees none)");
-    Device::Cuda(0)
+    common::exclusive_gpu()
 }
 
 #[test]

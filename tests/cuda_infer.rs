@@ -3,6 +3,8 @@
 //! and graph-captured batched decode against eager decode and full forwards.
 #![cfg(feature = "cuda-tests")]
 
+mod common;
+
 use std::path::Path;
 use tch::{nn, Device, Kind, Tensor};
 use wide_core::infer::{Decoder, Engine, EngineCache, MaskSource};
@@ -11,8 +13,7 @@ use wide_core::{ForwardOptions, Logits, Pretrained};
 use wide_kernels::ops::fused::{self, QkvShape, RouterWeights};
 
 fn gpu() -> Device {
-    assert!(tch::Cuda::is_available(), "cuda-tests need a CUDA device");
-    Device::Cuda(0)
+    common::exclusive_gpu()
 }
 
 fn rel(a: &Tensor, b: &Tensor) -> f64 {
@@ -147,6 +148,7 @@ fn wide_routing(p: &Pretrained, vs: &nn::VarStore, fixed: bool) -> Routing {
 
 #[test]
 fn engine_prefill_matches_training_path_on_gpu() {
+    let _ = gpu(); // the device first (one GPU test at a time)
     let _g = tch::no_grad_guard();
     tch::manual_seed(2);
     let p = small();
@@ -181,6 +183,7 @@ fn engine_prefill_matches_training_path_on_gpu() {
 /// training path for the same masks.
 #[test]
 fn engine_prefill_with_large_m_routed_gate_up_matches_training_path() {
+    let _ = gpu(); // the device first (one GPU test at a time)
     let _g = tch::no_grad_guard();
     tch::manual_seed(5);
     let mut mc = wide_core::presets::preset("tiny").unwrap();
@@ -220,6 +223,7 @@ fn engine_prefill_with_large_m_routed_gate_up_matches_training_path() {
 
 #[test]
 fn graph_decode_matches_eager_decode_and_full_forwards() {
+    let _ = gpu(); // the device first (one GPU test at a time)
     let _g = tch::no_grad_guard();
     tch::manual_seed(3);
     let p = small();

@@ -8,6 +8,8 @@
 //! entry the kernel fails to write reads NaN.
 #![cfg(feature = "cuda-tests")]
 
+mod common;
+
 use tch::{Device, Kind, Tensor};
 use wide_kernels::ops::dispatch::{feasible_tiles, wgmma_feasible, GemmPath, GemmShape, RoutedOp, TILES};
 use wide_kernels::ops::gemm::{gemm_k_reference, gemm_mn_reference, routed_gemm};
@@ -16,8 +18,7 @@ use wide_kernels::ops::attention::PREFILL_TILES;
 use wide_kernels::CudaGraph;
 
 fn gpu() -> Device {
-    assert!(tch::Cuda::is_available(), "cuda-tests need a CUDA device (libtorch sees none)");
-    Device::Cuda(0)
+    common::exclusive_gpu()
 }
 
 fn poison(m: i64, n: i64, kind: Kind) {
@@ -138,6 +139,7 @@ fn run_k_case(kind: Kind, m: i64, n: i64, k: i64, g: i64, p_active: f64) {
 
 #[test]
 fn route_layout_kernel_matches_reference() {
+    let _ = gpu(); // the device first (one GPU test at a time)
     tch::manual_seed(11);
     for (m, ng) in [(1, 1), (1, 112), (37, 112), (1000, 448), (4096, 112), (16384, 8), (3000, 32)] {
         for p in [0.0, 0.3, 0.5, 1.0] {
@@ -154,6 +156,7 @@ fn route_layout_kernel_matches_reference() {
 
 #[test]
 fn gemm_mn_all_paths_match_reference() {
+    let _ = gpu(); // the device first (one GPU test at a time)
     tch::manual_seed(12);
     for kind in [Kind::BFloat16, Kind::Half] {
         // 112 groups of 128 (14336 / 128), M not a multiple of any tile, one token, all on/off.
@@ -170,6 +173,7 @@ fn gemm_mn_all_paths_match_reference() {
 
 #[test]
 fn gemm_mn_swiglu_all_paths_match_reference() {
+    let _ = gpu(); // the device first (one GPU test at a time)
     tch::manual_seed(13);
     for kind in [Kind::BFloat16, Kind::Half] {
         for (m, p) in [(1, 0.5), (5, 0.3), (250, 0.5), (1024, 0.75), (96, 1.0), (33, 0.0)] {
@@ -183,6 +187,7 @@ fn gemm_mn_swiglu_all_paths_match_reference() {
 /// multiple of the 128-token tile, all-active and all-inactive masks). Hopper only.
 #[test]
 fn gemm_mn_wgmma_matches_reference() {
+    let _ = gpu(); // the device first (one GPU test at a time)
     if !wide_kernels::ops::wgmma::supported(0) {
         eprintln!("skipped: the wgmma kernel needs a compute capability 9.0 GPU");
         return;
@@ -203,6 +208,7 @@ fn gemm_mn_wgmma_matches_reference() {
 
 #[test]
 fn gemm_k_all_paths_match_reference() {
+    let _ = gpu(); // the device first (one GPU test at a time)
     tch::manual_seed(14);
     for kind in [Kind::BFloat16, Kind::Half] {
         for (m, p) in [(1, 0.5), (2, 0.5), (16, 0.5), (77, 0.5), (300, 0.5), (1029, 0.5), (64, 1.0), (129, 0.0), (200, 0.02)] {
@@ -220,6 +226,7 @@ fn gemm_k_all_paths_match_reference() {
 
 #[test]
 fn dispatch_end_to_end_matches_reference() {
+    let _ = gpu(); // the device first (one GPU test at a time)
     tch::manual_seed(15);
     let dev = gpu();
     for (m, k, n, g) in [(1i64, 4096i64, 14336i64, 128i64), (2, 4096, 14336, 128), (8, 4096, 14336, 128), (2048, 4096, 14336, 128)] {
@@ -263,6 +270,7 @@ fn gemv_path_replays_in_a_cuda_graph() {
 /// Small shapes of every op and path, for one `compute-sanitizer --tool memcheck` run.
 #[test]
 fn sanitizer_small_all_ops() {
+    let _ = gpu(); // the device first (one GPU test at a time)
     tch::manual_seed(16);
     for (m, p) in [(1, 0.5), (3, 1.0), (70, 0.5), (129, 0.0)] {
         run_mn_case(Kind::BFloat16, m, 1024, 64, 128, p, false);
@@ -312,6 +320,7 @@ fn run_decode_case(kind: Kind, b: i64, hq: i64, hkv: i64, tcap: i64, d: i64, gh:
 
 #[test]
 fn attention_decode_matches_reference() {
+    let _ = gpu(); // the device first (one GPU test at a time)
     tch::manual_seed(17);
     for kind in [Kind::BFloat16, Kind::Half] {
         // Llama-3.1-8B: 32 query heads, 8 KV heads, groups of 4 heads (one KV head each).
@@ -381,12 +390,14 @@ fn prefill_small_cases() {
 
 #[test]
 fn prefill_sanitizer_small() {
+    let _ = gpu(); // the device first (one GPU test at a time)
     tch::manual_seed(19);
     prefill_small_cases();
 }
 
 #[test]
 fn attention_prefill_matches_reference() {
+    let _ = gpu(); // the device first (one GPU test at a time)
     tch::manual_seed(18);
     for kind in [Kind::BFloat16, Kind::Half] {
         // Llama-3.1-8B heads: 32 query, 8 KV, groups of 4 heads (one KV head each); T not a

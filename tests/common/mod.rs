@@ -79,3 +79,25 @@ pub fn tiny_model_and_data_overrides() -> Vec<String> {
         format!("data.token_cache=\"{}\"", data.join("tokens").display()),
     ]
 }
+
+/// CUDA device 0 for a GPU test, held by the calling test until its thread ends. A CUDA graph
+/// capture registers libtorch's CUDA generator and caching allocator process-wide, so another
+/// test's `rand` or allocation during a capture fails or invalidates it: the GPU tests of one
+/// binary run one at a time (each takes the device with its first call).
+pub fn exclusive_gpu() -> tch::Device {
+    use std::cell::RefCell;
+    use std::sync::{Mutex, MutexGuard};
+    static GPU: Mutex<()> = Mutex::new(());
+    thread_local! {
+        static HELD: RefCell<Option<MutexGuard<'static, ()>>> = const { RefCell::new(None) };
+    }
+    HELD.with(|h| {
+        let mut h = h.borrow_mut();
+        if h.is_none() {
+            // A failed test poisons the lock; the next one still runs.
+            *h = Some(GPU.lock().unwrap_or_else(|e| e.into_inner()));
+        }
+    });
+    assert!(tch::Cuda::is_available(), "cuda-tests need a CUDA device (libtorch sees none)");
+    tch::Device::Cuda(0)
+}

@@ -127,9 +127,10 @@ int wide_graph_capture_begin(void* handle) {
     g->previous_stream = c10::cuda::getCurrentCUDAStream(g->device);
     c10::cuda::setCurrentCUDAStream(side);
     try {
-      // Thread-local capture mode: another thread's CUDA calls (a caching-allocator cudaMalloc,
-      // say) neither fail nor invalidate this capture, as they do in the global mode (the
-      // default), which broke parallel GPU tests at random.
+      // Thread-local capture mode: another thread's unsafe CUDA calls (a caching-allocator
+      // cudaMalloc, say) neither fail nor invalidate this capture, as they do in the global mode
+      // (the default). libtorch's CUDA generator still refuses other threads' draws during a
+      // capture, so the GPU tests also take the device one at a time.
       g->graph.capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
     } catch (...) {
       g->restore_stream();
