@@ -84,10 +84,7 @@
 #define B_BYTES (BN * BK * 2)
 #define STAGE_BYTES (A_BYTES + NB * B_BYTES)
 #define THREADS 384
-#ifndef BAND_ENTRIES
-#define BAND_ENTRIES 2048  // list entries a band (a multiple of BM * CLUSTER)
-#endif
-#define BAND (BAND_ENTRIES / BM)
+#define BAND (2048 / BM)
 #define LAG (STAGES - 2)  // ASYNC_ARRIVE 0: stage kt is handed over after issuing stage kt + LAG
 #if STAGES < 3
 #error "STAGES must be at least 3"

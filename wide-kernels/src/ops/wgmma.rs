@@ -63,8 +63,6 @@ pub struct WgmmaConfig {
     pub tma: bool,
     /// L2 policies: the gathered x rows evict-last, the outputs evict-first.
     pub l2_hint: bool,
-    /// List entries a band of the tile order (token tiles fastest inside a band).
-    pub band: u32,
 }
 
 impl WgmmaConfig {
@@ -75,7 +73,7 @@ impl WgmmaConfig {
     /// / 0.447-0.464 / 1.729-1.859 against 0.241-0.242 / 0.479-0.481 / 1.874-1.912, gate+up
     /// 0.444 / 0.869-0.875 / 3.445-3.500 against 0.438-0.453 / 0.889-0.907 / 3.463-3.485.
     pub fn default_for(fused: bool) -> Self {
-        Self { mi: if fused { 1 } else { 2 }, stages: 4, async_arrive: true, cluster: 1, tma: true, l2_hint: false, band: 2048 }
+        Self { mi: if fused { 1 } else { 2 }, stages: 4, async_arrive: true, cluster: 1, tma: true, l2_hint: false }
     }
     /// Token rows of a tile.
     pub fn bm(&self) -> i64 {
@@ -96,20 +94,16 @@ impl WgmmaConfig {
             && self.smem_bytes(fused) <= 227 * 1024
             && (self.cluster == 1 || (self.cluster == 2 && self.async_arrive))
             && (!self.tma || (self.cluster == 1 && self.async_arrive))
-            && self.band >= 512
-            && self.band <= 8192
-            && self.band as i64 % (self.bm() * self.cluster as i64) == 0
     }
     pub fn label(&self) -> String {
         format!(
-            "wgmma{}x128x64s{}{}{}{}{}{}",
+            "wgmma{}x128x64s{}{}{}{}{}",
             self.bm(),
             self.stages,
             if self.async_arrive { "" } else { "w" },
             if self.cluster == 2 { "c2" } else { "" },
             if self.tma { "t" } else { "" },
-            if self.l2_hint { "h" } else { "" },
-            if self.band != 2048 { format!("b{}", self.band) } else { String::new() }
+            if self.l2_hint { "h" } else { "" }
         )
     }
 }
@@ -118,13 +112,10 @@ impl WgmmaConfig {
 /// compiled by the NVRTC test.
 pub fn sweep(fused: bool) -> Vec<WgmmaConfig> {
     let mut v = vec![WgmmaConfig::default_for(fused)];
-    for band in [1024, 4096] {
-        v.push(WgmmaConfig { band, ..WgmmaConfig::default_for(fused) });
-    }
     for mi in [1, 2] {
         for (stages, async_arrive, cluster, tma) in [(4, true, 1, true), (4, true, 1, false), (4, false, 1, false), (5, true, 1, true), (4, true, 2, false), (5, true, 2, false)] {
             for l2_hint in [false, true] {
-                let c = WgmmaConfig { mi, stages, async_arrive, cluster, tma, l2_hint, band: 2048 };
+                let c = WgmmaConfig { mi, stages, async_arrive, cluster, tma, l2_hint };
                 if c.valid(fused) && !v.contains(&c) && (!l2_hint || (stages == 4 && tma)) {
                     v.push(c);
                 }
@@ -135,7 +126,7 @@ pub fn sweep(fused: bool) -> Vec<WgmmaConfig> {
 }
 
 /// The configuration used: the default, or the one `WIDE_WGMMA` names for benchmark sweeps
-/// (`mi=1,stages=5,arrive=wait,cluster=2`, `tma=1`, `hint=1`, `band=1024`; read once; ignored unless valid for this op).
+/// (`mi=1,stages=5,arrive=wait,cluster=2`, `tma=1`, `hint=1`; read once; ignored unless valid for this op).
 pub fn config(fused: bool) -> WgmmaConfig {
     static V: OnceLock<Option<String>> = OnceLock::new();
     let d = WgmmaConfig::default_for(fused);
@@ -149,7 +140,6 @@ pub fn config(fused: bool) -> WgmmaConfig {
             Some(("cluster", v)) => c.cluster = v.parse().unwrap_or(c.cluster),
             Some(("tma", v)) => c.tma = v == "1",
             Some(("hint", v)) => c.l2_hint = v == "1",
-            Some(("band", v)) => c.band = v.parse().unwrap_or(c.band),
             _ => {}
         }
     }
@@ -172,7 +162,6 @@ pub fn source(f16: bool, fused: bool, c: WgmmaConfig) -> KernelSource {
         .define("CLUSTER", c.cluster)
         .define("TMA_B", c.tma as u32)
         .define("L2_HINT", c.l2_hint as u32)
-        .define("BAND_ENTRIES", c.band)
 }
 
 /// Every variant shipped (the defaults and the sweep), for the compile-everything test.
@@ -231,7 +220,7 @@ pub(crate) fn launch(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>,
     // of (N / 128) * 16 tiles at most must fit an i32 too.
     let units = (s.m as u64).div_ceil(c.bm() as u64).div_ceil(c.cluster as u64);
     let blocks = units * c.cluster as u64 * (s.n / WGMMA_BN) as u64;
-    ensure!(blocks <= i32::MAX as u64 && (c.band as i64 / c.bm()) * s.n / WGMMA_BN <= i32::MAX as i64, "too many tiles (M {} x N {}) for one wgmma launch", s.m, s.n);
+    ensure!(blocks <= i32::MAX as u64 && 16 * s.n / WGMMA_BN <= i32::MAX as i64, "too many tiles (M {} x N {}) for one wgmma launch", s.m, s.n);
     let cfg = LaunchConfig { grid: (blocks as u32, 1, 1), block: (THREADS, 1, 1), shared_mem_bytes: c.smem_bytes(fused) };
     let w_up = w2.as_ref().unwrap_or(&w);
     // Clusters (half a tile, 64 rows x 64 k, a block) and the TMA path (two such boxes a tile)
@@ -280,12 +269,12 @@ mod tests {
         assert_eq!(WgmmaConfig::default_for(true).smem_bytes(true), 4 * (16384 + 32768) + 1024);
         assert_eq!(WgmmaConfig::default_for(false).bm(), 256);
         // Fused with 256-token tiles would need 256 accumulators a thread.
-        assert!(!WgmmaConfig { mi: 2, stages: 3, async_arrive: true, cluster: 1, tma: false, l2_hint: false, band: 2048 }.valid(true));
-        assert!(!WgmmaConfig { mi: 1, stages: 2, async_arrive: true, cluster: 1, tma: false, l2_hint: false, band: 2048 }.valid(false));
-        assert!(!WgmmaConfig { mi: 2, stages: 5, async_arrive: true, cluster: 1, tma: false, l2_hint: false, band: 2048 }.valid(false), "240 KiB");
-        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 2, tma: false, l2_hint: false, band: 2048 }.valid(false), "clusters need the async arrive");
-        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 1, tma: true, l2_hint: false, band: 2048 }.valid(false), "TMA weights need the async arrive");
-        assert!(!WgmmaConfig { mi: 1, stages: 4, async_arrive: true, cluster: 2, tma: true, l2_hint: false, band: 2048 }.valid(true), "TMA weights are the cluster-free path");
+        assert!(!WgmmaConfig { mi: 2, stages: 3, async_arrive: true, cluster: 1, tma: false, l2_hint: false }.valid(true));
+        assert!(!WgmmaConfig { mi: 1, stages: 2, async_arrive: true, cluster: 1, tma: false, l2_hint: false }.valid(false));
+        assert!(!WgmmaConfig { mi: 2, stages: 5, async_arrive: true, cluster: 1, tma: false, l2_hint: false }.valid(false), "240 KiB");
+        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 2, tma: false, l2_hint: false }.valid(false), "clusters need the async arrive");
+        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 1, tma: true, l2_hint: false }.valid(false), "TMA weights need the async arrive");
+        assert!(!WgmmaConfig { mi: 1, stages: 4, async_arrive: true, cluster: 2, tma: true, l2_hint: false }.valid(true), "TMA weights are the cluster-free path");
         assert!(sweep(false).iter().any(|c| !c.tma && c.cluster == 1) && sweep(true).iter().any(|c| !c.tma && c.cluster == 1), "the cp.async weight path stays in the sweep");
         assert!(WgmmaConfig::default_for(true).tma && WgmmaConfig::default_for(false).tma);
         assert!(sweep(false).iter().any(|c| c.cluster == 2) && sweep(true).iter().any(|c| c.cluster == 2));
