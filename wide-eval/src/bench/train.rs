@@ -116,8 +116,9 @@ pub fn run(cfg: &TrainBenchConfig) -> Result<serde_json::Value> {
     let n_matmul = (mc.parameter_count() - mc.vocab_size * mc.hidden_size) as f64;
     let attn_fwd = 4.0 * (mc.num_hidden_layers * mc.num_attention_heads * mc.head_dim) as f64 * (cfg.seq_len as f64 / 2.0);
     let flops_per_token = 4.0 * n_matmul + 3.0 * attn_fwd;
+    // Achieved over all processes; MFU against the ceiling of as many GPUs (one per process).
     let achieved = flops_per_token * tps / 1e12;
-    let mfu = achieved / cfg.peak_tflops;
+    let mfu = achieved / (cfg.peak_tflops * world as f64);
     let metrics = task.take_metrics();
     let result = json!({
         "benchmark": "train",
