@@ -11,7 +11,7 @@
 mod common;
 
 use tch::{Device, Kind, Tensor};
-use wide_kernels::ops::dispatch::{feasible_tiles, wgmma_feasible, GemmPath, GemmShape, RoutedOp, TILES};
+use wide_kernels::ops::dispatch::{feasible_tiles, skinny_feasible, wgmma_feasible, GemmPath, GemmShape, RoutedOp, TILES};
 use wide_kernels::ops::gemm::{gemm_k_reference, gemm_mn_reference, routed_gemm};
 use wide_kernels::ops::layout::{route_layout, route_layout_reference};
 use wide_kernels::ops::attention::PREFILL_TILES;
@@ -54,6 +54,9 @@ fn paths_for(s: &GemmShape) -> Vec<GemmPath> {
     let mut p = vec![GemmPath::DenseMasked];
     if s.m <= 16 {
         p.push(GemmPath::Gemv);
+    }
+    if skinny_feasible(s) {
+        p.push(GemmPath::GemvMma);
     }
     p.extend(feasible_tiles(s).into_iter().map(GemmPath::Tiled));
     if wgmma_feasible(s) && wide_kernels::ops::wgmma::supported(0) {
@@ -100,9 +103,15 @@ fn run_mn_case(kind: Kind, m: i64, n: i64, k: i64, g: i64, p_active: f64, fused:
             let lf = route_layout(&mf).unwrap().with_always_on_from(ng - fix).unwrap();
             let rf = gemm_mn_reference(&x.to_kind(Kind::Float), &w.to_kind(Kind::Float), up.map(|u| u.to_kind(Kind::Float)).as_ref(), &mf, g);
             let offf = mf.logical_not().unsqueeze(-1).expand([m, ng, g], false).reshape([m, n]);
-            poison(m, n, kind);
-            let (y, _) = routed_gemm(op, &x, &w, up, &lf, g, Some(GemmPath::Gemv)).unwrap();
-            check(&y, &rf, Some(&offf), &format!("{op:?} {kind:?} M={m} N={n} K={k} G={g} active={p_active} gemv, groups {} on", ng - fix));
+            let mut small = vec![GemmPath::Gemv];
+            if skinny_feasible(&s) {
+                small.push(GemmPath::GemvMma);
+            }
+            for p in small {
+                poison(m, n, kind);
+                let (y, _) = routed_gemm(op, &x, &w, up, &lf, g, Some(p)).unwrap();
+                check(&y, &rf, Some(&offf), &format!("{op:?} {kind:?} M={m} N={n} K={k} G={g} active={p_active} {}, groups {} on", p.label(), ng - fix));
+            }
         }
     }
 }
@@ -168,6 +177,10 @@ fn gemm_mn_all_paths_match_reference() {
         }
         // 896 groups: more than the GEMV holds in registers (its second mask pass).
         run_mn_case(kind, 2, 14336, 256, 16, 0.5, false);
+        // The small-M mma kernel: 11 k blocks over 8 warps (two warps without any), a partial
+        // token tile of the 4-tile variant; a full 32-token block over a long K.
+        run_mn_case(kind, 25, 4096, 352, 32, 0.5, false);
+        run_mn_case(kind, 32, 14336, 4096, 128, 0.7, false);
     }
 }
 
@@ -176,7 +189,7 @@ fn gemm_mn_swiglu_all_paths_match_reference() {
     let _ = gpu(); // the device first (one GPU test at a time)
     tch::manual_seed(13);
     for kind in [Kind::BFloat16, Kind::Half] {
-        for (m, p) in [(1, 0.5), (5, 0.3), (250, 0.5), (1024, 0.75), (96, 1.0), (33, 0.0)] {
+        for (m, p) in [(1, 0.5), (5, 0.3), (12, 0.5), (32, 0.9), (250, 0.5), (1024, 0.75), (96, 1.0), (33, 0.0)] {
             run_mn_case(kind, m, 14336, 256, 128, p, true);
         }
         run_mn_case(kind, 300, 2048, 512, 32, 0.5, true);
@@ -272,7 +285,7 @@ fn gemv_path_replays_in_a_cuda_graph() {
 fn sanitizer_small_all_ops() {
     let _ = gpu(); // the device first (one GPU test at a time)
     tch::manual_seed(16);
-    for (m, p) in [(1, 0.5), (3, 1.0), (70, 0.5), (129, 0.0)] {
+    for (m, p) in [(1, 0.5), (3, 1.0), (20, 0.5), (70, 0.5), (129, 0.0)] {
         run_mn_case(Kind::BFloat16, m, 1024, 64, 128, p, false);
         run_mn_case(Kind::BFloat16, m, 1024, 64, 128, p, true);
         run_k_case(Kind::BFloat16, m, 128, 1024, 128, p);

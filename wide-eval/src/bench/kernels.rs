@@ -16,7 +16,7 @@ use anyhow::{bail, Context, Result};
 use serde_json::json;
 use std::path::PathBuf;
 use tch::{Device, Kind, Tensor};
-use wide_kernels::ops::dispatch::{GemmPath, RoutedOp, GEMV_MAX_M};
+use wide_kernels::ops::dispatch::{skinny_feasible, GemmPath, GemmShape, RoutedOp, GEMV_MAX_M};
 use wide_kernels::ops::gemm::{gemm_k_reference, gemm_mn_reference, routed_gemm, tuned_for};
 use wide_kernels::ops::layout::route_layout;
 use wide_kernels::GpuTimer;
@@ -157,7 +157,10 @@ pub fn run(cfg: &KernelBenchConfig) -> Result<serde_json::Value> {
                         RoutedOp::K | RoutedOp::KPremasked => gemm_k_reference(&xf, &wf, &msk, g),
                         _ => gemm_mn_reference(&xf, &wf, w2f.as_ref(), &msk, g),
                     };
-                    let routed_path = if m <= GEMV_MAX_M {
+                    let shape = GemmShape { op: sp.op, m, n: sp.n, k: sp.k, group: g };
+                    let routed_path = if skinny_feasible(&shape) {
+                        GemmPath::GemvMma
+                    } else if m <= GEMV_MAX_M {
                         GemmPath::Gemv
                     } else {
                         match tuned_for(sp.op, &xin, &w, w2.as_ref(), &lay, g)?.best_path() {

@@ -75,6 +75,9 @@ pub enum GemmPath {
     DenseMasked,
     /// Small-M kernel reading the raw mask; inactive weight rows/slices are never loaded.
     Gemv,
+    /// Small-M gemm_mn / SwiGLU on `mma.sync` (2..=32 tokens): the GEMV's skipping of unused
+    /// groups, with each weight byte loaded once for all tokens ([`skinny_feasible`]).
+    GemvMma,
     /// `mma.sync` tiled kernel with block-level skipping.
     Tiled(TileConfig),
     /// Hopper (sm_90a) `wgmma` kernel for gemm_mn / SwiGLU, tiles of 128 channels x 256 (plain)
@@ -87,6 +90,7 @@ impl GemmPath {
         match self {
             GemmPath::DenseMasked => "dense+mask".into(),
             GemmPath::Gemv => "gemv".into(),
+            GemmPath::GemvMma => "gemv-mma".into(),
             GemmPath::Tiled(t) => t.label(),
             GemmPath::Wgmma => "wgmma".into(),
         }
@@ -95,6 +99,21 @@ impl GemmPath {
 
 /// Largest M the GEMV kernels take (their per-token accumulators live in registers).
 pub const GEMV_MAX_M: i64 = 16;
+/// Token range of the small-M `mma.sync` gemm_mn ([`GemmPath::GemvMma`]; up to four 8-token
+/// tiles a block).
+pub const SKINNY_MIN_M: i64 = 2;
+pub const SKINNY_MAX_M: i64 = 32;
+
+/// Shapes the small-M `mma.sync` gemm_mn takes: gemm_mn or its SwiGLU, 2..=32 tokens, blocks of
+/// 16 rows inside one group (16 | G) and k blocks of 32 (32 | K).
+pub fn skinny_feasible(s: &GemmShape) -> bool {
+    matches!(s.op, RoutedOp::Mn | RoutedOp::MnSwiglu)
+        && (SKINNY_MIN_M..=SKINNY_MAX_M).contains(&s.m)
+        && s.group % 16 == 0
+        && s.n % s.group == 0
+        && s.k % 32 == 0
+        && s.k > 0
+}
 /// Smallest M for which the tiled / wgmma kernels may be chosen. Below it a product is a few
 /// microseconds and the autotuner's three timed runs cannot rank the paths reliably: on the
 /// H200 (2026-11-30, s = 0.5, G = 128, cold) it once chose wgmma for Q at M = 128, which the
@@ -217,6 +236,15 @@ pub fn choose(s: &GemmShape, sparsity: f64, tuned: Option<&Tuned>) -> GemmPath {
         RoutedOp::Mn if s.m > 1 => frac <= GEMV_NARROW_MAX_FRACTION,
         _ => frac <= GEMV_MAX_FRACTION,
     };
+    if s.m > 1 && skinny_feasible(s) {
+        // Plain: the mma kernel with its masked write-out replaces cuBLAS + the zero pass. SwiGLU:
+        // only where it saves bytes (the dense fallback is one stacked GEMM + the SwiGLU pass).
+        return match s.op {
+            RoutedOp::Mn => GemmPath::GemvMma,
+            _ if frac <= GEMV_MAX_FRACTION => GemmPath::GemvMma,
+            _ => GemmPath::DenseMasked,
+        };
+    }
     if gemv_ok && pays {
         return GemmPath::Gemv;
     }

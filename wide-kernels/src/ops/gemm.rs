@@ -136,6 +136,7 @@ fn choose_path_for(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, l
     Ok(match dispatch::env_override() {
         Some("dense") => GemmPath::DenseMasked,
         Some("gemv") => GemmPath::Gemv,
+        Some("gemv-mma") if dispatch::skinny_feasible(s) => GemmPath::GemvMma,
         Some("tiled") => match tuned(s, x, w, w2, layout)?.best() {
             Some((t, _)) => GemmPath::Tiled(t),
             None => GemmPath::DenseMasked,
@@ -153,6 +154,7 @@ fn run_path(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: 
     match path {
         GemmPath::DenseMasked => dense_masked(s, x, w, w2, layout),
         GemmPath::Gemv => launch_gemv(s, x, w, w2, layout),
+        GemmPath::GemvMma => launch_skinny(s, x, w, w2, layout),
         GemmPath::Tiled(t) => launch_tiled(s, x, w, w2, layout, t),
         GemmPath::Wgmma => wgmma::launch(s, x, w, w2, layout),
     }
@@ -234,6 +236,44 @@ fn launch_gemv(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layou
     };
     // Programmatic dependent launch: both GEMVs wait for the launch before (pdl.cuh).
     unsafe { kernel.launch_pdl(LaunchConfig { grid: (blocks, 1, 1), block: (threads, 1, 1), shared_mem_bytes: smem }, &args)? };
+    Ok(out)
+}
+
+fn launch_skinny(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: &RouteLayout) -> Result<Tensor> {
+    ensure!(
+        dispatch::skinny_feasible(s),
+        "the small-M mma gemm_mn takes gemm_mn with {}..={} tokens, 16 | group and 32 | K; got {:?} M {} K {} group {}",
+        dispatch::SKINNY_MIN_M,
+        dispatch::SKINNY_MAX_M,
+        s.op,
+        s.m,
+        s.k,
+        s.group
+    );
+    let (device, f16, x, w, w2) = cuda_inputs(s, x, w, w2)?;
+    let nt = [1, 2, 4].into_iter().find(|&v| 8 * v >= s.m).unwrap();
+    let entry = match s.op {
+        RoutedOp::MnSwiglu => format!("skinny_mn_swiglu_{nt}"),
+        _ => format!("skinny_mn_{nt}"),
+    };
+    let kernel = routed_kernel(f16, None, &entry, device)?;
+    let out = Tensor::empty([s.m, s.n], (x.kind(), x.device()));
+    let mut args = vec![KernelArg::tensor(&x)?, KernelArg::tensor(&w)?];
+    if let Some(u) = &w2 {
+        args.push(KernelArg::tensor(u)?);
+    }
+    args.extend([
+        KernelArg::tensor(layout.mask())?,
+        KernelArg::tensor(&out)?,
+        KernelArg::I32(s.m as i32),
+        KernelArg::I32(s.n as i32),
+        KernelArg::I32(s.k as i32),
+        KernelArg::I32(s.group as i32),
+        KernelArg::I32((s.n / s.group) as i32),
+        KernelArg::I32(layout.always_on_from() as i32),
+    ]);
+    // One block of 8 warps for each 16 output rows; programmatic dependent launch as the GEMVs.
+    unsafe { kernel.launch_pdl(LaunchConfig { grid: ((s.n / 16) as u32, 1, 1), block: (256, 1, 1), shared_mem_bytes: 0 }, &args)? };
     Ok(out)
 }
 
