@@ -251,10 +251,8 @@ fn launch_skinny(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, lay
         s.group
     );
     let (device, f16, x, w, w2) = cuda_inputs(s, x, w, w2)?;
-    let nt = [1, 2, 4].into_iter().find(|&v| 8 * v >= s.m).unwrap();
-    let fused = s.op == RoutedOp::MnSwiglu;
-    let rt = skinny_row_tiles(nt, fused, s.group);
-    let entry = if fused { format!("skinny_mn_swiglu_{nt}_{rt}") } else { format!("skinny_mn_{nt}_{rt}") };
+    let nt = if s.m <= 8 { 1 } else { 2 };
+    let entry = if s.op == RoutedOp::MnSwiglu { format!("skinny_mn_swiglu_{nt}_2") } else { format!("skinny_mn_{nt}_{}", skinny_unroll()) };
     let kernel = routed_kernel(f16, None, &entry, device)?;
     let out = Tensor::empty([s.m, s.n], (x.kind(), x.device()));
     let mut args = vec![KernelArg::tensor(&x)?, KernelArg::tensor(&w)?];
@@ -271,27 +269,19 @@ fn launch_skinny(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, lay
         KernelArg::I32((s.n / s.group) as i32),
         KernelArg::I32(layout.always_on_from() as i32),
     ]);
-    // One block of 8 warps for each 16 rt output rows; programmatic dependent launch as the GEMVs.
-    unsafe { kernel.launch_pdl(LaunchConfig { grid: ((s.n / (16 * rt)) as u32, 1, 1), block: (256, 1, 1), shared_mem_bytes: 0 }, &args)? };
+    // One block of 8 warps for each 16 output rows; programmatic dependent launch as the GEMVs.
+    unsafe { kernel.launch_pdl(LaunchConfig { grid: ((s.n / 16) as u32, 1, 1), block: (256, 1, 1), shared_mem_bytes: 0 }, &args)? };
     Ok(out)
 }
 
-/// 16-row tiles a block of the small-M mma gemm_mn computes (each x fragment then serves that
-/// many): 1 or 2 (`32 | G`; the fused 4-tile variant has 1 only, for its shared memory).
-/// `WIDE_SKINNY_RT` forces it for sweeps where it can run.
-pub fn skinny_row_tiles(nt: i64, fused: bool, group: i64) -> i64 {
-    static V: OnceLock<Option<i64>> = OnceLock::new();
-    let feasible = |rt: i64| rt == 1 || (rt == 2 && group % 32 == 0 && !(fused && nt >= 4));
-    if let Some(rt) = *V.get_or_init(|| std::env::var("WIDE_SKINNY_RT").ok().and_then(|v| v.parse().ok())) {
-        if feasible(rt) {
-            return rt;
-        }
-    }
-    if nt >= 2 && feasible(2) {
-        2
-    } else {
-        1
-    }
+/// k blocks of weights a warp of the plain small-M mma gemm_mn requests at a time (2 or 4; up to
+/// twice that in flight). `WIDE_SKINNY_U` forces it for sweeps.
+pub fn skinny_unroll() -> i64 {
+    static V: OnceLock<i64> = OnceLock::new();
+    *V.get_or_init(|| match std::env::var("WIDE_SKINNY_U").ok().as_deref() {
+        Some("2") => 2,
+        _ => 4,
+    })
 }
 
 /// Output rows per warp of the gemm_mn GEMV: more rows reuse each x chunk more often and put

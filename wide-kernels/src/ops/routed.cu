@@ -360,57 +360,36 @@ GEMV_ENTRIES(16, 1)
 // ---------------------------------------------------------------------------------------
 // Small-M gemm_mn on the tensor cores (2 <= M <= 8 NT): out[m, n] = x[m,:] . w[n,:] where
 // mask[m, n/G], else 0 (with w2: silu(x . w[n]) * (x . w2[n])). The GEMV above keeps per-token
-// dot products on the CUDA cores and reloads x for every token and row; here a block owns 16 RT
-// rows of one group (16 RT | G; each x fragment serves RT row tiles), its 8 warps split K (contiguous runs of 32-wide k blocks), and the
+// dot products on the CUDA cores and reloads x for every token and row; here a block owns 16
+// rows of one group (16 | G), its 8 warps split K (contiguous runs of 32-wide k blocks), and the
 // products run as m16n8k16 mma with the weight rows as A and the tokens (8 a tile) as B, so each
-// weight byte is loaded once and used for every token. A group no token uses is never loaded
-// (its rows get zeros); the tokens that skip a used group are computed and written as zeros.
+// weight byte is loaded once and used for every token. A group no token uses is not read past
+// the first U k blocks (its rows get zeros); the tokens that skip a used group are computed and
+// written as zeros.
 // Loads straight into fragments: lane (g = lane/4, t = lane%4) loads the 16 bytes at k 8t of
 // weight rows g and g + 8 and of x row g of each token tile. The first mma takes k 8t+{0,1} as
 // its k 2t+{0,1} and 8t+{2,3} as 2t+8+{0,1}, the second k 8t+4..8t+7 likewise, identically in
-// A and B (a dot product does not care about the order). Groups [FIXED, NG) are on for every
-// token: their blocks issue the first weight loads before waiting for the launch just before.
-// The warps' partial sums meet in shared memory.
+// A and B (a dot product does not care about the order).
+// Pipelining: every warp requests its first U k blocks of weights before it waits for the launch
+// just before (programmatic dependent launch) and reads the mask (with several tokens a group
+// is almost always used: 94% at 4 tokens and 50% skip), and the next U blocks' before the mma
+// of the current ones. The warps' partial sums meet in shared memory.
 // ---------------------------------------------------------------------------------------
 #define SK_WARPS 8
-template <int NT, int RT, bool FUSE>
+template <int NT, int U, bool FUSE>
 __device__ __forceinline__ void skinny_mn(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ w2,
                                           const unsigned char* __restrict__ mask, T* __restrict__ out,
                                           int M, int N, int K, int G, int NG, int FIXED) {
     constexpr int NB = FUSE ? 2 : 1;
-    constexpr int U = (FUSE ? 2 : 4) / RT > 0 ? (FUSE ? 2 : 4) / RT : 1;  // k blocks of loads in flight a warp
-    constexpr int ROWS = 16 * RT;
-    __shared__ float red[SK_WARPS][NB][RT * NT * 128];
+    __shared__ float red[SK_WARPS][NB][NT * 128];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g8 = lane >> 2, t = lane & 3;
-    const int n0 = blockIdx.x * ROWS;
+    const int n0 = blockIdx.x * 16;
     const int grp = n0 / G;
-    const bool fixed = grp >= FIXED;
-    unsigned act;
-    if (fixed) {
-        act = M >= 32 ? 0xffffffffu : (1u << M) - 1u;
-    } else {
-        pdl_wait();  // x and the mask come from the launches just before
-        pdl_trigger();
-        const bool on = lane < M && mask[(long long)lane * NG + grp] != 0;
-        act = __ballot_sync(0xffffffffu, on);
-        if (act == 0) {
-            for (int i = threadIdx.x; i < M * ROWS; i += blockDim.x) out[(long long)(i / ROWS) * N + n0 + i % ROWS] = (T)0.0f;
-            return;
-        }
-    }
     const int nkb = K >> 5, per = (nkb + SK_WARPS - 1) / SK_WARPS;
     const int kb0 = warp * per, kb1 = min(nkb, kb0 + per);
     const long long r0 = (long long)(n0 + g8) * K + 8 * t;
-    float acc[NB][RT][NT][4];
-#pragma unroll
-    for (int b = 0; b < NB; ++b)
-#pragma unroll
-        for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) acc[b][rt][nt][0] = acc[b][rt][nt][1] = acc[b][rt][nt][2] = acc[b][rt][nt][3] = 0.f;
-    bool waited = !fixed;
-    for (int kb = kb0; kb < kb1; kb += U) {
-        uint4 a[U][NB][RT][2], xv[U][NT];
+    uint4 a[U][NB][2];
+    auto load_w = [&](uint4 (&dst)[U][NB][2], int kb) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const bool ok = kb + u < kb1;
@@ -418,18 +397,32 @@ __device__ __forceinline__ void skinny_mn(const T* __restrict__ x, const T* __re
 #pragma unroll
             for (int b = 0; b < NB; ++b) {
                 const T* wb = b == 0 ? w : w2;
-#pragma unroll
-                for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h)
-                        a[u][b][rt][h] = ok ? ld_stream(wb + r0 + (16LL * rt + 8 * h) * K + o) : make_uint4(0, 0, 0, 0);
+                dst[u][b][0] = ok ? ld_stream(wb + r0 + o) : make_uint4(0, 0, 0, 0);
+                dst[u][b][1] = ok ? ld_stream(wb + r0 + 8LL * K + o) : make_uint4(0, 0, 0, 0);
             }
         }
-        if (!waited) {  // the first weight loads are on their way: now wait for x
-            pdl_wait();
-            pdl_trigger();
-            waited = true;
+    };
+    load_w(a, kb0);  // weights are never written: before the wait
+    pdl_wait();      // x and the mask come from the launches just before
+    pdl_trigger();
+    unsigned act;
+    if (grp >= FIXED) {
+        act = M >= 32 ? 0xffffffffu : (1u << M) - 1u;
+    } else {
+        const bool on = lane < M && mask[(long long)lane * NG + grp] != 0;
+        act = __ballot_sync(0xffffffffu, on);
+        if (act == 0) {
+            for (int i = threadIdx.x; i < M * 16; i += blockDim.x) out[(long long)(i >> 4) * N + n0 + (i & 15)] = (T)0.0f;
+            return;
         }
+    }
+    float acc[NB][NT][4];
+#pragma unroll
+    for (int b = 0; b < NB; ++b)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) acc[b][nt][0] = acc[b][nt][1] = acc[b][nt][2] = acc[b][nt][3] = 0.f;
+    for (int kb = kb0; kb < kb1; kb += U) {
+        uint4 xv[U][NT], an[U][NB][2];
 #pragma unroll
         for (int u = 0; u < U; ++u)
 #pragma unroll
@@ -438,38 +431,37 @@ __device__ __forceinline__ void skinny_mn(const T* __restrict__ x, const T* __re
                 const bool ok = kb + u < kb1 && tok < M && ((act >> tok) & 1u);
                 xv[u][nt] = ok ? ld_keep(x + (long long)tok * K + 32LL * (kb + u) + 8 * t) : make_uint4(0, 0, 0, 0);
             }
+        if (kb + U < kb1) load_w(an, kb + U);
 #pragma unroll
         for (int u = 0; u < U; ++u)
 #pragma unroll
-            for (int b = 0; b < NB; ++b)
+            for (int b = 0; b < NB; ++b) {
+                const unsigned A0[4] = {a[u][b][0].x, a[u][b][1].x, a[u][b][0].y, a[u][b][1].y};
+                const unsigned A1[4] = {a[u][b][0].z, a[u][b][1].z, a[u][b][0].w, a[u][b][1].w};
 #pragma unroll
-                for (int rt = 0; rt < RT; ++rt) {
-                    const uint4 lo = a[u][b][rt][0], hi = a[u][b][rt][1];
-                    const unsigned A0[4] = {lo.x, hi.x, lo.y, hi.y};
-                    const unsigned A1[4] = {lo.z, hi.z, lo.w, hi.w};
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt) {
-                        const unsigned B0[2] = {xv[u][nt].x, xv[u][nt].y}, B1[2] = {xv[u][nt].z, xv[u][nt].w};
-                        mma16816(acc[b][rt][nt], A0, B0);
-                        mma16816(acc[b][rt][nt], A1, B1);
-                    }
+                for (int nt = 0; nt < NT; ++nt) {
+                    const unsigned B0[2] = {xv[u][nt].x, xv[u][nt].y}, B1[2] = {xv[u][nt].z, xv[u][nt].w};
+                    mma16816(acc[b][nt], A0, B0);
+                    mma16816(acc[b][nt], A1, B1);
                 }
-    }
-    if (!waited) {  // a warp with no k blocks (K < 32 * SK_WARPS)
-        pdl_wait();
-        pdl_trigger();
+            }
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int b = 0; b < NB; ++b) {
+                a[u][b][0] = an[u][b][0];
+                a[u][b][1] = an[u][b][1];
+            }
     }
 #pragma unroll
     for (int b = 0; b < NB; ++b)
 #pragma unroll
-        for (int rt = 0; rt < RT; ++rt)
+        for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) red[warp][b][(rt * NT + nt) * 128 + lane * 4 + e] = acc[b][rt][nt][e];
+            for (int e = 0; e < 4; ++e) red[warp][b][nt * 128 + lane * 4 + e] = acc[b][nt][e];
     __syncthreads();
-    // Fragment entry (rt, nt, lane L, e): row 16 rt + L/4 (+8 for e >= 2), token 8 nt + 2 (L%4) + e%2.
-    for (int o = threadIdx.x; o < RT * NT * 128; o += blockDim.x) {
+    // Fragment entry (nt, lane L, e): row L/4 (+8 for e >= 2), token 8 nt + 2 (L%4) + e%2.
+    for (int o = threadIdx.x; o < NT * 128; o += blockDim.x) {
         float v = 0.f, v2 = 0.f;
 #pragma unroll
         for (int wi = 0; wi < SK_WARPS; ++wi) {
@@ -477,37 +469,31 @@ __device__ __forceinline__ void skinny_mn(const T* __restrict__ x, const T* __re
             if (FUSE) v2 += red[wi][NB - 1][o];
         }
         if (FUSE) v = silu(v) * v2;
-        const int L = (o & 127) >> 2, e = o & 3, f = o >> 7;
-        const int row = 16 * (f / NT) + (L >> 2) + (e >= 2 ? 8 : 0), tok = (f % NT) * 8 + 2 * (L & 3) + (e & 1);
+        const int L = (o & 127) >> 2, e = o & 3;
+        const int row = (L >> 2) + (e >= 2 ? 8 : 0), tok = (o >> 7) * 8 + 2 * (L & 3) + (e & 1);
         if (tok < M) out[(long long)tok * N + n0 + row] = (T)(((act >> tok) & 1u) ? v : 0.0f);
     }
 }
 
-// Entries skinny_mn[_swiglu]_<NT>_<RT>: NT 8-token tiles, RT 16-row tiles a block (RT 16 | G).
-// Blocks a multiprocessor the registers must leave room for (the 4-tile variants: 128 registers).
-#define SK_MIN_BLOCKS(NT) ((NT) == 4 ? 2 : 1)
-#define SKINNY_ENTRY(NT, RT)                                                                                           \
-    extern "C" __global__ void __launch_bounds__(32 * SK_WARPS, SK_MIN_BLOCKS(NT)) skinny_mn_##NT##_##RT(const T* x, const T* w, const unsigned char* mask, \
-                                                                                  T* out, int M, int N, int K, int G, int NG, int FIXED) { \
-        skinny_mn<NT, RT, false>(x, w, nullptr, mask, out, M, N, K, G, NG, FIXED);                                     \
+// Entries skinny_mn[_swiglu]_<NT>_<U>: NT 8-token tiles, U k blocks of weights a warp requests
+// at a time (up to 2 U in flight).
+#define SKINNY_ENTRY(NT, U)                                                                                            \
+    extern "C" __global__ void __launch_bounds__(32 * SK_WARPS) skinny_mn_##NT##_##U(const T* x, const T* w, const unsigned char* mask, \
+                                                                                     T* out, int M, int N, int K, int G, int NG, int FIXED) { \
+        skinny_mn<NT, U, false>(x, w, nullptr, mask, out, M, N, K, G, NG, FIXED);                                      \
     }
-#define SKINNY_SWIGLU_ENTRY(NT, RT)                                                                                    \
-    extern "C" __global__ void __launch_bounds__(32 * SK_WARPS, SK_MIN_BLOCKS(NT)) skinny_mn_swiglu_##NT##_##RT(const T* x, const T* w, const T* w2, \
-                                                                                         const unsigned char* mask, T* out, int M, \
-                                                                                         int N, int K, int G, int NG, int FIXED) { \
-        skinny_mn<NT, RT, true>(x, w, w2, mask, out, M, N, K, G, NG, FIXED);                                           \
+#define SKINNY_SWIGLU_ENTRY(NT, U)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(32 * SK_WARPS) skinny_mn_swiglu_##NT##_##U(const T* x, const T* w, const T* w2, \
+                                                                                            const unsigned char* mask, T* out, int M, \
+                                                                                            int N, int K, int G, int NG, int FIXED) { \
+        skinny_mn<NT, U, true>(x, w, w2, mask, out, M, N, K, G, NG, FIXED);                                            \
     }
-SKINNY_ENTRY(1, 1)
 SKINNY_ENTRY(1, 2)
-SKINNY_ENTRY(2, 1)
+SKINNY_ENTRY(1, 4)
 SKINNY_ENTRY(2, 2)
-SKINNY_ENTRY(4, 1)
-SKINNY_ENTRY(4, 2)
-SKINNY_SWIGLU_ENTRY(1, 1)
+SKINNY_ENTRY(2, 4)
 SKINNY_SWIGLU_ENTRY(1, 2)
-SKINNY_SWIGLU_ENTRY(2, 1)
 SKINNY_SWIGLU_ENTRY(2, 2)
-SKINNY_SWIGLU_ENTRY(4, 1)
 
 // ---------------------------------------------------------------------------------------
 // The dense path's mask in one pass, 8 elements (16 bytes) per thread, G % 8 == 0:
