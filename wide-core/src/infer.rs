@@ -644,13 +644,20 @@ impl<'m> Engine<'m> {
         Ok(Some(Decision { mask, group, layout: Default::default() }))
     }
 
-    /// Whether the routed GEMV pays for this shape at the expected skip rate (dispatch policy).
-    fn gemv_pays(&self, x: &Tensor, op: RoutedOp, n: i64, k: i64, group: i64, sparsity: f64) -> bool {
+    /// The small-M routed kernel (the GEMV, or the mma kernel for 2-16 tokens) the dispatch
+    /// policy picks for this shape at the expected skip rate; None where it picks dense.
+    fn small_m_path(&self, x: &Tensor, op: RoutedOp, n: i64, k: i64, group: i64, sparsity: f64) -> Option<GemmPath> {
         if !is_fast_dtype(x) || wide_kernels::ops::dispatch::env_override() == Some("dense") {
-            return false;
+            return None;
         }
         let m = x.size()[0];
-        m <= GEMV_MAX_M && choose(&GemmShape { op, m, n, k, group }, sparsity, None) == GemmPath::Gemv
+        if m > GEMV_MAX_M {
+            return None;
+        }
+        match choose(&GemmShape { op, m, n, k, group }, sparsity, None) {
+            p @ (GemmPath::Gemv | GemmPath::GemvMma) => Some(p),
+            _ => None,
+        }
     }
 
     /// At prefill sizes (at least `LARGE_M_MIN` tokens; decode batches keep cuBLAS), the routed
@@ -713,10 +720,10 @@ impl<'m> Engine<'m> {
             let (n, k) = (f.qkv.size()[0], f.qkv.size()[1]);
             let ng = ext.size()[1];
             let sp = self.sparsity_hint[0] * d.mask.size()[1] as f64 / ng as f64;
-            if self.gemv_pays(h, RoutedOp::Mn, n, k, d.group * hd, sp) {
+            if let Some(path) = self.small_m_path(h, RoutedOp::Mn, n, k, d.group * hd, sp) {
                 // The trailing K|V groups of the extended mask are always on.
                 let lay = route_layout(ext)?.with_sparsity_hint(sp).with_always_on_from(d.mask.size()[1])?;
-                return Ok(routed_gemm(RoutedOp::Mn, h, &f.qkv, None, &lay, d.group * hd, Some(GemmPath::Gemv))?.0);
+                return Ok(routed_gemm(RoutedOp::Mn, h, &f.qkv, None, &lay, d.group * hd, Some(path))?.0);
             }
         }
         if let (Some(d), None) = (d, &f.qkv_bias) {
@@ -750,9 +757,9 @@ impl<'m> Engine<'m> {
     fn project_k(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>, d: Option<&Decision>, unit: i64, kind: usize) -> Result<Tensor> {
         if let (Some(d), None) = (d, bias) {
             let (n, k) = (w.size()[0], w.size()[1]);
-            if self.gemv_pays(x, RoutedOp::KPremasked, n, k, d.group * unit, self.sparsity_hint[kind]) {
+            if let Some(path) = self.small_m_path(x, RoutedOp::KPremasked, n, k, d.group * unit, self.sparsity_hint[kind]) {
                 let lay = self.layout(d, kind)?;
-                return Ok(routed_gemm(RoutedOp::KPremasked, x, w, None, lay, d.group * unit, Some(GemmPath::Gemv))?.0);
+                return Ok(routed_gemm(RoutedOp::KPremasked, x, w, None, lay, d.group * unit, Some(path))?.0);
             }
         }
         if bias.is_none() {
@@ -769,9 +776,9 @@ impl<'m> Engine<'m> {
         let inter = self.model.config.intermediate_size;
         if let (Some(d), None) = (d, &f.gate_up_bias) {
             let (g, u) = (f.gate_up.narrow(0, 0, inter), f.gate_up.narrow(0, inter, inter));
-            if self.gemv_pays(h, RoutedOp::MnSwiglu, inter, f.gate_up.size()[1], d.group, self.sparsity_hint[1]) {
+            if let Some(path) = self.small_m_path(h, RoutedOp::MnSwiglu, inter, f.gate_up.size()[1], d.group, self.sparsity_hint[1]) {
                 let lay = self.layout(d, 1)?;
-                return Ok(routed_gemm(RoutedOp::MnSwiglu, h, &g, Some(&u), lay, d.group, Some(GemmPath::Gemv))?.0);
+                return Ok(routed_gemm(RoutedOp::MnSwiglu, h, &g, Some(&u), lay, d.group, Some(path))?.0);
             }
             if let Some(path) = self.large_m_routed_path(h, &g, &u, d)? {
                 let lay = self.layout(d, 1)?;

@@ -238,13 +238,15 @@ pub fn choose(s: &GemmShape, sparsity: f64, tuned: Option<&Tuned>) -> GemmPath {
         _ => frac <= GEMV_MAX_FRACTION,
     };
     if s.m > 1 && skinny_feasible(s) {
-        // Plain: the mma kernel with its masked write-out replaces cuBLAS + the zero pass. SwiGLU:
-        // only where it saves bytes (the dense fallback is one stacked GEMM + the SwiGLU pass).
-        return match s.op {
-            RoutedOp::Mn => GemmPath::GemvMma,
-            _ if frac <= GEMV_MAX_FRACTION => GemmPath::GemvMma,
-            _ => GemmPath::DenseMasked,
+        let mma = match s.op {
+            // Narrow (Q 4096 x 4096): the kernel with its masked write-out beat cuBLAS + the zero
+            // pass at every measured M (2-16). Wide (up 4096 -> 14336): up to 4 tokens, and
+            // beyond while it skips bytes; at 8-16 tokens with ~all rows used it lost to it.
+            RoutedOp::Mn => s.n < GEMV_WIDE_MIN_N || s.m <= 4 || frac <= GEMV_WIDE_MAX_FRACTION,
+            // SwiGLU: where it skips bytes (the dense fallback is one stacked GEMM + the SwiGLU pass).
+            _ => frac <= GEMV_MAX_FRACTION,
         };
+        return if mma { GemmPath::GemvMma } else { GemmPath::DenseMasked };
     }
     if gemv_ok && pays {
         return GemmPath::Gemv;
@@ -317,7 +319,7 @@ mod tests {
             assert_eq!(choose(&shape(op, 1, 128), 0.5, None), GemmPath::Gemv);
             // 4 independent tokens at 50% need 94% of the rows: dense is as good (except for a
             // wide plain gemm_mn, below).
-            if op != RoutedOp::Mn {
+            if !matches!(op, RoutedOp::Mn) {
                 assert_eq!(choose(&shape(op, 4, 128), 0.5, None), GemmPath::DenseMasked);
             }
             assert_eq!(choose(&shape(op, 16, 128), 0.5, None), GemmPath::DenseMasked);
@@ -325,23 +327,8 @@ mod tests {
             assert_eq!(choose(&shape(op, 1, 128), 0.0, None), GemmPath::DenseMasked);
         }
         for op in [RoutedOp::Mn, RoutedOp::MnSwiglu] {
-            assert_eq!(choose(&shape(op, 2, 128), 0.5, None), GemmPath::Gemv);
             assert_eq!(choose(&shape(op, 1, 128), 0.25, None), GemmPath::Gemv);
-            // At 75% skip, 4 tokens need 68% of the rows: GEMV again.
-            assert_eq!(choose(&shape(op, 4, 128), 0.75, None), GemmPath::Gemv);
         }
-        // A wide plain gemm_mn (up, N = 14336) takes the GEMV up to 95% of the rows (4 tokens at
-        // 50%), not a narrow one (Q, N = 4096) nor the fused SwiGLU; 4 tokens at 25% need 99.6%.
-        assert_eq!(choose(&shape(RoutedOp::Mn, 4, 128), 0.5, None), GemmPath::Gemv);
-        assert_eq!(choose(&shape(RoutedOp::Mn, 4, 128), 0.25, None), GemmPath::DenseMasked);
-        assert_eq!(choose(&GemmShape { op: RoutedOp::Mn, m: 4, n: 4096, k: 4096, group: 512 }, 0.5, None), GemmPath::DenseMasked);
-        // A narrow one with several tokens only for a clear byte saving: Q, 4 tokens at 75% (68%
-        // of the rows) runs dense + mask; 2 tokens at 75% (44%) and one token at 25% the GEMV.
-        let q = |m| GemmShape { op: RoutedOp::Mn, m, n: 4096, k: 4096, group: 512 };
-        assert_eq!(choose(&q(4), 0.75, None), GemmPath::DenseMasked);
-        assert_eq!(choose(&q(2), 0.75, None), GemmPath::Gemv);
-        assert_eq!(choose(&q(1), 0.25, None), GemmPath::Gemv);
-        assert_eq!(choose(&shape(RoutedOp::MnSwiglu, 4, 128), 0.5, None), GemmPath::DenseMasked);
         for op in [RoutedOp::K, RoutedOp::KPremasked] {
             // gemm_k's GEMV pays for one token only, from 25% skip on (not at 12.5%).
             assert_eq!(choose(&shape(op, 2, 128), 0.75, None), GemmPath::DenseMasked);
@@ -349,6 +336,34 @@ mod tests {
             assert_eq!(choose(&shape(op, 1, 128), 0.25, None), GemmPath::Gemv);
             assert_eq!(choose(&shape(op, 1, 128), 0.125, None), GemmPath::DenseMasked);
         }
+    }
+
+    #[test]
+    fn several_tokens_take_the_mma_kernel_where_it_measured_ahead() {
+        let q = |m| GemmShape { op: RoutedOp::Mn, m, n: 4096, k: 4096, group: 512 };
+        // Narrow plain (Q): 2-16 tokens at any skip rate.
+        for m in [2, 4, 9, 16] {
+            for sp in [0.25, 0.5, 0.75] {
+                assert_eq!(choose(&q(m), sp, None), GemmPath::GemvMma, "Q M={m} s={sp}");
+            }
+        }
+        assert_eq!(choose(&q(17), 0.5, None), GemmPath::DenseMasked, "past the kernel's 16 tokens");
+        // Wide plain (up): up to 4 tokens, then only while rows are skipped (8 tokens at 75%: 90%).
+        assert_eq!(choose(&shape(RoutedOp::Mn, 2, 128), 0.25, None), GemmPath::GemvMma);
+        assert_eq!(choose(&shape(RoutedOp::Mn, 4, 128), 0.25, None), GemmPath::GemvMma);
+        assert_eq!(choose(&shape(RoutedOp::Mn, 8, 128), 0.75, None), GemmPath::GemvMma);
+        assert_eq!(choose(&shape(RoutedOp::Mn, 8, 128), 0.5, None), GemmPath::DenseMasked);
+        assert_eq!(choose(&shape(RoutedOp::Mn, 16, 128), 0.75, None), GemmPath::DenseMasked);
+        // SwiGLU: while it skips bytes (4 tokens at 75%: 68% of the rows).
+        assert_eq!(choose(&shape(RoutedOp::MnSwiglu, 4, 128), 0.75, None), GemmPath::GemvMma);
+        assert_eq!(choose(&shape(RoutedOp::MnSwiglu, 2, 128), 0.5, None), GemmPath::GemvMma);
+        assert_eq!(choose(&shape(RoutedOp::MnSwiglu, 4, 128), 0.5, None), GemmPath::DenseMasked);
+        // Shapes it cannot take fall back to the GEMV rules: a group of 8 (16 rows a block), K
+        // not a multiple of 32.
+        assert!(!skinny_feasible(&GemmShape { op: RoutedOp::Mn, m: 4, n: 4096, k: 4096, group: 8 }));
+        assert_eq!(choose(&GemmShape { op: RoutedOp::Mn, m: 2, n: 4096, k: 4008, group: 512 }, 0.75, None), GemmPath::Gemv);
+        assert!(!skinny_feasible(&shape(RoutedOp::K, 4, 128)), "gemm_k has no mma small-M kernel");
+        assert!(!skinny_feasible(&shape(RoutedOp::Mn, 1, 128)) && !skinny_feasible(&shape(RoutedOp::Mn, 17, 128)));
     }
 
     #[test]
