@@ -198,6 +198,9 @@ pub fn gemv_weight_fraction(m: i64, sparsity: f64) -> f64 {
     1.0 - sparsity.clamp(0.0, 1.0).powi(m as i32)
 }
 
+/// These fractions rule the GEMV (one token; several where the small-M `mma.sync` kernel cannot
+/// run the shape) and, for several tokens, whether that kernel skips enough rows to be taken.
+///
 /// The output-width GEMV is chosen while it reads at most this fraction of the dense weight
 /// bytes (it also streams x per used row, so at full use it is a little behind cuBLAS).
 /// Measured on the H200 (bf16, Llama-3.1-8B shapes): at M = 1 it beats cuBLAS from 25% skip

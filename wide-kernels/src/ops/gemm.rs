@@ -206,24 +206,8 @@ fn launch_gemv(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layou
     };
     let kernel = routed_kernel(f16, None, &entry, device)?;
     let out = Tensor::empty([s.m, s.n], (x.kind(), x.device()));
-    let mut args = vec![KernelArg::tensor(&x)?, KernelArg::tensor(&w)?];
-    if let Some(u) = &w2 {
-        args.push(KernelArg::tensor(u)?);
-    }
-    args.extend([
-        KernelArg::tensor(layout.mask())?,
-        KernelArg::tensor(&out)?,
-        KernelArg::I32(s.m as i32),
-        KernelArg::I32(s.n as i32),
-        KernelArg::I32(s.k as i32),
-        KernelArg::I32(s.group as i32),
-        KernelArg::I32(ng as i32),
-    ]);
-    if s.op.reduces_over_groups() {
-        args.push(KernelArg::I32(layout.settled() as i32));
-    } else {
-        args.push(KernelArg::I32(layout.always_on_from() as i32));
-    }
+    let last = if s.op.reduces_over_groups() { layout.settled() as i32 } else { layout.always_on_from() as i32 };
+    let args = small_m_args(s, &x, &w, w2.as_ref(), layout, &out, ng, last)?;
     // gemm_mn: 4 warps a block, r rows a warp. gemm_k: 8 warps share r rows (split over the used
     // chunks); shared memory holds the block's group list (a group index, and with several
     // tokens which of them use it) and the warps' partial sums.
@@ -237,6 +221,27 @@ fn launch_gemv(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layou
     // Programmatic dependent launch: both GEMVs wait for the launch before (pdl.cuh).
     unsafe { kernel.launch_pdl(LaunchConfig { grid: (blocks, 1, 1), block: (threads, 1, 1), shared_mem_bytes: smem }, &args)? };
     Ok(out)
+}
+
+/// Arguments of the small-M kernels (GEMVs and the mma gemm_mn): x, w[, w2], mask, out, M, N,
+/// K, G, NG, then `last` (the gemm_k GEMV's settled flag, gemm_mn's first always-on group).
+#[allow(clippy::too_many_arguments)]
+fn small_m_args(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: &RouteLayout, out: &Tensor, ng: i64, last: i32) -> Result<Vec<KernelArg>> {
+    let mut args = vec![KernelArg::tensor(x)?, KernelArg::tensor(w)?];
+    if let Some(u) = w2 {
+        args.push(KernelArg::tensor(u)?);
+    }
+    args.extend([
+        KernelArg::tensor(layout.mask())?,
+        KernelArg::tensor(out)?,
+        KernelArg::I32(s.m as i32),
+        KernelArg::I32(s.n as i32),
+        KernelArg::I32(s.k as i32),
+        KernelArg::I32(s.group as i32),
+        KernelArg::I32(ng as i32),
+        KernelArg::I32(last),
+    ]);
+    Ok(args)
 }
 
 fn launch_skinny(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: &RouteLayout) -> Result<Tensor> {
@@ -255,20 +260,7 @@ fn launch_skinny(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, lay
     let entry = if s.op == RoutedOp::MnSwiglu { format!("skinny_mn_swiglu_{nt}_2") } else { format!("skinny_mn_{nt}_{}", skinny_unroll()) };
     let kernel = routed_kernel(f16, None, &entry, device)?;
     let out = Tensor::empty([s.m, s.n], (x.kind(), x.device()));
-    let mut args = vec![KernelArg::tensor(&x)?, KernelArg::tensor(&w)?];
-    if let Some(u) = &w2 {
-        args.push(KernelArg::tensor(u)?);
-    }
-    args.extend([
-        KernelArg::tensor(layout.mask())?,
-        KernelArg::tensor(&out)?,
-        KernelArg::I32(s.m as i32),
-        KernelArg::I32(s.n as i32),
-        KernelArg::I32(s.k as i32),
-        KernelArg::I32(s.group as i32),
-        KernelArg::I32((s.n / s.group) as i32),
-        KernelArg::I32(layout.always_on_from() as i32),
-    ]);
+    let args = small_m_args(s, &x, &w, w2.as_ref(), layout, &out, s.n / s.group, layout.always_on_from() as i32)?;
     // One block of 8 warps for each 16 output rows; programmatic dependent launch as the GEMVs.
     unsafe { kernel.launch_pdl(LaunchConfig { grid: ((s.n / 16) as u32, 1, 1), block: (256, 1, 1), shared_mem_bytes: 0 }, &args)? };
     Ok(out)
