@@ -742,6 +742,7 @@ mod tests {
     /// one, sparsity loss included, for every routed variant.
     #[test]
     fn checkpointed_gradients_equal_plain() {
+        let _rng = crate::rng_lock(); // the global generator, one test at a time
         for (variant, per_type, lora) in [
             (Variant::Wide, false, false),
             (Variant::Wide, true, false),

@@ -812,6 +812,7 @@ mod tests {
 
     #[test]
     fn pruned_model_equals_masked_model_with_regrouped_kv_heads() {
+        let _rng = crate::rng_lock(); // the global generator, one test at a time
         tch::manual_seed(3);
         let (cfg, _vs, model) = tiny();
         // 8 heads over 4 KV heads (2 each), attention groups of 2 heads. Layer 0 keeps both
@@ -828,6 +829,7 @@ mod tests {
 
     #[test]
     fn uneven_heads_per_kv_group_duplicate_kv_heads_and_stay_exact() {
+        let _rng = crate::rng_lock(); // the global generator, one test at a time
         tch::manual_seed(4);
         let (cfg, _vs, model) = tiny();
         // Attention groups of 1 head. Layer 0 keeps heads 0, 1 (both of KV group 0) and 4, 5;
@@ -845,6 +847,7 @@ mod tests {
 
     #[test]
     fn different_head_counts_per_layer_need_zeroed_heads() {
+        let _rng = crate::rng_lock(); // the global generator, one test at a time
         tch::manual_seed(5);
         let (cfg, _vs, model) = tiny();
         let r = static_routing(&cfg, &[&[1., 1., 1., 0.], &[1., 0., 0., 0.]], &[&[1., 1., 0.], &[0., 1., 1.]], 2);
@@ -861,6 +864,7 @@ mod tests {
 
     #[test]
     fn peft_config_and_sizes() {
+        let _rng = crate::rng_lock(); // the global generator, one test at a time
         let c = peft_config(&wide_core::lora::LoraConfig::default(), "base");
         assert_eq!(c["peft_type"], "LORA");
         assert_eq!(c["r"], 16);

@@ -15,3 +15,12 @@ pub mod recipe;
 pub mod calibrate;
 pub mod dist;
 pub mod export;
+
+/// Tests that draw from libtorch's global random generator (or reseed it, as the trainer does
+/// per sample) take this lock: the test threads of one binary share that generator, so a draw
+/// of one test between another's seed and its draws changes the other's numbers.
+#[cfg(test)]
+pub(crate) fn rng_lock() -> std::sync::MutexGuard<'static, ()> {
+    static L: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    L.lock().unwrap_or_else(|e| e.into_inner())
+}
