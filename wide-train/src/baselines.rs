@@ -84,7 +84,6 @@ mod tests {
 
     #[test]
     fn bigram_beats_unigram_on_structured_text() {
-        let _rng = crate::rng_lock(); // the global generator, one test at a time
         // A strictly alternating stream: a bigram model predicts it almost perfectly.
         let ids: Vec<i64> = (0..2000).map(|i| (i % 2) as i64 * 3 + 1).collect();
         let m = Ngram::fit(&ids, 8);

@@ -766,7 +766,6 @@ mod tests {
 
     #[test]
     fn the_launcher_names_the_rank_that_failed_first() {
-        let _rng = crate::rng_lock(); // the global generator, one test at a time
         assert!(reports_instead(None, Some(3)));
         assert!(reports_instead(None, Some(PEER_STOPPED_EXIT)), "a follower is kept until the cause shows up");
         // Rank 0 followed rank 1 and was polled first: rank 1's own failure replaces it.
@@ -783,7 +782,6 @@ mod tests {
 
     #[test]
     fn environment_of_launchers_and_slurm() {
-        let _rng = crate::rng_lock(); // the global generator, one test at a time
         assert_eq!(DistEnv::from_vars(vars(&[])).unwrap(), None);
         assert_eq!(DistEnv::from_vars(vars(&[("WORLD_SIZE", "1"), ("RANK", "0")])).unwrap(), None);
         let e = DistEnv::from_vars(vars(&[("WORLD_SIZE", "4"), ("RANK", "3"), ("LOCAL_RANK", "1"), ("MASTER_ADDR", "node7"), ("MASTER_PORT", "1234")])).unwrap().unwrap();
@@ -800,7 +798,6 @@ mod tests {
     /// Any world size covers exactly the samples of the single-process step, each once.
     #[test]
     fn sharding_partitions_the_step() {
-        let _rng = crate::rng_lock(); // the global generator, one test at a time
         for world in [1, 2, 4] {
             let mut all: Vec<u64> = (0..world).flat_map(|r| shard_positions(96, 3, 8, r, world).into_iter().flatten()).collect();
             all.sort();
@@ -815,7 +812,6 @@ mod tests {
     /// Bootstrap, reductions and barriers between threads standing in for ranks on loopback.
     #[test]
     fn control_plane_on_loopback() {
-        let _rng = crate::rng_lock(); // the global generator, one test at a time
         let port = {
             let l = TcpListener::bind("127.0.0.1:0").unwrap();
             l.local_addr().unwrap().port()

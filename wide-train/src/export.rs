@@ -864,7 +864,6 @@ mod tests {
 
     #[test]
     fn peft_config_and_sizes() {
-        let _rng = crate::rng_lock(); // the global generator, one test at a time
         let c = peft_config(&wide_core::lora::LoraConfig::default(), "base");
         assert_eq!(c["peft_type"], "LORA");
         assert_eq!(c["r"], 16);

@@ -198,7 +198,6 @@ mod tests {
 
     #[test]
     fn matches_the_adamw_formula_on_one_parameter() {
-        let _rng = crate::rng_lock(); // the global generator, one test at a time
         let p = Tensor::from_slice(&[1.0f32, -2.0]).view([1, 2]).set_requires_grad(true);
         let cfg = AdamWConfig { lr: 0.1, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.5 };
         let mut opt = AdamW::new(vec![("w".into(), p.shallow_clone())], cfg);
@@ -236,7 +235,6 @@ mod tests {
 
     #[test]
     fn clipping_caps_the_global_norm() {
-        let _rng = crate::rng_lock(); // the global generator, one test at a time
         let p = Tensor::zeros([3], (Kind::Float, Device::Cpu)).set_requires_grad(true);
         let mut opt = AdamW::new(vec![("w".into(), p.shallow_clone())], AdamWConfig { lr: 1.0, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 });
         (&p * Tensor::from_slice(&[3.0f32, 4.0, 0.0])).sum(Kind::Float).backward();

@@ -100,7 +100,7 @@ impl GemmPath {
 /// Largest M the GEMV kernels take (their per-token accumulators live in registers).
 pub const GEMV_MAX_M: i64 = 16;
 /// Token range of the small-M `mma.sync` gemm_mn ([`GemmPath::GemvMma`]; one or two 8-token
-/// tiles a block). At 32 tokens (four tiles) it measured 0.73-0.93x of cuBLAS on up 4096->14336
+/// tiles a block). At 32 tokens (four tiles) it measured 0.53-0.93x of cuBLAS on up 4096->14336 over three versions
 /// (H200, 2026-12-01), behind cuBLAS + the zero pass.
 pub const SKINNY_MIN_M: i64 = 2;
 pub const SKINNY_MAX_M: i64 = 16;
@@ -322,7 +322,7 @@ mod tests {
             assert_eq!(choose(&shape(op, 1, 128), 0.5, None), GemmPath::Gemv);
             // 4 independent tokens at 50% need 94% of the rows: dense is as good (except for a
             // wide plain gemm_mn, below).
-            if !matches!(op, RoutedOp::Mn) {
+            if op != RoutedOp::Mn {
                 assert_eq!(choose(&shape(op, 4, 128), 0.5, None), GemmPath::DenseMasked);
             }
             assert_eq!(choose(&shape(op, 16, 128), 0.5, None), GemmPath::DenseMasked);
