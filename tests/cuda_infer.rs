@@ -252,7 +252,13 @@ fn graph_decode_matches_eager_decode_and_full_forwards() {
                 }
                 (logits, seqs)
             };
+            let folded = engine.folded_router_calls();
             let (eager, seqs) = run(false);
+            if routed && lens.len() == 1 {
+                // One sequence: every router after the first is folded into the projection before it.
+                let n = p.model.config.num_hidden_layers as u64;
+                assert_eq!(engine.folded_router_calls() - folded, steps as u64 * (2 * n - 1), "folded routers in eager decode");
+            }
             let (graph, seqs_g) = run(true);
             assert_eq!(seqs, seqs_g, "graph decode chose other tokens (routed {routed})");
             for (a, b) in eager.iter().zip(&graph) {

@@ -100,19 +100,107 @@ fn run_mn_case(kind: Kind, m: i64, n: i64, k: i64, g: i64, p_active: f64, fused:
         for fix in [(ng / 4).max(1), ng] {
             let mf = msk.copy();
             let _ = mf.narrow(1, ng - fix, fix).fill_(1);
-            let lf = route_layout(&mf).unwrap().with_always_on_from(ng - fix).unwrap();
             let rf = gemm_mn_reference(&x.to_kind(Kind::Float), &w.to_kind(Kind::Float), up.map(|u| u.to_kind(Kind::Float)).as_ref(), &mf, g);
             let offf = mf.logical_not().unsqueeze(-1).expand([m, ng, g], false).reshape([m, n]);
             let mut small = vec![GemmPath::Gemv];
             if skinny_feasible(&s) {
                 small.push(GemmPath::GemvMma);
             }
-            for p in small {
-                poison(m, n, kind);
-                let (y, _) = routed_gemm(op, &x, &w, up, &lf, g, Some(p)).unwrap();
-                check(&y, &rf, Some(&offf), &format!("{op:?} {kind:?} M={m} N={n} K={k} G={g} active={p_active} {}, groups {} on", p.label(), ng - fix));
+            // Early: the GEMV reads the mask and loads weights before its wait (the mask was
+            // written launches before this one).
+            for early in [false, true] {
+                let lf = route_layout(&mf).unwrap().with_always_on_from(ng - fix).unwrap();
+                let lf = if early { lf.with_early_mask() } else { lf };
+                for &p in &small {
+                    poison(m, n, kind);
+                    let (y, _) = routed_gemm(op, &x, &w, up, &lf, g, Some(p)).unwrap();
+                    check(&y, &rf, Some(&offf), &format!("{op:?} {kind:?} M={m} N={n} K={k} G={g} active={p_active} {}, groups {} on, early {early}", p.label(), ng - fix));
+                }
             }
         }
+        let le = route_layout(&msk).unwrap().with_early_mask();
+        poison(m, n, kind);
+        let (y, _) = routed_gemm(op, &x, &w, up, &le, g, Some(GemmPath::Gemv)).unwrap();
+        check(&y, &r, Some(&off), &format!("{op:?} {kind:?} M={m} N={n} K={k} G={g} active={p_active} gemv, early mask"));
+    }
+}
+
+/// The next router folded into a one-token gemm_k GEMV: the projection's output bit for bit the
+/// plain GEMV's; the router's hidden (the kernel's partial sums) the f64 value of
+/// `w1 xres + (w1 w) x`; the decision bit for bit the gate kernel's on that hidden, and the
+/// unfused router's on `xres + out` wherever its margin exceeds the rounding; the arrival
+/// counter back at zero, so a second call decides the same.
+fn run_fold_case(kind: Kind, n: i64, k: i64, g: i64, h: i64, rank: i64, rng: i64, extra: i64, p_active: f64) {
+    use wide_kernels::ops::fused::{router_gate_from_hidden, router_gate_reference, RouterWeights};
+    use wide_kernels::ops::gemm::{gemm_k_fold_router, RouterFold};
+    let dev = gpu();
+    let ng = k / g;
+    let msk = mask(1, ng, p_active);
+    let x = (Tensor::randn([1, k], (kind, dev))).view([1, ng, g]).masked_fill(&msk.logical_not().unsqueeze(-1), 0.0).view([1, k]);
+    let w = Tensor::randn([n, k], (kind, dev)) * (1.0 / (k as f64).sqrt());
+    let xres = Tensor::randn([1, h], (kind, dev));
+    let w1 = Tensor::randn([rank, h], (kind, dev)) * (1.0 / (h as f64).sqrt());
+    let b1 = Tensor::randn([rank], (kind, dev)) * 0.1;
+    let w2 = Tensor::randn([2 * rng, rank], (kind, dev)) * (1.0 / (rank as f64).sqrt());
+    let b2 = Tensor::randn([2 * rng], (kind, dev)) * 0.1;
+    // The fold of the router over the projection w (h = n here: the output adds the residual).
+    let fold = w1.matmul(&w);
+    let scratch = Tensor::zeros([rank + 1], (Kind::Float, dev));
+    let offset = 0.1;
+    let f = RouterFold { xres: &xres, w1: &w1, b1: &b1, fold: &fold, w2: &w2, b2: &b2, offset, extra, scratch: &scratch };
+    let what = format!("fold {kind:?} N={n} K={k} G={g} rank={rank} groups={rng}+{extra} active={p_active}");
+    for settled in [false, true] {
+        let l = route_layout(&msk).unwrap();
+        let l = if settled { l.with_settled_mask() } else { l };
+        poison(1, n, kind);
+        let _ = Tensor::full([1, rng + extra], 7, (Kind::Uint8, dev));
+        let (y, fmask, fext) = gemm_k_fold_router(&x, &w, &l, g, &f).unwrap();
+        for (t, which) in [(Some(&fmask), "mask"), (fext.as_ref(), "extended mask")] {
+            if let Some(t) = t {
+                assert!(t.view_dtype(Kind::Uint8).max().int64_value(&[]) <= 1, "{what}: {which} has unwritten bytes");
+            }
+        }
+        let (plain, _) = routed_gemm(RoutedOp::KPremasked, &x, &w, None, &l, g, Some(GemmPath::Gemv)).unwrap();
+        assert!(y.equal(&plain), "{what}: output differs from the plain GEMV's");
+        let hp = scratch.narrow(0, 0, rank).to_kind(Kind::Double);
+        let d = |t: &Tensor| t.to_kind(Kind::Double);
+        let want = d(&w1).matmul(&d(&xres).view([h])) + d(&fold).matmul(&d(&x).view([k]));
+        let scale = d(&w1).abs().matmul(&d(&xres).abs().view([h])) + d(&fold).abs().matmul(&d(&x).abs().view([k]));
+        let bad = ((&hp - &want).abs() - &scale * 1e-5).gt(0.0).sum(Kind::Int64).int64_value(&[]);
+        assert_eq!(bad, 0, "{what}: router hidden off (kernel {hp}, f64 {want})");
+        assert_eq!(scratch.get(rank).double_value(&[]), 0.0, "{what}: arrival counter not reset");
+        // The gate kernel on the same hidden, rounded as the fold rounds it.
+        let h1 = (scratch.narrow(0, 0, rank).view([1, rank]) + b1.to_kind(Kind::Float)).to_kind(kind);
+        let rw = RouterWeights { w1: &w1, b1: &b1, w2: &w2, b2: &b2 };
+        let (gm, ge) = router_gate_from_hidden(&h1, &rw, offset, extra).unwrap();
+        assert!(fmask.equal(&gm), "{what}: decision differs from the gate kernel's on the same hidden");
+        assert_eq!(fext.is_some(), extra > 0, "{what}: extended mask iff extra groups");
+        if let (Some(a), Some(b)) = (&fext, &ge) {
+            assert!(a.equal(b), "{what}: extended mask differs");
+        }
+        // Against the unfused router on the residual the projection's output adds to.
+        let xn = (&xres.to_kind(Kind::Float) + y.to_kind(Kind::Float)).to_kind(kind);
+        let unfused = router_gate_reference(&xn, &rw, offset);
+        let logits = d(&xn).matmul(&d(&w1).tr()).g_add(&d(&b1)).matmul(&d(&w2).tr()).g_add(&d(&b2)).view([rng, 2]);
+        let margin = (logits.select(1, 1) - logits.select(1, 0) + offset).abs();
+        let sure = margin.gt(0.05);
+        let differ = fmask.view([rng]).ne_tensor(&unfused.view([rng])).logical_and(&sure).sum(Kind::Int64).int64_value(&[]);
+        assert_eq!(differ, 0, "{what}: {differ} decisions with margin > 0.05 differ from the unfused router's");
+    }
+}
+
+#[test]
+fn gemm_k_fold_router_matches_unfused_router() {
+    let _ = gpu(); // the device first (one GPU test at a time)
+    tch::manual_seed(21);
+    for kind in [Kind::BFloat16, Kind::Half] {
+        // Down-like (FFN width in, FFN router groups out), O-like (attention router with the
+        // Q|K|V extension), a rank whose blocks do not fill a power of two, few rows.
+        run_fold_case(kind, 512, 2048, 64, 512, 32, 28, 0, 0.5);
+        run_fold_case(kind, 512, 512, 64, 512, 32, 8, 4, 0.5);
+        run_fold_case(kind, 1024, 1024, 128, 1024, 6, 5, 2, 0.7);
+        run_fold_case(kind, 64, 256, 32, 64, 32, 3, 0, 1.0);
+        run_fold_case(kind, 512, 1024, 64, 512, 32, 16, 0, 0.0);
     }
 }
 
@@ -295,6 +383,7 @@ fn sanitizer_small_all_ops() {
     run_mn_case(Kind::BFloat16, 200, 512, 128, 128, 0.5, false);
     run_mn_case(Kind::Half, 200, 512, 192, 128, 0.5, true);
     run_k_case(Kind::Half, 65, 256, 512, 32, 0.5);
+    run_fold_case(Kind::BFloat16, 512, 1024, 64, 512, 32, 12, 4, 0.5);
     run_decode_case(Kind::BFloat16, 2, 8, 2, 300, 128, 2, &[1, 300], 0.5);
     run_decode_case(Kind::BFloat16, 1, 16, 2, 200, 64, 4, &[150], 0.5);
     prefill_small_cases();

@@ -26,7 +26,7 @@ use std::collections::BTreeMap;
 use tch::{Device, Kind, Tensor};
 use wide_kernels::ops::dispatch::{choose, GemmPath, GemmShape, RoutedOp, GEMV_MAX_M, LARGE_M_MIN};
 use wide_kernels::ops::fused::{self, QkvShape, RouterWeights};
-use wide_kernels::ops::gemm::choose_path;
+use wide_kernels::ops::gemm::{choose_path, fold_rank_ok, gemm_k_fold_router, RouterFold};
 use wide_kernels::{route_layout, routed_gemm, RouteLayout};
 
 /// One layer's fused projection weights (the model's q/k/v and gate/up weights are views).
@@ -119,15 +119,31 @@ struct RouteCtx<'a> {
     counts: Option<&'a mut BTreeMap<RouterKind, (Tensor, Tensor)>>,
     /// Fit per-layer offsets so each router skips this share of the valid tokens' groups.
     fit: Option<f64>,
-    /// The next router's decision (kind, extra groups, mask, extended mask), computed by the
-    /// norm launch that produced its input.
-    gated: Option<(RouterKind, i64, Tensor, Option<Tensor>)>,
+    /// The next router's decision, computed by the norm launch that produced its input or by
+    /// the projection before that norm (folded).
+    gated: Option<Gated>,
+    /// Whether the last decision `gate` returned came from a folded router.
+    early: bool,
+}
+
+/// A router decision made ahead of its gate call.
+struct Gated {
+    kind: RouterKind,
+    /// Always-on groups of the extended mask.
+    extra: i64,
+    mask: Tensor,
+    ext: Option<Tensor>,
+    /// Made by a router folded into the projection before the norm launch: the mask is written
+    /// two launches before the projection that first reads it.
+    early: bool,
 }
 
 /// An attention or FFN decision for the tokens of one forward.
 struct Decision {
     /// `[M, groups]` bool.
     mask: Tensor,
+    /// See [`Gated::early`].
+    early: bool,
     /// Query heads (attention) or channels (FFN) per group.
     group: i64,
     /// Built on first use and shared by the ops of this decision.
@@ -180,10 +196,59 @@ pub struct Engine<'m> {
     qkv_routed: RefCell<BTreeMap<(i64, i64, i64), bool>>,
     /// Ops run twice (see [`Engine::set_repeat`]).
     repeat: RefCell<std::collections::BTreeSet<String>>,
+    /// Per layer, the attention router's first layer times the previous layer's down weight
+    /// and the FFN router's times this layer's O weight (`[rank, in_features]`): the router
+    /// folded into the projection whose output its input adds ([`gemm_k_fold_router`]).
+    folds: Vec<[Option<Tensor>; 2]>,
+    /// f32 zeros `[rank + 1]` per router rank: the folded routers' partial sums and counter.
+    fold_scratch: BTreeMap<i64, Tensor>,
+    /// Router decisions made by folded routers so far (host count of launches issued).
+    fold_calls: std::cell::Cell<u64>,
+}
+
+/// Whether one-token decode folds each router into the projection before it (the mask then
+/// exists a launch earlier, and the next projection loads weights before its wait like a dense
+/// one). `WIDE_ROUTER_FOLD=0` (read once) keeps the router in the norm launch.
+fn router_fold_enabled() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("WIDE_ROUTER_FOLD").map_or(true, |v| v.trim() != "0"))
+}
+
+/// `w1 w` for each router whose input adds a bias-free projection's output (see
+/// [`Engine::folds`]): on CUDA in bf16/f16 (cuBLAS, fp32 accumulation, one rounding), where the
+/// decode kernels can use them; none elsewhere.
+fn router_folds(model: &LlamaModel, routing: Option<&Routing>) -> Vec<[Option<Tensor>; 2]> {
+    let n = model.layers.len();
+    let mut out: Vec<[Option<Tensor>; 2]> = (0..n).map(|_| [None, None]).collect();
+    let Some(r) = routing else { return out };
+    let fast = matches!(model.device, Device::Cuda(_)) && matches!(model.kind, Kind::BFloat16 | Kind::Half);
+    if !fast || !router_fold_enabled() {
+        return out;
+    }
+    let _g = tch::no_grad_guard();
+    let fold = |rt: &crate::routing::Router, w: &Tensor| -> Option<Tensor> {
+        (fold_rank_ok(rt.compressor_w.size()[0]) && rt.compressor_w.kind() == w.kind()).then(|| rt.compressor_w.matmul(w).contiguous())
+    };
+    for (i, l) in r.layers.iter().enumerate() {
+        if let (Some(a), true) = (&l.attention, i > 0) {
+            let down = &model.layers[i - 1].mlp.down_proj;
+            if down.bias.is_none() {
+                out[i][0] = fold(a, &down.weight);
+            }
+        }
+        if let Some(f) = &l.ffn {
+            let o = &model.layers[i].self_attn.o_proj;
+            if o.bias.is_none() {
+                out[i][1] = fold(f, &o.weight);
+            }
+        }
+    }
+    out
 }
 
 /// The ops [`Engine::set_repeat`] can run twice: each recomputes its outputs from inputs it
-/// does not change (the router decisions are made in `norm`; the cache writes of `rope_kv`
+/// does not change (the router decisions are made in `norm`, or in `o_proj` / `down` where a
+/// router is folded into them, from inputs they do not change; the cache writes of `rope_kv`
 /// write the same values again).
 pub const REPEATABLE_OPS: [&str; 9] = ["embed", "norm", "qkv", "rope_kv", "attention", "o_proj", "gate_up", "down", "lm_head"];
 
@@ -251,6 +316,8 @@ impl<'m> Engine<'m> {
         let target = routing.map(|r| r.config.shared_target()).unwrap_or(0.0);
         let (ta, tf) = routing.and_then(|r| r.config.per_type_targets()).unwrap_or((target, target));
         let inv_freq = Tensor::from_slice(&inverse_frequencies(c)).to_device(model.device);
+        let folds = router_folds(model, routing);
+        let fold_scratch = folds.iter().flatten().flatten().map(|f| f.size()[0]).map(|r| (r, Tensor::zeros([r + 1], (Kind::Float, model.device)))).collect();
         Ok(Self {
             model,
             routing,
@@ -263,11 +330,20 @@ impl<'m> Engine<'m> {
             ones: RefCell::new(BTreeMap::new()),
             qkv_routed: RefCell::new(BTreeMap::new()),
             repeat: RefCell::new(Default::default()),
+            folds,
+            fold_scratch,
+            fold_calls: Default::default(),
         })
     }
 
     pub fn is_routed(&self) -> bool {
         self.routing.is_some()
+    }
+
+    /// Router decisions made so far by routers folded into the projection before them
+    /// (one-token decode on CUDA; see [`gemm_k_fold_router`]).
+    pub fn folded_router_calls(&self) -> u64 {
+        self.fold_calls.get()
     }
 
     /// One logit offset per router kind in every layer (the manifest's form).
@@ -361,7 +437,7 @@ impl<'m> Engine<'m> {
         let want_counts = counts.is_some();
         // Without padding every token is valid: no per-router AND with the valid rows.
         let valid = (!lengths.iter().all(|&l| l == t)).then_some(valid);
-        let mut rc = RouteCtx { source: masks, cursor: 0, valid, counts: want_counts.then_some(&mut dev_counts), fit: None, gated: None };
+        let mut rc = RouteCtx { source: masks, cursor: 0, valid, counts: want_counts.then_some(&mut dev_counts), fit: None, gated: None, early: false };
         let hn = self.forward_tokens(&ids.to_device(dev), (b, t), &pos, None, cache, &mut rc)?;
         if let Some(c) = counts {
             add_counts(c, &dev_counts);
@@ -385,7 +461,7 @@ impl<'m> Engine<'m> {
         let (valid, pos, _) = self.prefill_inputs(b, t, lengths);
         let mut src = MaskSource::Routers;
         let mut dev_counts = BTreeMap::new();
-        let mut rc = RouteCtx { source: &mut src, cursor: 0, valid: Some(valid), counts: Some(&mut dev_counts), fit: Some(target), gated: None };
+        let mut rc = RouteCtx { source: &mut src, cursor: 0, valid: Some(valid), counts: Some(&mut dev_counts), fit: Some(target), gated: None, early: false };
         let _ = self.forward_tokens(&ids.to_device(self.model.device), (b, t), &pos, None, &cache, &mut rc)?;
         let mut c = SkipCounts::default();
         add_counts(&mut c, &dev_counts);
@@ -453,13 +529,15 @@ impl<'m> Engine<'m> {
             let token_major = lengths.is_none() && !self.routed_prefill_attention(i, t, attn_d.as_ref(), &qkv);
             let q = self.timed("rope_kv", || fused::rope_qkv_cache_with(&qkv, pos, &self.inv_freq, &shape, &cache.keys[i], &cache.values[i], token_major))?;
             let attn = self.timed("attention", || self.attention(i, &q, (b, t), lengths, cache, attn_d.as_ref()))?;
-            let o = self.timed("o_proj", || self.project_k(&attn, &layer.self_attn.o_proj.weight, layer.self_attn.o_proj.bias.as_ref(), attn_d.as_ref(), c.head_dim, 0))?;
+            let next = (i, RouterKind::Ffn, &x);
+            let o = self.timed("o_proj", || self.project_k(&attn, &layer.self_attn.o_proj.weight, layer.self_attn.o_proj.bias.as_ref(), attn_d.as_ref(), c.head_dim, 0, Some(next), rc))?;
             let (xr, h2) = self.timed("norm", || self.norm_and_router(i, RouterKind::Ffn, &x, Some(&o), &layer.post_attention_layernorm.weight, rc))?;
             x = xr;
             let mut layer_mask = layer_mask;
             let ffn_d = self.timed("router", || self.ffn_decision(i, &x, rc, layer_mask.take()))?;
             let hid = self.timed("gate_up", || self.project_gate_up(i, &h2, ffn_d.as_ref()))?;
-            let down = self.timed("down", || self.project_k(&hid, &layer.mlp.down_proj.weight, layer.mlp.down_proj.bias.as_ref(), ffn_d.as_ref(), 1, 1))?;
+            let next = (i + 1 < m.layers.len()).then_some((i + 1, RouterKind::Attention, &x));
+            let down = self.timed("down", || self.project_k(&hid, &layer.mlp.down_proj.weight, layer.mlp.down_proj.bias.as_ref(), ffn_d.as_ref(), 1, 1, next, rc))?;
             delta = Some(down);
         }
         let (_, hn) = self.timed("norm", || fused::add_rmsnorm(&x, delta.as_ref(), &m.norm.weight, eps))?;
@@ -477,7 +555,9 @@ impl<'m> Engine<'m> {
             RouterKind::Layer => None,
         };
         let mt = x.size()[0];
-        let fuse = rc.fit.is_none() && matches!(rc.source, MaskSource::Routers) && mt <= router_fuse_max_m() && is_fast_dtype(x);
+        // The projection before this norm already ran this router (folded into it).
+        let folded = rc.gated.as_ref().is_some_and(|g| g.kind == kind);
+        let fuse = !folded && rc.fit.is_none() && matches!(rc.source, MaskSource::Routers) && mt <= router_fuse_max_m() && is_fast_dtype(x);
         match router.filter(|_| fuse) {
             Some(r) => {
                 // The extra always-on groups the attention gate will ask for (see attention_decision:
@@ -489,7 +569,7 @@ impl<'m> Engine<'m> {
                 let off = self.offsets.borrow()[i][kind_index(kind)];
                 let w2 = RouterWeights { w1: &r.compressor_w, b1: &r.compressor_b, w2: &r.router_w, b2: &r.router_b };
                 let g = fused::add_rmsnorm_router_gate(x, delta, w, eps, &w2, off, extra)?;
-                rc.gated = Some((kind, extra, g.mask, g.ext));
+                rc.gated = Some(Gated { kind, extra, mask: g.mask, ext: g.ext, early: false });
                 Ok((g.res, g.norm))
             }
             None => fused::add_rmsnorm(x, delta, w, eps),
@@ -500,6 +580,7 @@ impl<'m> Engine<'m> {
     /// extended mask with `extra` always-on groups (when the caller wants one).
     fn gate(&self, i: usize, kind: RouterKind, r: &crate::routing::Router, x: &Tensor, rc: &mut RouteCtx, extra: i64) -> Result<(Tensor, Option<Tensor>)> {
         let mt = x.size()[0];
+        rc.early = false;
         let (mut mask, mut ext) = match rc.source {
             MaskSource::Forced(v) => {
                 ensure!(rc.cursor < v.len(), "forced masks: only {} given, the forward needs more", v.len());
@@ -535,8 +616,11 @@ impl<'m> Engine<'m> {
                 let off = self.offsets.borrow()[i][k];
                 let extra = if rc.valid.is_none() { extra } else { 0 };
                 // The norm launch ran this router and gate (not the layer router's).
-                match rc.gated.take_if(|(gk, ge, _, _)| *gk == kind && *ge == extra) {
-                    Some((_, _, mask, ext)) => (mask, ext),
+                match rc.gated.take_if(|g| g.kind == kind && g.extra == extra) {
+                    Some(g) => {
+                        rc.early = g.early;
+                        (g.mask, g.ext)
+                    }
                     None => fused::router_gate(x, &w, off, extra)?,
                 }
             }
@@ -592,15 +676,16 @@ impl<'m> Engine<'m> {
         if let Some(lr) = &l.layer {
             layer_mask = Some(self.gate(i, RouterKind::Layer, lr, x, rc, 0)?.0);
         }
-        let (mask, ext) = if let Some(ar) = &l.attention {
+        let (mask, ext, early) = if let Some(ar) = &l.attention {
             let gh = nh / ar.groups;
             let extra = self.q_extra(gh);
             let want_ext = extra > 0 && qkv_on_gemv(x);
-            self.gate(i, RouterKind::Attention, ar, x, rc, if want_ext { extra } else { 0 })?
+            let (mask, ext) = self.gate(i, RouterKind::Attention, ar, x, rc, if want_ext { extra } else { 0 })?;
+            (mask, ext, rc.early)
         } else if let Some(s) = &l.static_attention {
-            (self.static_mask(RouterKind::Attention, s, mt, rc), None)
+            (self.static_mask(RouterKind::Attention, s, mt, rc), None, false)
         } else if let Some(lm) = &layer_mask {
-            (lm.shallow_clone(), None)
+            (lm.shallow_clone(), None, false)
         } else {
             return Ok((None, None, layer_mask));
         };
@@ -612,7 +697,7 @@ impl<'m> Engine<'m> {
             }
             None => None,
         };
-        Ok((Some(Decision { mask, group, layout: Default::default() }), ext, layer_mask))
+        Ok((Some(Decision { mask, early, group, layout: Default::default() }), ext, layer_mask))
     }
 
     /// Always-on groups appended to the attention mask so that one routed launch covers the
@@ -631,17 +716,17 @@ impl<'m> Engine<'m> {
         let l = &r.layers[i];
         let inter = self.model.config.intermediate_size;
         let mt = x.size()[0];
-        let mask = if let Some(fr) = &l.ffn {
-            self.gate(i, RouterKind::Ffn, fr, x, rc, 0)?.0
+        let (mask, early) = if let Some(fr) = &l.ffn {
+            (self.gate(i, RouterKind::Ffn, fr, x, rc, 0)?.0, rc.early)
         } else if let Some(s) = &l.static_ffn {
-            self.static_mask(RouterKind::Ffn, s, mt, rc)
+            (self.static_mask(RouterKind::Ffn, s, mt, rc), false)
         } else if let Some(lm) = layer_mask {
-            lm
+            (lm, false)
         } else {
             return Ok(None);
         };
         let group = inter / mask.size()[1];
-        Ok(Some(Decision { mask, group, layout: Default::default() }))
+        Ok(Some(Decision { mask, early, group, layout: Default::default() }))
     }
 
     /// The small-M routed kernel (the GEMV, or the mma kernel for 2-16 tokens) the dispatch
@@ -706,7 +791,12 @@ impl<'m> Engine<'m> {
             // reads it (gate+up sits between the FFN gate and down; Q, RoPE and attention
             // between the attention gate and O), unless it still needs a copy here.
             let lay = route_layout(&d.mask)?.with_sparsity_hint(self.sparsity_hint[kind]);
-            let _ = d.layout.set(if d.mask.is_contiguous() { lay.with_settled_mask() } else { lay });
+            let lay = match (d.early, d.mask.is_contiguous()) {
+                (true, true) => lay.with_early_mask(),
+                (false, true) => lay.with_settled_mask(),
+                (_, false) => lay,
+            };
+            let _ = d.layout.set(lay);
         }
         Ok(d.layout.get().unwrap())
     }
@@ -723,6 +813,7 @@ impl<'m> Engine<'m> {
             if let Some(path) = self.small_m_path(h, RoutedOp::Mn, n, k, d.group * hd, sp) {
                 // The trailing K|V groups of the extended mask are always on.
                 let lay = route_layout(ext)?.with_sparsity_hint(sp).with_always_on_from(d.mask.size()[1])?;
+                let lay = if d.early && ext.is_contiguous() { lay.with_early_mask() } else { lay };
                 return Ok(routed_gemm(RoutedOp::Mn, h, &f.qkv, None, &lay, d.group * hd, Some(path))?.0);
             }
         }
@@ -754,11 +845,20 @@ impl<'m> Engine<'m> {
 
     /// A reduction-width projection (O: `unit` = head_dim, kind 0; down: unit 1, kind 1) on an
     /// input that is already zero at skipped groups: the routed GEMV where it pays, else cuBLAS.
-    fn project_k(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>, d: Option<&Decision>, unit: i64, kind: usize) -> Result<Tensor> {
+    /// `next` = (layer, kind, residual) of the router whose input is `residual` + this output:
+    /// for one token on the GEMV that router runs in the same launch (its decision goes to
+    /// `rc.gated`, where the norm launch after this one would have put it).
+    #[allow(clippy::too_many_arguments)]
+    fn project_k(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>, d: Option<&Decision>, unit: i64, kind: usize, next: Option<(usize, RouterKind, &Tensor)>, rc: &mut RouteCtx) -> Result<Tensor> {
         if let (Some(d), None) = (d, bias) {
             let (n, k) = (w.size()[0], w.size()[1]);
             if let Some(path) = self.small_m_path(x, RoutedOp::KPremasked, n, k, d.group * unit, self.sparsity_hint[kind]) {
                 let lay = self.layout(d, kind)?;
+                if let (GemmPath::Gemv, Some((li, rk, xres))) = (path, next) {
+                    if let Some(out) = self.folded_router(x, w, lay, d.group * unit, li, rk, xres, rc)? {
+                        return Ok(out);
+                    }
+                }
                 return Ok(routed_gemm(RoutedOp::KPremasked, x, w, None, lay, d.group * unit, Some(path))?.0);
             }
         }
@@ -768,6 +868,44 @@ impl<'m> Engine<'m> {
             }
         }
         Ok(x.linear(w, bias))
+    }
+
+    /// The gemm_k GEMV of one token with router `kind` of layer `li` folded in, where the engine
+    /// has its fold and the decision comes from the routers as they stand (no offset fit, no
+    /// padding); None otherwise.
+    #[allow(clippy::too_many_arguments)]
+    fn folded_router(&self, x: &Tensor, w: &Tensor, lay: &RouteLayout, group: i64, li: usize, kind: RouterKind, xres: &Tensor, rc: &mut RouteCtx) -> Result<Option<Tensor>> {
+        let ki = kind_index(kind);
+        let (Some(fold), Some(r)) = (self.folds[li].get(ki).and_then(|f| f.as_ref()), self.routing) else { return Ok(None) };
+        if x.size()[0] != 1 || rc.fit.is_some() || rc.valid.is_some() || !matches!(rc.source, MaskSource::Routers) {
+            return Ok(None);
+        }
+        let router = match kind {
+            RouterKind::Attention => r.layers[li].attention.as_ref(),
+            _ => r.layers[li].ffn.as_ref(),
+        };
+        let Some(router) = router else { return Ok(None) };
+        let Some(scratch) = self.fold_scratch.get(&router.compressor_w.size()[0]) else { return Ok(None) };
+        // The attention gate's extended mask, as norm_and_router would ask for it.
+        let extra = match kind {
+            RouterKind::Attention if qkv_on_gemv(xres) => self.q_extra(self.model.config.num_attention_heads / router.groups),
+            _ => 0,
+        };
+        let f = RouterFold {
+            xres,
+            w1: &router.compressor_w,
+            b1: &router.compressor_b,
+            fold,
+            w2: &router.router_w,
+            b2: &router.router_b,
+            offset: self.offsets.borrow()[li][ki],
+            extra,
+            scratch,
+        };
+        let (out, mask, ext) = gemm_k_fold_router(x, w, lay, group, &f)?;
+        self.fold_calls.set(self.fold_calls.get() + 1);
+        rc.gated = Some(Gated { kind, extra, mask, ext, early: true });
+        Ok(Some(out))
     }
 
     /// `[M, hidden] -> [M, intermediate]`: `silu(gate) * up`, zero at skipped channel groups.
@@ -935,7 +1073,7 @@ impl<'e, 'm> Decoder<'e, 'm> {
         let e = self.engine;
         let b = self.cache.batch;
         let mut src = MaskSource::Routers;
-        let mut rc = RouteCtx { source: &mut src, cursor: 0, valid: None, counts: self.counts.as_mut(), fit: None, gated: None };
+        let mut rc = RouteCtx { source: &mut src, cursor: 0, valid: None, counts: self.counts.as_mut(), fit: None, gated: None, early: false };
         let hn = e.forward_tokens(&self.tokens.view([b, 1]), (b, 1), &self.pos, Some(&self.lengths), &self.cache, &mut rc)?;
         let logits = e.timed("lm_head", || Ok(hn.linear::<Tensor>(&e.model.lm_head, None)))?;
         if self.greedy {

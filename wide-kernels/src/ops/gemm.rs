@@ -207,7 +207,10 @@ fn launch_gemv(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layou
     let kernel = routed_kernel(f16, None, &entry, device)?;
     let out = Tensor::empty([s.m, s.n], (x.kind(), x.device()));
     let last = if s.op.reduces_over_groups() { layout.settled() as i32 } else { layout.always_on_from() as i32 };
-    let args = small_m_args(s, &x, &w, w2.as_ref(), layout, &out, ng, last)?;
+    let mut args = small_m_args(s, &x, &w, w2.as_ref(), layout, &out, ng, last)?;
+    if !s.op.reduces_over_groups() {
+        args.push(KernelArg::I32(layout.early() as i32));
+    }
     // gemm_mn: 4 warps a block, r rows a warp. gemm_k: 8 warps share r rows (split over the used
     // chunks); shared memory holds the block's group list (a group index, and with several
     // tokens which of them use it) and the warps' partial sums.
@@ -221,6 +224,105 @@ fn launch_gemv(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layou
     // Programmatic dependent launch: both GEMVs wait for the launch before (pdl.cuh).
     unsafe { kernel.launch_pdl(LaunchConfig { grid: (blocks, 1, 1), block: (threads, 1, 1), shared_mem_bytes: smem }, &args)? };
     Ok(out)
+}
+
+/// The next sublayer's token router, folded into a one-token gemm_k GEMV ([`gemm_k_fold_router`]).
+/// That router reads the residual after the projection, `xres + x w^T`; its first layer is
+/// linear, so its hidden is `w1 xres + fold x + b1` with `fold = w1 w` (`[rank, K]`, in x's
+/// dtype, computed once by the caller).
+pub struct RouterFold<'a> {
+    /// `[1, H]`: the residual the projection's output is added to. With a settled layout it must
+    /// be complete when the launch starts (written two or more launches back).
+    pub xres: &'a Tensor,
+    /// `[rank, H]`, `[rank]`: the router's first layer.
+    pub w1: &'a Tensor,
+    pub b1: &'a Tensor,
+    /// `[rank, K]`: `w1 w`.
+    pub fold: &'a Tensor,
+    /// `[2 groups, rank]`, `[2 groups]`: its second layer.
+    pub w2: &'a Tensor,
+    pub b2: &'a Tensor,
+    /// Added to `skip - execute` before the gate.
+    pub offset: f64,
+    /// Always-on groups appended to the extended mask (0: no extended mask).
+    pub extra: i64,
+    /// f32 `[rank + 1]`, zero: the kernel's partial sums and arrival counter (zero again after
+    /// every launch, so one buffer serves every call on a stream).
+    pub scratch: &'a Tensor,
+}
+
+/// Rank of a router [`gemm_k_fold_router`] takes: even (two hidden values a block), at most 256.
+pub fn fold_rank_ok(rank: i64) -> bool {
+    rank > 0 && rank % 2 == 0 && rank <= 256
+}
+
+/// [`gemm_k_premasked`] of one token on the GEMV, with the next router's decision from the same
+/// launch: returns `(out, mask [1, groups] bool, extended mask [1, groups + extra] when extra > 0)`.
+/// The router's hidden is `w1 xres + fold x + b1` in f32, rounded to x's dtype like an unfused
+/// first layer; it equals the router on `xres + out` up to that rounding (the unfused path rounds
+/// `out` and the sum first), so a decision within rounding of the threshold may differ.
+pub fn gemm_k_fold_router(x: &Tensor, w: &Tensor, layout: &RouteLayout, group: i64, f: &RouterFold) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+    let s = shape_of(RoutedOp::KPremasked, x, w, None, layout, group)?;
+    ensure!(s.m == 1, "gemm_k_fold_router takes one token, got {}", s.m);
+    let (device, f16, x, w, _) = cuda_inputs(&s, x, w, None)?;
+    ensure!(s.group % 8 == 0, "the GEMV path needs a group size divisible by 8, got {}", s.group);
+    let ng = s.k / s.group;
+    ensure!(ng <= GEMV_K_MAX_GROUPS, "the gemm_k GEMV takes at most {GEMV_K_MAX_GROUPS} groups, got {ng} (use a larger group size)");
+    let (rank, h) = f.w1.size2()?;
+    ensure!(fold_rank_ok(rank), "gemm_k_fold_router: router rank {rank} must be even and at most 256");
+    ensure!(h % 8 == 0, "gemm_k_fold_router: hidden size {h} must be divisible by 8");
+    ensure!(f.xres.numel() == h as usize, "gemm_k_fold_router: residual {:?} does not have the router's {h} features", f.xres.size());
+    ensure!(f.fold.size() == [rank, s.k], "gemm_k_fold_router: fold {:?} must be [{rank}, {}] (w1 w)", f.fold.size(), s.k);
+    ensure!(f.b1.size() == [rank], "gemm_k_fold_router: b1 {:?} must be [{rank}]", f.b1.size());
+    let (n2, r2) = f.w2.size2()?;
+    ensure!(r2 == rank && n2 % 2 == 0 && f.b2.size() == [n2], "gemm_k_fold_router: second layer {:?} / {:?} does not take rank {rank}", f.w2.size(), f.b2.size());
+    ensure!(f.extra >= 0, "gemm_k_fold_router: extra groups must be >= 0, got {}", f.extra);
+    ensure!(
+        f.scratch.kind() == Kind::Float && f.scratch.size() == [rank + 1] && f.scratch.is_contiguous(),
+        "gemm_k_fold_router: scratch must be a contiguous f32 [{}] of zeros",
+        rank + 1
+    );
+    let same = |t: &Tensor| t.kind() == x.kind() && t.device() == x.device();
+    for (t, n) in [(f.xres, "xres"), (f.w1, "w1"), (f.b1, "b1"), (f.fold, "fold"), (f.w2, "w2"), (f.b2, "b2")] {
+        ensure!(same(t), "gemm_k_fold_router: {n} must be {:?} on {:?} like x, got {:?} on {:?}", x.kind(), x.device(), t.kind(), t.device());
+    }
+    ensure!(f.scratch.device() == x.device(), "gemm_k_fold_router: scratch must be on {:?}", x.device());
+    let (xres, w1, b1, fold, w2, b2) = (f.xres.contiguous(), f.w1.contiguous(), f.b1.contiguous(), f.fold.contiguous(), f.w2.contiguous(), f.b2.contiguous());
+    for (t, n) in [(&xres, "xres"), (&w1, "w1"), (&fold, "fold"), (&w2, "w2")] {
+        ensure!(t.data_ptr() as usize % 16 == 0, "gemm_k_fold_router: {n} is not 16-byte aligned (a view with an odd offset?)");
+    }
+    let rng = n2 / 2;
+    let r = gemv_rows_override(1, s.n).unwrap_or_else(|| gemv_k_rows_per_block(1, s.n));
+    let kernel = routed_kernel(f16, None, &format!("gemv_k_router_1_{r}"), device)?;
+    let out = Tensor::empty([1, s.n], (x.kind(), x.device()));
+    let mask = Tensor::empty([1, rng], (Kind::Bool, x.device()));
+    let ext = (f.extra > 0).then(|| Tensor::empty([1, rng + f.extra], (Kind::Bool, x.device())));
+    let mut args = small_m_args(&s, &x, &w, None, layout, &out, ng, layout.settled() as i32)?;
+    args.extend([
+        KernelArg::tensor(&fold)?,
+        KernelArg::tensor(&xres)?,
+        KernelArg::tensor(&w1)?,
+        KernelArg::tensor(&b1)?,
+        KernelArg::tensor(&w2)?,
+        KernelArg::tensor(&b2)?,
+        KernelArg::F32(f.offset as f32),
+        KernelArg::tensor(f.scratch)?,
+        KernelArg::tensor(&mask)?,
+        match &ext {
+            Some(t) => KernelArg::tensor(t)?,
+            None => KernelArg::Ptr(0),
+        },
+        KernelArg::I32(rank as i32),
+        KernelArg::I32(rng as i32),
+        KernelArg::I32(f.extra as i32),
+        KernelArg::I32(h as i32),
+    ]);
+    // The fold blocks (two hidden values each) first, then gemv_k's; shared memory as gemv_k's
+    // for the larger of the two row counts.
+    let blocks = (rank / 2 + s.n / r) as u32;
+    let smem = ng as u32 * 4 + 4 * 8 * r.max(2) as u32;
+    unsafe { kernel.launch_pdl(LaunchConfig { grid: (blocks, 1, 1), block: (256, 1, 1), shared_mem_bytes: smem }, &args)? };
+    Ok((out, mask, ext))
 }
 
 /// Arguments of the small-M kernels (GEMVs and the mma gemm_mn): x, w[, w2], mask, out, M, N,

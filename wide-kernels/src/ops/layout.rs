@@ -21,6 +21,7 @@ pub struct RouteLayout {
     sparsity_hint: Option<f64>,
     measured: OnceCell<f64>,
     settled: bool,
+    early: bool,
     always_on_from: Option<i64>,
 }
 
@@ -72,6 +73,19 @@ impl RouteLayout {
         self.settled = true;
         self
     }
+    /// Declares that the mask is written at least two launches before every routed launch that
+    /// reads it (a router folded into the projection before the norm launch, so the gate+up or
+    /// Q|K|V GEMV after that norm reads it early too); implies [`with_settled_mask`](Self::with_settled_mask).
+    /// The gemm_mn GEMV then reads it and loads its first weights before it waits.
+    pub fn with_early_mask(mut self) -> Self {
+        self.settled = true;
+        self.early = true;
+        self
+    }
+    /// See [`with_early_mask`](Self::with_early_mask).
+    pub fn early(&self) -> bool {
+        self.early
+    }
     /// Declares that groups `g..NG` are on for every token (a dense projection: 0; a fused Q|K|V
     /// whose trailing K|V groups are always on: the first of them). The gemm_mn GEMV then
     /// gives those groups to its first warps without reading the mask, and they load their first
@@ -119,7 +133,7 @@ pub fn route_layout(mask: &Tensor) -> Result<RouteLayout> {
         Kind::Uint8 => mask.contiguous(),
         k => bail!("route_layout: mask must be bool or u8, got {k:?}"),
     };
-    Ok(RouteLayout { mask, lists: OnceCell::new(), sparsity_hint: None, measured: OnceCell::new(), settled: false, always_on_from: None })
+    Ok(RouteLayout { mask, lists: OnceCell::new(), sparsity_hint: None, measured: OnceCell::new(), settled: false, early: false, always_on_from: None })
 }
 
 /// Reference layout in tch (any device): a stable descending sort of each group's column.

@@ -3,7 +3,8 @@
 //   WIDE_F16      1 for f16 operands, 0 for bf16 (fp32 accumulation either way)
 //   BM, BN, WM, WN, STAGES, FUSED   tile shape, warps along M/N, pipeline depth, gate+up fusion
 //                                   (tiled entries only; the GEMV/layout entries ignore them)
-// mma_sync.cuh (storage type, MMA and copy helpers), pdl.cuh and partition.cuh are prepended.
+// mma_sync.cuh (storage type, MMA and copy helpers), pdl.cuh, partition.cuh and router_gate.cuh
+// (storage conversions, the router gate) are prepended.
 __device__ __forceinline__ float silu(float a) { return a / (1.0f + __expf(-a)); }
 
 // Weights are streamed once: keep them out of L1 so the (re-read) activations stay there.
@@ -58,13 +59,16 @@ extern "C" __global__ void __launch_bounds__(1024) route_layout(const unsigned c
 // zero: the loading warps are consecutive, so they spread evenly over the multiprocessors
 // wherever the used groups fall. The mask is read in one pass (each lane holds the used bits of
 // groups lane + 32 j in registers), so a warp finds its group after a single round of loads.
+// With EARLY (the caller's promise: the mask was written two or more launches back, so it is
+// complete when this grid starts) every warp reads it through L2 and loads its first weight
+// chunks before the wait, as the always-on warps do.
 // With w2 (fused): out = silu(x . w[n]) * (x . w2[n]).
 // ---------------------------------------------------------------------------------------
 #define GEMV_MASK_WORDS 16  // groups [0, FIXED) held in registers: up to 32 x 16 = 512
 template <int MAXM, int R, bool FUSE>
 __device__ __forceinline__ void gemv_mn(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ w2,
                                         const unsigned char* __restrict__ mask, T* __restrict__ out,
-                                        int M, int N, int K, int G, int NG, int FIXED) {
+                                        int M, int N, int K, int G, int NG, int FIXED, int EARLY) {
     const int lane = threadIdx.x & 31;
     const int wi = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int wpg = G / R;  // warps a group
@@ -81,8 +85,13 @@ __device__ __forceinline__ void gemv_mn(const T* __restrict__ x, const T* __rest
         n0 = g * G + (wi % wpg) * R;
         act = (1u << M) - 1u;  // every token (M <= MAXM <= 16)
     } else {
-        pdl_wait();  // x and the mask come from the launches just before
-        pdl_trigger();
+        if (!EARLY) {
+            pdl_wait();  // x and the mask come from the launches just before
+            pdl_trigger();
+        }
+        // An early mask is read from L2 (__ldcg): no line an earlier launch left in this
+        // multiprocessor's L1 is trusted.
+        auto mk = [&](long long i) -> bool { return (EARLY ? __ldcg(mask + i) : mask[i]) != 0; };
         const int wd = wi - nfix;
         // Used bits of groups lane + 32 j (j < GEMV_MASK_WORDS), all loads in flight at once.
         unsigned used = 0;
@@ -92,7 +101,7 @@ __device__ __forceinline__ void gemv_mn(const T* __restrict__ x, const T* __rest
             if (g < FIXED) {
                 bool on = false;
 #pragma unroll
-                for (int m = 0; m < MAXM; ++m) on |= m < M && mask[(long long)m * NG + g] != 0;
+                for (int m = 0; m < MAXM; ++m) on |= m < M && mk((long long)m * NG + g);
                 used |= (unsigned)on << j;
             }
         }
@@ -101,7 +110,7 @@ __device__ __forceinline__ void gemv_mn(const T* __restrict__ x, const T* __rest
             bool on = false;
             if (g0 + lane < FIXED) {
 #pragma unroll
-                for (int m = 0; m < MAXM; ++m) on |= m < M && mask[(long long)m * NG + g0 + lane] != 0;
+                for (int m = 0; m < MAXM; ++m) on |= m < M && mk((long long)m * NG + g0 + lane);
             }
             n_on += __popc(__ballot_sync(0xffffffffu, on));
         }
@@ -118,7 +127,7 @@ __device__ __forceinline__ void gemv_mn(const T* __restrict__ x, const T* __rest
                     if (32 * j == g0) on = (used >> j) & 1u;
             } else if (g0 + lane < FIXED) {
 #pragma unroll
-                for (int m = 0; m < MAXM; ++m) on |= m < M && mask[(long long)m * NG + g0 + lane] != 0;
+                for (int m = 0; m < MAXM; ++m) on |= m < M && mk((long long)m * NG + g0 + lane);
             }
             const unsigned valid = FIXED - g0 >= 32 ? 0xffffffffu : (1u << (FIXED - g0)) - 1u;
             const unsigned ball = __ballot_sync(0xffffffffu, on);
@@ -132,8 +141,12 @@ __device__ __forceinline__ void gemv_mn(const T* __restrict__ x, const T* __rest
         act = 0;
 #pragma unroll
         for (int m = 0; m < MAXM; ++m)
-            if (m < M && mask[(long long)m * NG + g]) act |= 1u << m;  // lines this warp just read
+            if (m < M && mk((long long)m * NG + g)) act |= 1u << m;  // lines this warp just read
         if (act == 0) {
+            if (EARLY) {  // nothing is stored before the wait
+                pdl_wait();
+                pdl_trigger();
+            }
             for (int i = lane; i < M * R; i += 32) out[(long long)(i / R) * N + n0 + i % R] = (T)0.0f;
             return;
         }
@@ -158,7 +171,7 @@ __device__ __forceinline__ void gemv_mn(const T* __restrict__ x, const T* __rest
                 }
             }
         }
-        if (fixed && c0 == lane) {  // the first weight chunks are on their way: now wait for x
+        if ((fixed || EARLY) && c0 == lane) {  // the first weight chunks are on their way: now wait for x
             pdl_wait();
             pdl_trigger();
         }
@@ -180,7 +193,7 @@ __device__ __forceinline__ void gemv_mn(const T* __restrict__ x, const T* __rest
             }
         }
     }
-    if (fixed && chunks == 0) {
+    if ((fixed || EARLY) && chunks == 0) {
         pdl_wait();
         pdl_trigger();
     }
@@ -248,13 +261,30 @@ __device__ __forceinline__ void gemv_k_list(const unsigned char* __restrict__ ma
     if (lane == 0) *s_nlist = nlist;
 }
 
-template <int MAXM, int R>
+// The next sublayer's router folded into a one-token gemm_k GEMV (decode; see gemv_k_router).
+struct RouterFold {
+    const T* xres;  // [H] the residual this projection's output is added to
+    const T* w1;    // [RR, H] the router's first layer
+    const T* b1;    // [RR]
+    const T* w2;    // [2 RNG, RR] its second layer
+    const T* b2;    // [2 RNG]
+    float offset;
+    float* hpart;          // [RR] first-layer sums, then one u32 arrival counter (0 between launches)
+    unsigned char* rmask;  // [RNG] the decision
+    unsigned char* rext;   // [RNG + REXTRA] with REXTRA trailing groups on, or null
+    int RR, RNG, REXTRA, H;
+};
+
+// FOLD: this block computes rows bid * R.. of the router's first layer (w = the fold W1 W,
+// [RR, K]) instead of output rows, and the last such block to finish gates.
+template <int MAXM, int R, bool FOLD = false>
 __device__ __forceinline__ void gemv_k(const T* __restrict__ x, const T* __restrict__ w, const unsigned char* __restrict__ mask,
-                                       T* __restrict__ out, int M, int N, int K, int G, int NG, int settled) {
+                                       T* __restrict__ out, int M, int N, int K, int G, int NG, int settled, int bid,
+                                       const RouterFold* fold = nullptr) {
     extern __shared__ int gemv_k_smem[];
     __shared__ int s_nlist;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwb = blockDim.x >> 5;
-    const int n0 = blockIdx.x * R;
+    const int n0 = bid * R;
     int* glist = gemv_k_smem;
     unsigned* gbits = reinterpret_cast<unsigned*>(glist + NG);  // tokens using list entry i (M > 1)
     float* red = reinterpret_cast<float*>(glist + NG * (MAXM > 1 ? 2 : 1));
@@ -265,6 +295,7 @@ __device__ __forceinline__ void gemv_k(const T* __restrict__ x, const T* __restr
         pdl_wait();
         pdl_trigger();
     }
+    if (FOLD && bid == 0) router_gate_prefetch(fold->w2, fold->b2, fold->RNG, fold->RR);
     if (warp == 0) gemv_k_list<MAXM>(mask, M, NG, glist, gbits, &s_nlist, settled != 0);
     __syncthreads();
     const int per = G >> 3;  // 16-byte chunks per group slice
@@ -276,6 +307,15 @@ __device__ __forceinline__ void gemv_k(const T* __restrict__ x, const T* __restr
     for (int r = 0; r < R; ++r)
 #pragma unroll
         for (int m = 0; m < MAXM; ++m) acc[r][m] = 0.f;
+    if (FOLD) {
+        // W1[r] . xres over the whole residual (a settled launch's residual is complete too: the
+        // engine writes it two or more launches back), the warps splitting its 16-byte chunks.
+        for (int c = 32 * warp + lane; c < fold->H / 8; c += 32 * nwb) {
+            const uint4 xv = ld_keep(fold->xres + 8 * c);
+#pragma unroll
+            for (int r = 0; r < R; ++r) acc[r][0] = dot8(ld_keep(fold->w1 + (long long)(n0 + r) * fold->H + 8 * c), xv, acc[r][0]);
+        }
+    }
     constexpr int U = R >= 8 ? 1 : 8 / R;
     const int stride = 32 * nwb;
     uint4 wv[U][R];
@@ -323,24 +363,49 @@ __device__ __forceinline__ void gemv_k(const T* __restrict__ x, const T* __restr
         if (m < M) {
             float v = 0.f;
             for (int wi = 0; wi < nwb; ++wi) v += red[(wi * R + r) * MAXM + m];
-            out[(long long)m * N + n0 + r] = (T)v;
+            if (FOLD)
+                fold->hpart[n0 + r] = v;
+            else
+                out[(long long)m * N + n0 + r] = (T)v;
         }
+    }
+    if (FOLD) {
+        // Publish, count this block in; the last of the RR / R fold blocks adds b1, rounds to
+        // storage like the unfused router's first layer, and gates.
+        __threadfence();
+        __syncthreads();
+        __shared__ int s_last;
+        __shared__ float hs[256];
+        unsigned* counter = reinterpret_cast<unsigned*>(fold->hpart + fold->RR);
+        if (threadIdx.x == 0) {
+            const unsigned n = atomicAdd(counter, 1u);
+            s_last = n == (unsigned)(fold->RR / R - 1);
+            if (s_last) *counter = 0u;
+        }
+        __syncthreads();
+        if (!s_last) return;
+        __threadfence();
+        for (int i = threadIdx.x; i < fold->RR; i += blockDim.x) hs[i] = rt(__ldcg(fold->hpart + i) + tf(fold->b1[i]));
+        __syncthreads();
+        gate_row(hs, fold->w2, fold->b2, fold->offset, fold->rmask, fold->rext, fold->RR, fold->RNG, fold->REXTRA, 0);
     }
 }
 
 #define GEMV_ENTRIES(MM, R)                                                                                          \
     extern "C" __global__ void __launch_bounds__(128) gemv_mn_##MM##_##R(const T* x, const T* w, const unsigned char* mask, \
-                                                                         T* out, int M, int N, int K, int G, int NG, int FIXED) { \
-        gemv_mn<MM, R, false>(x, w, nullptr, mask, out, M, N, K, G, NG, FIXED);                                       \
+                                                                         T* out, int M, int N, int K, int G, int NG, int FIXED, \
+                                                                         int EARLY) {                                  \
+        gemv_mn<MM, R, false>(x, w, nullptr, mask, out, M, N, K, G, NG, FIXED, EARLY);                                \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(128) gemv_mn_swiglu_##MM##_##R(const T* x, const T* w, const T* w2,  \
                                                                                 const unsigned char* mask, T* out, int M, \
-                                                                                int N, int K, int G, int NG, int FIXED) { \
-        gemv_mn<MM, R, true>(x, w, w2, mask, out, M, N, K, G, NG, FIXED);                                             \
+                                                                                int N, int K, int G, int NG, int FIXED, \
+                                                                                int EARLY) {                           \
+        gemv_mn<MM, R, true>(x, w, w2, mask, out, M, N, K, G, NG, FIXED, EARLY);                                      \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(256) gemv_k_##MM##_##R(const T* x, const T* w, const unsigned char* mask, \
                                                                         T* out, int M, int N, int K, int G, int NG, int settled) { \
-        gemv_k<MM, R>(x, w, mask, out, M, N, K, G, NG, settled);                                                      \
+        gemv_k<MM, R>(x, w, mask, out, M, N, K, G, NG, settled, blockIdx.x);                                          \
     }
 GEMV_ENTRIES(1, 1)
 GEMV_ENTRIES(1, 2)
@@ -356,6 +421,35 @@ GEMV_ENTRIES(4, 4)
 GEMV_ENTRIES(8, 1)
 GEMV_ENTRIES(8, 2)
 GEMV_ENTRIES(16, 1)
+
+// ---------------------------------------------------------------------------------------
+// gemm_k GEMV of one token with the next sublayer's router folded in (decode). That router
+// reads the residual after this projection, xres + out, and its first layer is linear, so
+// W1 (xres + out) = W1 xres + (W1 W) x: its hidden needs x (this launch's input, with the same
+// used groups) and xres, not out. The first RR / FOLD_RPR blocks of the grid compute FOLD_RPR
+// hidden values each (the fold W1 W [RR, K], precomputed, over the used groups, plus W1 . xres);
+// the last to finish gates (gate_row). The next projection's mask then exists two launches
+// before it (the norm launch in between), so it can load weights before its wait like a dense
+// one. The other blocks are gemv_k's. FOLD_RPR = 2: a fold block reads less than an output
+// block of 8 rows (down: 2 x 7168 used + 2 x 4096 against 8 x 7168), so it is not the tail.
+// ---------------------------------------------------------------------------------------
+#define FOLD_RPR 2
+#define GEMV_K_ROUTER_ENTRY(R)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(256) gemv_k_router_1_##R(                                          \
+        const T* x, const T* w, const unsigned char* mask, T* out, int M, int N, int K, int G, int NG, int settled,  \
+        const T* wf, const T* xres, const T* w1, const T* b1, const T* w2, const T* b2, float offset, float* hpart,  \
+        unsigned char* rmask, unsigned char* rext, int RR, int RNG, int REXTRA, int H) {                             \
+        const RouterFold f{xres, w1, b1, w2, b2, offset, hpart, rmask, rext, RR, RNG, REXTRA, H};                    \
+        const int fb = RR / FOLD_RPR;                                                                                \
+        if ((int)blockIdx.x < fb)                                                                                    \
+            gemv_k<1, FOLD_RPR, true>(x, wf, mask, nullptr, M, RR, K, G, NG, settled, blockIdx.x, &f);              \
+        else                                                                                                         \
+            gemv_k<1, R>(x, w, mask, out, M, N, K, G, NG, settled, blockIdx.x - fb);                                  \
+    }
+GEMV_K_ROUTER_ENTRY(1)
+GEMV_K_ROUTER_ENTRY(2)
+GEMV_K_ROUTER_ENTRY(4)
+GEMV_K_ROUTER_ENTRY(8)
 
 // ---------------------------------------------------------------------------------------
 // Small-M gemm_mn on the tensor cores (2 <= M <= 8 NT): out[m, n] = x[m,:] . w[n,:] where
