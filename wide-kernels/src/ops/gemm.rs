@@ -209,7 +209,7 @@ fn launch_gemv(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layou
     let last = if s.op.reduces_over_groups() { layout.settled() as i32 } else { layout.always_on_from() as i32 };
     let mut args = small_m_args(s, &x, &w, w2.as_ref(), layout, &out, ng, last)?;
     if !s.op.reduces_over_groups() {
-        args.push(KernelArg::I32(layout.early() as i32 | (gemv_spread() as i32) << 1));
+        args.push(KernelArg::I32(layout.early() as i32));
     }
     // gemm_mn: 4 warps a block, r rows a warp. gemm_k: 8 warps share r rows (split over the used
     // chunks); shared memory holds the block's group list (a group index, and with several
@@ -323,13 +323,6 @@ pub fn gemm_k_fold_router(x: &Tensor, w: &Tensor, layout: &RouteLayout, group: i
     let smem = ng as u32 * 4 + 4 * 8 * r.max(2) as u32;
     unsafe { kernel.launch_pdl(LaunchConfig { grid: (blocks, 1, 1), block: (256, 1, 1), shared_mem_bytes: smem }, &args)? };
     Ok((out, mask, ext))
-}
-
-/// Whether the gemm_mn GEMV deals its routed warps' roles across blocks (`WIDE_GEMV_SPREAD=1`,
-/// read once; a measurement knob).
-fn gemv_spread() -> bool {
-    static V: OnceLock<bool> = OnceLock::new();
-    *V.get_or_init(|| std::env::var("WIDE_GEMV_SPREAD").is_ok_and(|v| v.trim() == "1"))
 }
 
 /// Arguments of the small-M kernels (GEMVs and the mma gemm_mn): x, w[, w2], mask, out, M, N,

@@ -59,17 +59,16 @@ extern "C" __global__ void __launch_bounds__(1024) route_layout(const unsigned c
 // zero: the loading warps are consecutive, so they spread evenly over the multiprocessors
 // wherever the used groups fall. The mask is read in one pass (each lane holds the used bits of
 // groups lane + 32 j in registers), so a warp finds its group after a single round of loads.
-// FLAGS bit 0, early (the caller's promise: the mask was written two or more launches back, so
-// it is complete when this grid starts): every warp reads it through L2 and loads its first
-// weight chunks before the wait, as the always-on warps do.
+// With EARLY (the caller's promise: the mask was written two or more launches back, so it is
+// complete when this grid starts) every warp reads it through L2 and loads its first weight
+// chunks before the wait, as the always-on warps do.
 // With w2 (fused): out = silu(x . w[n]) * (x . w2[n]).
 // ---------------------------------------------------------------------------------------
 #define GEMV_MASK_WORDS 16  // groups [0, FIXED) held in registers: up to 32 x 16 = 512
 template <int MAXM, int R, bool FUSE>
 __device__ __forceinline__ void gemv_mn(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ w2,
                                         const unsigned char* __restrict__ mask, T* __restrict__ out,
-                                        int M, int N, int K, int G, int NG, int FIXED, int FLAGS) {
-    const bool EARLY = FLAGS & 1;
+                                        int M, int N, int K, int G, int NG, int FIXED, int EARLY) {
     const int lane = threadIdx.x & 31;
     const int wi = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int wpg = G / R;  // warps a group
@@ -93,12 +92,7 @@ __device__ __forceinline__ void gemv_mn(const T* __restrict__ x, const T* __rest
         // An early mask is read from L2 (__ldcg): no line an earlier launch left in this
         // multiprocessor's L1 is trusted.
         auto mk = [&](long long i) -> bool { return (EARLY ? __ldcg(mask + i) : mask[i]) != 0; };
-        int wd = wi - nfix;
-        // FLAGS bit 1 (spread): the routed warps' roles are dealt across the blocks (warp j of
-        // every block before warp j + 1 of any), so the loading warps are spread over all
-        // blocks instead of filling the first ones.
-        const int total = FIXED * wpg;
-        if ((FLAGS & 2) && (total & 3) == 0 && (nfix & 3) == 0 && blockDim.x == 128) wd = (wd & 3) * (total >> 2) + (wd >> 2);
+        const int wd = wi - nfix;
         // Used bits of groups lane + 32 j (j < GEMV_MASK_WORDS), all loads in flight at once.
         unsigned used = 0;
 #pragma unroll
@@ -400,14 +394,14 @@ __device__ __forceinline__ void gemv_k(const T* __restrict__ x, const T* __restr
 #define GEMV_ENTRIES(MM, R)                                                                                          \
     extern "C" __global__ void __launch_bounds__(128) gemv_mn_##MM##_##R(const T* x, const T* w, const unsigned char* mask, \
                                                                          T* out, int M, int N, int K, int G, int NG, int FIXED, \
-                                                                         int FLAGS) {                                  \
-        gemv_mn<MM, R, false>(x, w, nullptr, mask, out, M, N, K, G, NG, FIXED, FLAGS);                                \
+                                                                         int EARLY) {                                  \
+        gemv_mn<MM, R, false>(x, w, nullptr, mask, out, M, N, K, G, NG, FIXED, EARLY);                                \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(128) gemv_mn_swiglu_##MM##_##R(const T* x, const T* w, const T* w2,  \
                                                                                 const unsigned char* mask, T* out, int M, \
                                                                                 int N, int K, int G, int NG, int FIXED, \
-                                                                                int FLAGS) {                           \
-        gemv_mn<MM, R, true>(x, w, w2, mask, out, M, N, K, G, NG, FIXED, FLAGS);                                      \
+                                                                                int EARLY) {                           \
+        gemv_mn<MM, R, true>(x, w, w2, mask, out, M, N, K, G, NG, FIXED, EARLY);                                      \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(256) gemv_k_##MM##_##R(const T* x, const T* w, const unsigned char* mask, \
                                                                         T* out, int M, int N, int K, int G, int NG, int settled) { \
