@@ -318,9 +318,14 @@ pub fn gemm_k_fold_router(x: &Tensor, w: &Tensor, layout: &RouteLayout, group: i
         KernelArg::I32(h as i32),
     ]);
     // The fold blocks (two hidden values each) first, then gemv_k's; shared memory as gemv_k's
-    // for the larger of the two row counts.
+    // for the larger of the two row counts, then (where the default 48 KiB hold them) a copy of
+    // the gate's weights, so the last fold block gates without a round trip to L2.
     let blocks = (rank / 2 + s.n / r) as u32;
-    let smem = ng as u32 * 4 + 4 * 8 * r.max(2) as u32;
+    let base = (ng + 8 * r.max(2) + 3) / 4 * 16;
+    let gate_bytes = 2 * rng * (rank + 1) * 2;
+    let shared = w2.data_ptr() as usize % 16 == 0 && rank % 8 == 0 && base + gate_bytes <= 48 * 1024;
+    let smem = (base + if shared { gate_bytes } else { 0 }) as u32;
+    args.push(KernelArg::I32(shared as i32));
     unsafe { kernel.launch_pdl(LaunchConfig { grid: (blocks, 1, 1), block: (256, 1, 1), shared_mem_bytes: smem }, &args)? };
     Ok((out, mask, ext))
 }

@@ -273,6 +273,7 @@ struct RouterFold {
     unsigned char* rmask;  // [RNG] the decision
     unsigned char* rext;   // [RNG + REXTRA] with REXTRA trailing groups on, or null
     int RR, RNG, REXTRA, H;
+    int w2_shared;  // copy w2 and b2 into dynamic shared memory (after the list and partial sums)
 };
 
 // FOLD: this block computes rows bid * R.. of the router's first layer (w = the fold W1 W,
@@ -295,7 +296,19 @@ __device__ __forceinline__ void gemv_k(const T* __restrict__ x, const T* __restr
         pdl_wait();
         pdl_trigger();
     }
-    if (FOLD && bid == 0) router_gate_prefetch(fold->w2, fold->b2, fold->RNG, fold->RR);
+    // The gate's weights: into this block's shared memory (any fold block may be the last), or
+    // into L2 by one block, before the wait.
+    T* w2s = reinterpret_cast<T*>(gemv_k_smem + ((NG * (MAXM > 1 ? 2 : 1) + nwb * R * MAXM + 3) & ~3));
+    T* b2s = w2s + 2 * (FOLD ? fold->RNG * fold->RR : 0);
+    if (FOLD) {
+        if (fold->w2_shared) {
+            for (int c = threadIdx.x; c < fold->RNG * fold->RR / 4; c += blockDim.x)
+                reinterpret_cast<uint4*>(w2s)[c] = __ldg(reinterpret_cast<const uint4*>(fold->w2) + c);
+            for (int i = threadIdx.x; i < 2 * fold->RNG; i += blockDim.x) b2s[i] = fold->b2[i];
+        } else if (bid == 0) {
+            router_gate_prefetch(fold->w2, fold->b2, fold->RNG, fold->RR);
+        }
+    }
     if (warp == 0) gemv_k_list<MAXM>(mask, M, NG, glist, gbits, &s_nlist, settled != 0);
     __syncthreads();
     const int per = G >> 3;  // 16-byte chunks per group slice
@@ -310,10 +323,21 @@ __device__ __forceinline__ void gemv_k(const T* __restrict__ x, const T* __restr
     if (FOLD) {
         // W1[r] . xres over the whole residual (a settled launch's residual is complete too: the
         // engine writes it two or more launches back), the warps splitting its 16-byte chunks.
-        for (int c = 32 * warp + lane; c < fold->H / 8; c += 32 * nwb) {
-            const uint4 xv = ld_keep(fold->xres + 8 * c);
+        // Two chunks a lane at a time, all their loads in flight before the first product.
+        const int hc = fold->H / 8, st = 32 * nwb;
+        for (int c = 32 * warp + lane; c < hc; c += 2 * st) {
+            const bool two = c + st < hc;
+            const uint4 z = make_uint4(0, 0, 0, 0);
+            const uint4 xv = ld_keep(fold->xres + 8 * c), xv2 = two ? ld_keep(fold->xres + 8 * (c + st)) : z;
+            uint4 wv1[R], wv2[R];
 #pragma unroll
-            for (int r = 0; r < R; ++r) acc[r][0] = dot8(ld_keep(fold->w1 + (long long)(n0 + r) * fold->H + 8 * c), xv, acc[r][0]);
+            for (int r = 0; r < R; ++r) {
+                const T* row = fold->w1 + (long long)(n0 + r) * fold->H;
+                wv1[r] = ld_keep(row + 8 * c);
+                wv2[r] = two ? ld_keep(row + 8 * (c + st)) : z;
+            }
+#pragma unroll
+            for (int r = 0; r < R; ++r) acc[r][0] = dot8(wv2[r], xv2, dot8(wv1[r], xv, acc[r][0]));
         }
     }
     constexpr int U = R >= 8 ? 1 : 8 / R;
@@ -387,7 +411,10 @@ __device__ __forceinline__ void gemv_k(const T* __restrict__ x, const T* __restr
         __threadfence();
         for (int i = threadIdx.x; i < fold->RR; i += blockDim.x) hs[i] = rt(__ldcg(fold->hpart + i) + tf(fold->b1[i]));
         __syncthreads();
-        gate_row(hs, fold->w2, fold->b2, fold->offset, fold->rmask, fold->rext, fold->RR, fold->RNG, fold->REXTRA, 0);
+        if (fold->w2_shared)
+            gate_row<true>(hs, w2s, b2s, fold->offset, fold->rmask, fold->rext, fold->RR, fold->RNG, fold->REXTRA, 0);
+        else
+            gate_row(hs, fold->w2, fold->b2, fold->offset, fold->rmask, fold->rext, fold->RR, fold->RNG, fold->REXTRA, 0);
     }
 }
 
@@ -438,8 +465,8 @@ GEMV_ENTRIES(16, 1)
     extern "C" __global__ void __launch_bounds__(256) gemv_k_router_1_##R(                                          \
         const T* x, const T* w, const unsigned char* mask, T* out, int M, int N, int K, int G, int NG, int settled,  \
         const T* wf, const T* xres, const T* w1, const T* b1, const T* w2, const T* b2, float offset, float* hpart,  \
-        unsigned char* rmask, unsigned char* rext, int RR, int RNG, int REXTRA, int H) {                             \
-        const RouterFold f{xres, w1, b1, w2, b2, offset, hpart, rmask, rext, RR, RNG, REXTRA, H};                    \
+        unsigned char* rmask, unsigned char* rext, int RR, int RNG, int REXTRA, int H, int w2_shared) {              \
+        const RouterFold f{xres, w1, b1, w2, b2, offset, hpart, rmask, rext, RR, RNG, REXTRA, H, w2_shared};         \
         const int fb = RR / FOLD_RPR;                                                                                \
         if ((int)blockIdx.x < fb)                                                                                    \
             gemv_k<1, FOLD_RPR, true>(x, wf, mask, nullptr, M, RR, K, G, NG, settled, blockIdx.x, &f);              \
