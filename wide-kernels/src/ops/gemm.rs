@@ -199,10 +199,9 @@ fn launch_gemv(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layou
     );
     let mm = [1, 2, 4, 8, 16].into_iter().find(|&v| v >= s.m).unwrap();
     let r = gemv_rows_override(mm, s.n).unwrap_or_else(|| if s.op.reduces_over_groups() { gemv_k_rows_per_block(mm, s.n) } else { gemv_rows_per_warp(mm, s.n) });
-    let deep = if mm == 1 && gemv_deep() { "_deep" } else { "" };
     let entry = match s.op {
-        RoutedOp::Mn => format!("gemv_mn_{mm}_{r}{deep}"),
-        RoutedOp::MnSwiglu => format!("gemv_mn_swiglu_{mm}_{r}{deep}"),
+        RoutedOp::Mn => format!("gemv_mn_{mm}_{r}"),
+        RoutedOp::MnSwiglu => format!("gemv_mn_swiglu_{mm}_{r}"),
         RoutedOp::K | RoutedOp::KPremasked => format!("gemv_k_{mm}_{r}"),
     };
     let kernel = routed_kernel(f16, None, &entry, device)?;
@@ -329,13 +328,6 @@ pub fn gemm_k_fold_router(x: &Tensor, w: &Tensor, layout: &RouteLayout, group: i
     args.push(KernelArg::I32(shared as i32));
     unsafe { kernel.launch_pdl(LaunchConfig { grid: (blocks, 1, 1), block: (256, 1, 1), shared_mem_bytes: smem }, &args)? };
     Ok((out, mask, ext))
-}
-
-/// Whether one-token gemm_mn GEMVs keep twice the weight loads in flight (`WIDE_GEMV_DEEP=1`, read
-/// once; a measurement knob).
-fn gemv_deep() -> bool {
-    static V: OnceLock<bool> = OnceLock::new();
-    *V.get_or_init(|| std::env::var("WIDE_GEMV_DEEP").is_ok_and(|v| v.trim() == "1"))
 }
 
 /// Arguments of the small-M kernels (GEMVs and the mma gemm_mn): x, w[, w2], mask, out, M, N,
