@@ -26,7 +26,7 @@ use std::collections::BTreeMap;
 use tch::{Device, Kind, Tensor};
 use wide_kernels::ops::dispatch::{choose, GemmPath, GemmShape, RoutedOp, GEMV_MAX_M, LARGE_M_MIN};
 use wide_kernels::ops::fused::{self, QkvShape, RouterWeights};
-use wide_kernels::ops::gemm::{choose_path, fold_rank_ok, fold_supported, gemm_k_fold_router, RouterFold};
+use wide_kernels::ops::gemm::{choose_path, fold_rank_ok, gemm_k_fold_router, RouterFold};
 use wide_kernels::{route_layout, routed_gemm, RouteLayout};
 
 /// One layer's fused projection weights (the model's q/k/v and gate/up weights are views).
@@ -200,7 +200,7 @@ pub struct Engine<'m> {
     /// and the FFN router's times this layer's O weight (`[rank, in_features]`): the router
     /// folded into the projection whose output its input adds ([`gemm_k_fold_router`]).
     folds: Vec<[Option<Tensor>; 2]>,
-    /// f32 `[rank]` per router rank: the folded routers' first-layer sums.
+    /// f32 zeros `[rank + 1]` per router rank: the folded routers' partial sums and counter.
     fold_scratch: BTreeMap<i64, Tensor>,
     /// Router decisions made by folded routers so far (host count of launches issued).
     fold_calls: std::cell::Cell<u64>,
@@ -215,16 +215,13 @@ fn router_fold_enabled() -> bool {
 }
 
 /// `w1 w` for each router whose input adds a bias-free projection's output (see
-/// [`Engine::folds`]): on CUDA in bf16/f16 (cuBLAS, fp32 accumulation, one rounding) on GPUs
-/// with thread-block clusters, where the decode kernels can use them; none elsewhere.
+/// [`Engine::folds`]): on CUDA in bf16/f16 (cuBLAS, fp32 accumulation, one rounding), where the
+/// decode kernels can use them; none elsewhere.
 fn router_folds(model: &LlamaModel, routing: Option<&Routing>) -> Vec<[Option<Tensor>; 2]> {
     let n = model.layers.len();
     let mut out: Vec<[Option<Tensor>; 2]> = (0..n).map(|_| [None, None]).collect();
     let Some(r) = routing else { return out };
-    let fast = match model.device {
-        Device::Cuda(d) => matches!(model.kind, Kind::BFloat16 | Kind::Half) && fold_supported(d).unwrap_or(false),
-        _ => false,
-    };
+    let fast = matches!(model.device, Device::Cuda(_)) && matches!(model.kind, Kind::BFloat16 | Kind::Half);
     if !fast || !router_fold_enabled() {
         return out;
     }
@@ -320,7 +317,7 @@ impl<'m> Engine<'m> {
         let (ta, tf) = routing.and_then(|r| r.config.per_type_targets()).unwrap_or((target, target));
         let inv_freq = Tensor::from_slice(&inverse_frequencies(c)).to_device(model.device);
         let folds = router_folds(model, routing);
-        let fold_scratch = folds.iter().flatten().flatten().map(|f| f.size()[0]).map(|r| (r, Tensor::zeros([r], (Kind::Float, model.device)))).collect();
+        let fold_scratch = folds.iter().flatten().flatten().map(|f| f.size()[0]).map(|r| (r, Tensor::zeros([r + 1], (Kind::Float, model.device)))).collect();
         Ok(Self {
             model,
             routing,

@@ -246,23 +246,14 @@ pub struct RouterFold<'a> {
     pub offset: f64,
     /// Always-on groups appended to the extended mask (0: no extended mask).
     pub extra: i64,
-    /// f32 `[rank]`: receives the router's first-layer sums before its bias (for inspection; one
-    /// buffer serves every call on a stream).
+    /// f32 `[rank + 1]`, zero: the kernel's partial sums and arrival counter (zero again after
+    /// every launch, so one buffer serves every call on a stream).
     pub scratch: &'a Tensor,
 }
 
-/// Thread-block clusters of the fold launch: their first cluster computes the router's hidden.
-const FOLD_BLOCKS: i64 = 4;
-
-/// Router ranks [`gemm_k_fold_router`] takes: 8, 16, 32 (the default) or 64 (2-16 hidden values
-/// a block of the first cluster).
+/// Rank of a router [`gemm_k_fold_router`] takes: even (two hidden values a block), at most 256.
 pub fn fold_rank_ok(rank: i64) -> bool {
-    matches!(rank, 8 | 16 | 32 | 64)
-}
-
-/// Whether `device` can run [`gemm_k_fold_router`] (thread-block clusters: compute capability 9.0+).
-pub fn fold_supported(device: usize) -> Result<bool> {
-    Ok(crate::cuda::compute_major(device)? >= 9)
+    rank > 0 && rank % 2 == 0 && rank <= 256
 }
 
 /// [`gemm_k_premasked`] of one token on the GEMV, with the next router's decision from the same
@@ -278,8 +269,7 @@ pub fn gemm_k_fold_router(x: &Tensor, w: &Tensor, layout: &RouteLayout, group: i
     let ng = s.k / s.group;
     ensure!(ng <= GEMV_K_MAX_GROUPS, "the gemm_k GEMV takes at most {GEMV_K_MAX_GROUPS} groups, got {ng} (use a larger group size)");
     let (rank, h) = f.w1.size2()?;
-    ensure!(fold_rank_ok(rank), "gemm_k_fold_router: router rank {rank} is not one of 8, 16, 32, 64 (run the router unfolded)");
-    ensure!(fold_supported(device)?, "gemm_k_fold_router needs compute capability 9.0 or later (thread-block clusters)");
+    ensure!(fold_rank_ok(rank), "gemm_k_fold_router: router rank {rank} must be even and at most 256");
     ensure!(h % 8 == 0, "gemm_k_fold_router: hidden size {h} must be divisible by 8");
     ensure!(f.xres.numel() == h as usize, "gemm_k_fold_router: residual {:?} does not have the router's {h} features", f.xres.size());
     ensure!(f.fold.size() == [rank, s.k], "gemm_k_fold_router: fold {:?} must be [{rank}, {}] (w1 w)", f.fold.size(), s.k);
@@ -288,8 +278,9 @@ pub fn gemm_k_fold_router(x: &Tensor, w: &Tensor, layout: &RouteLayout, group: i
     ensure!(r2 == rank && n2 % 2 == 0 && f.b2.size() == [n2], "gemm_k_fold_router: second layer {:?} / {:?} does not take rank {rank}", f.w2.size(), f.b2.size());
     ensure!(f.extra >= 0, "gemm_k_fold_router: extra groups must be >= 0, got {}", f.extra);
     ensure!(
-        f.scratch.kind() == Kind::Float && f.scratch.size() == [rank] && f.scratch.is_contiguous(),
-        "gemm_k_fold_router: scratch must be a contiguous f32 [{rank}]"
+        f.scratch.kind() == Kind::Float && f.scratch.size() == [rank + 1] && f.scratch.is_contiguous(),
+        "gemm_k_fold_router: scratch must be a contiguous f32 [{}] of zeros",
+        rank + 1
     );
     let same = |t: &Tensor| t.kind() == x.kind() && t.device() == x.device();
     for (t, n) in [(f.xres, "xres"), (f.w1, "w1"), (f.b1, "b1"), (f.fold, "fold"), (f.w2, "w2"), (f.b2, "b2")] {
@@ -302,7 +293,7 @@ pub fn gemm_k_fold_router(x: &Tensor, w: &Tensor, layout: &RouteLayout, group: i
     }
     let rng = n2 / 2;
     let r = gemv_rows_override(1, s.n).unwrap_or_else(|| gemv_k_rows_per_block(1, s.n));
-    let kernel = routed_kernel(f16, None, &format!("gemv_k_router_1_{r}_{}", rank / FOLD_BLOCKS), device)?;
+    let kernel = routed_kernel(f16, None, &format!("gemv_k_router_1_{r}"), device)?;
     let out = Tensor::empty([1, s.n], (x.kind(), x.device()));
     let mask = Tensor::empty([1, rng], (Kind::Bool, x.device()));
     let ext = (f.extra > 0).then(|| Tensor::empty([1, rng + f.extra], (Kind::Bool, x.device())));
@@ -326,18 +317,16 @@ pub fn gemm_k_fold_router(x: &Tensor, w: &Tensor, layout: &RouteLayout, group: i
         KernelArg::I32(f.extra as i32),
         KernelArg::I32(h as i32),
     ]);
-    // One cluster of fold blocks, then gemv_k's padded to whole clusters; shared memory as
-    // gemv_k's for the larger of the two row counts, then (where the default 48 KiB hold them)
-    // block 0's copy of the gate's weights, so it gates without a round trip to L2.
-    let rpr = rank / FOLD_BLOCKS;
-    let blocks = (FOLD_BLOCKS + (s.n / r + FOLD_BLOCKS - 1) / FOLD_BLOCKS * FOLD_BLOCKS) as u32;
-    let base = (ng + 8 * r.max(rpr) + 3) / 4 * 16;
+    // The fold blocks (two hidden values each) first, then gemv_k's; shared memory as gemv_k's
+    // for the larger of the two row counts, then (where the default 48 KiB hold them) a copy of
+    // the gate's weights, so the last fold block gates without a round trip to L2.
+    let blocks = (rank / 2 + s.n / r) as u32;
+    let base = (ng + 8 * r.max(2) + 3) / 4 * 16;
     let gate_bytes = 2 * rng * (rank + 1) * 2;
     let shared = w2.data_ptr() as usize % 16 == 0 && rank % 8 == 0 && base + gate_bytes <= 48 * 1024;
     let smem = (base + if shared { gate_bytes } else { 0 }) as u32;
     args.push(KernelArg::I32(shared as i32));
-    let cfg = LaunchConfig { grid: (blocks, 1, 1), block: (256, 1, 1), shared_mem_bytes: smem };
-    unsafe { kernel.launch_pdl_cluster(cfg, (FOLD_BLOCKS as u32, 1, 1), &args)? };
+    unsafe { kernel.launch_pdl(LaunchConfig { grid: (blocks, 1, 1), block: (256, 1, 1), shared_mem_bytes: smem }, &args)? };
     Ok((out, mask, ext))
 }
 

@@ -219,6 +219,9 @@ extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router(NORM_ROUTER
 // add_rmsnorm_router) go straight into block 0's shared memory (distributed shared memory), so
 // the gate needs no global round trip, fence or arrival counter, only one cluster barrier; then
 // block 0 gates the row. h1 is still written to global memory for the caller.
+__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_arrive_release() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
 
 extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router_cluster(NORM_ROUTER_PARAMS) {
 #if __CUDA_ARCH__ >= 900

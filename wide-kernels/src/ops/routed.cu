@@ -269,17 +269,15 @@ struct RouterFold {
     const T* w2;    // [2 RNG, RR] its second layer
     const T* b2;    // [2 RNG]
     float offset;
-    float* hpart;          // [RR] the first layer's sums before b1 (for inspection)
+    float* hpart;          // [RR] first-layer sums, then one u32 arrival counter (0 between launches)
     unsigned char* rmask;  // [RNG] the decision
     unsigned char* rext;   // [RNG + REXTRA] with REXTRA trailing groups on, or null
     int RR, RNG, REXTRA, H;
-    int w2_shared;  // block 0 copies w2 and b2 into dynamic shared memory (after the list and sums)
+    int w2_shared;  // copy w2 and b2 into dynamic shared memory (after the list and partial sums)
 };
 
-// FOLD: this block (bid = its rank in the grid's first thread-block cluster of FOLD_BLOCKS)
-// computes rows bid * R.. of the router's first layer (w = the fold W1 W, [RR, K]) instead of
-// output rows; block 0 gates.
-#define FOLD_BLOCKS 4
+// FOLD: this block computes rows bid * R.. of the router's first layer (w = the fold W1 W,
+// [RR, K]) instead of output rows, and the last such block to finish gates.
 template <int MAXM, int R, bool FOLD = false>
 __device__ __forceinline__ void gemv_k(const T* __restrict__ x, const T* __restrict__ w, const unsigned char* __restrict__ mask,
                                        T* __restrict__ out, int M, int N, int K, int G, int NG, int settled, int bid,
@@ -288,11 +286,6 @@ __device__ __forceinline__ void gemv_k(const T* __restrict__ x, const T* __restr
     __shared__ int s_nlist;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwb = blockDim.x >> 5;
     const int n0 = bid * R;
-#if __CUDA_ARCH__ >= 900
-    // Block 0 must be running before the others write its shared memory: every fold block
-    // arrives now and waits just before those writes.
-    if (FOLD) cluster_arrive_relaxed();
-#endif
     int* glist = gemv_k_smem;
     unsigned* gbits = reinterpret_cast<unsigned*>(glist + NG);  // tokens using list entry i (M > 1)
     float* red = reinterpret_cast<float*>(glist + NG * (MAXM > 1 ? 2 : 1));
@@ -303,15 +296,16 @@ __device__ __forceinline__ void gemv_k(const T* __restrict__ x, const T* __restr
         pdl_wait();
         pdl_trigger();
     }
-    // The gate's weights: into block 0's shared memory, or into L2, before the wait.
+    // The gate's weights: into this block's shared memory (any fold block may be the last), or
+    // into L2 by one block, before the wait.
     T* w2s = reinterpret_cast<T*>(gemv_k_smem + ((NG * (MAXM > 1 ? 2 : 1) + nwb * R * MAXM + 3) & ~3));
     T* b2s = w2s + 2 * (FOLD ? fold->RNG * fold->RR : 0);
-    if (FOLD && bid == 0) {
+    if (FOLD) {
         if (fold->w2_shared) {
             for (int c = threadIdx.x; c < fold->RNG * fold->RR / 4; c += blockDim.x)
                 reinterpret_cast<uint4*>(w2s)[c] = __ldg(reinterpret_cast<const uint4*>(fold->w2) + c);
             for (int i = threadIdx.x; i < 2 * fold->RNG; i += blockDim.x) b2s[i] = fold->b2[i];
-        } else {
+        } else if (bid == 0) {
             router_gate_prefetch(fold->w2, fold->b2, fold->RNG, fold->RR);
         }
     }
@@ -388,43 +382,39 @@ __device__ __forceinline__ void gemv_k(const T* __restrict__ x, const T* __restr
             if (lane == 0) red[(warp * R + r) * MAXM + m] = v;
         }
     __syncthreads();
-    if (FOLD) {
-#if __CUDA_ARCH__ >= 900
-        // Each hidden value, plus b1 and rounded to storage like the unfused router's first
-        // layer, goes straight into block 0's shared memory (distributed shared memory); one
-        // cluster barrier publishes them, and block 0 gates.
-        __shared__ float hs[256];
-        float h = 0.f;
-        if ((int)threadIdx.x < R) {
-            float v = 0.f;
-            for (int wi = 0; wi < nwb; ++wi) v += red[wi * R * MAXM + threadIdx.x * MAXM];
-            fold->hpart[n0 + threadIdx.x] = v;
-            h = rt(v + tf(fold->b1[n0 + threadIdx.x]));
-        }
-        cluster_wait();  // every fold block has started
-        if ((int)threadIdx.x < R) {
-            const unsigned local = (unsigned)__cvta_generic_to_shared(&hs[n0 + threadIdx.x]);
-            unsigned remote;
-            asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(0));
-            asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(h) : "memory");
-        }
-        cluster_arrive_release();
-        cluster_wait();
-        if (bid != 0) return;
-        if (fold->w2_shared)
-            gate_row<true>(hs, w2s, b2s, fold->offset, fold->rmask, fold->rext, fold->RR, fold->RNG, fold->REXTRA, 0);
-        else
-            gate_row(hs, fold->w2, fold->b2, fold->offset, fold->rmask, fold->rext, fold->RR, fold->RNG, fold->REXTRA, 0);
-#endif
-        return;
-    }
     for (int i = threadIdx.x; i < R * MAXM; i += blockDim.x) {
         const int r = i / MAXM, m = i % MAXM;
         if (m < M) {
             float v = 0.f;
             for (int wi = 0; wi < nwb; ++wi) v += red[(wi * R + r) * MAXM + m];
-            out[(long long)m * N + n0 + r] = (T)v;
+            if (FOLD)
+                fold->hpart[n0 + r] = v;
+            else
+                out[(long long)m * N + n0 + r] = (T)v;
         }
+    }
+    if (FOLD) {
+        // Publish, count this block in; the last of the RR / R fold blocks adds b1, rounds to
+        // storage like the unfused router's first layer, and gates.
+        __threadfence();
+        __syncthreads();
+        __shared__ int s_last;
+        __shared__ float hs[256];
+        unsigned* counter = reinterpret_cast<unsigned*>(fold->hpart + fold->RR);
+        if (threadIdx.x == 0) {
+            const unsigned n = atomicAdd(counter, 1u);
+            s_last = n == (unsigned)(fold->RR / R - 1);
+            if (s_last) *counter = 0u;
+        }
+        __syncthreads();
+        if (!s_last) return;
+        __threadfence();
+        for (int i = threadIdx.x; i < fold->RR; i += blockDim.x) hs[i] = rt(__ldcg(fold->hpart + i) + tf(fold->b1[i]));
+        __syncthreads();
+        if (fold->w2_shared)
+            gate_row<true>(hs, w2s, b2s, fold->offset, fold->rmask, fold->rext, fold->RR, fold->RNG, fold->REXTRA, 0);
+        else
+            gate_row(hs, fold->w2, fold->b2, fold->offset, fold->rmask, fold->rext, fold->RR, fold->RNG, fold->REXTRA, 0);
     }
 }
 
@@ -463,30 +453,30 @@ GEMV_ENTRIES(16, 1)
 // gemm_k GEMV of one token with the next sublayer's router folded in (decode). That router
 // reads the residual after this projection, xres + out, and its first layer is linear, so
 // W1 (xres + out) = W1 xres + (W1 W) x: its hidden needs x (this launch's input, with the same
-// used groups) and xres, not out. Launched in thread-block clusters of FOLD_BLOCKS (compute
-// capability 9.0+); the first cluster's blocks compute RPR = RR / FOLD_BLOCKS hidden values each
-// (the fold W1 W [RR, K], precomputed, over the used groups, plus W1 . xres, loaded before the
-// wait when settled), hand them to block 0's shared memory and block 0 gates (gate_row). The
-// next projection's mask then exists two launches before it (the norm launch in between), so it
-// can load weights before its wait like a dense one. The other blocks are gemv_k's (the grid is
-// padded to whole clusters; blocks past N / R return at once).
+// used groups) and xres, not out. The first RR / FOLD_RPR blocks of the grid compute FOLD_RPR
+// hidden values each (the fold W1 W [RR, K], precomputed, over the used groups, plus W1 . xres);
+// the last to finish gates (gate_row). The next projection's mask then exists two launches
+// before it (the norm launch in between), so it can load weights before its wait like a dense
+// one. The other blocks are gemv_k's. FOLD_RPR = 2: a fold block reads less than an output
+// block of 8 rows (down: 2 x 7168 used + 2 x 4096 against 8 x 7168), so it is not the tail.
 // ---------------------------------------------------------------------------------------
-#define GEMV_K_ROUTER_ENTRY(R, RPR)                                                                                   \
-    extern "C" __global__ void __launch_bounds__(256) gemv_k_router_1_##R##_##RPR(                                  \
+#define FOLD_RPR 2
+#define GEMV_K_ROUTER_ENTRY(R)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(256) gemv_k_router_1_##R(                                          \
         const T* x, const T* w, const unsigned char* mask, T* out, int M, int N, int K, int G, int NG, int settled,  \
         const T* wf, const T* xres, const T* w1, const T* b1, const T* w2, const T* b2, float offset, float* hpart,  \
         unsigned char* rmask, unsigned char* rext, int RR, int RNG, int REXTRA, int H, int w2_shared) {              \
         const RouterFold f{xres, w1, b1, w2, b2, offset, hpart, rmask, rext, RR, RNG, REXTRA, H, w2_shared};         \
-        if ((int)blockIdx.x < FOLD_BLOCKS)                                                                           \
-            gemv_k<1, RPR, true>(x, wf, mask, nullptr, M, RR, K, G, NG, settled, blockIdx.x, &f);                   \
-        else if ((int)blockIdx.x - FOLD_BLOCKS < N / R)                                                              \
-            gemv_k<1, R>(x, w, mask, out, M, N, K, G, NG, settled, blockIdx.x - FOLD_BLOCKS);                         \
+        const int fb = RR / FOLD_RPR;                                                                                \
+        if ((int)blockIdx.x < fb)                                                                                    \
+            gemv_k<1, FOLD_RPR, true>(x, wf, mask, nullptr, M, RR, K, G, NG, settled, blockIdx.x, &f);              \
+        else                                                                                                         \
+            gemv_k<1, R>(x, w, mask, out, M, N, K, G, NG, settled, blockIdx.x - fb);                                  \
     }
-#define GEMV_K_ROUTER_ENTRIES(R) GEMV_K_ROUTER_ENTRY(R, 2) GEMV_K_ROUTER_ENTRY(R, 4) GEMV_K_ROUTER_ENTRY(R, 8) GEMV_K_ROUTER_ENTRY(R, 16)
-GEMV_K_ROUTER_ENTRIES(1)
-GEMV_K_ROUTER_ENTRIES(2)
-GEMV_K_ROUTER_ENTRIES(4)
-GEMV_K_ROUTER_ENTRIES(8)
+GEMV_K_ROUTER_ENTRY(1)
+GEMV_K_ROUTER_ENTRY(2)
+GEMV_K_ROUTER_ENTRY(4)
+GEMV_K_ROUTER_ENTRY(8)
 
 // ---------------------------------------------------------------------------------------
 // Small-M gemm_mn on the tensor cores (2 <= M <= 8 NT): out[m, n] = x[m,:] . w[n,:] where

@@ -1,5 +1,5 @@
-// The storage type's conversions, the cluster barrier and the router gate shared by the modules
-// that gate (infer.cu: the norm launches; routed.cu: the gemm_k GEMV that folds in the next router).
+// The storage type's conversions and the router gate shared by the modules that gate
+// (infer.cu: the norm launches; routed.cu: the gemm_k GEMV that folds in the next router).
 // Prepended after mma_sync.cuh (storage type T).
 #if WIDE_F16
 __device__ __forceinline__ float tf(T v) { return __half2float(v); }
@@ -10,11 +10,6 @@ __device__ __forceinline__ T ft(float v) { return __float2bfloat16_rn(v); }
 #endif
 // Round to storage precision and back (what a tch op in the storage dtype does).
 __device__ __forceinline__ float rt(float v) { return tf(ft(v)); }
-
-// Thread-block cluster barrier (compute capability 9.0+; callers compile them only there).
-__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
-__device__ __forceinline__ void cluster_arrive_release() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
 
 // Second router layer and deterministic gate of token m on its first layer's output hs[R]
 // (f32 values of the stored h1): logits = h W2^T + b2 viewed [NG, 2] = (execute, skip); group g
