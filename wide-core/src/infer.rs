@@ -304,7 +304,9 @@ fn dense_gemv_enabled(m: i64) -> bool {
 
 impl<'m> Engine<'m> {
     /// Fuses the model's projections and prepares the engine; `routing` = None (or the
-    /// `dense` variant) runs dense.
+    /// `dense` variant) runs dense. On CUDA the folded routers (`W1 W` of each router and the
+    /// O / down weight before it, see [`gemm_k_fold_router`]) are computed here, so the routers'
+    /// and projections' weights must not change while the engine is in use (offsets may).
     pub fn new(model: &'m LlamaModel, routing: Option<&'m Routing>) -> Result<Self> {
         let fused = fuse_projections(model)?;
         let c = &model.config;

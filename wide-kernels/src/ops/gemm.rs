@@ -190,13 +190,7 @@ pub(super) fn cuda_inputs(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Ten
 
 fn launch_gemv(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: &RouteLayout) -> Result<Tensor> {
     let (device, f16, x, w, w2) = cuda_inputs(s, x, w, w2)?;
-    ensure!(s.m <= GEMV_MAX_M, "the GEMV path takes at most {GEMV_MAX_M} tokens, got {}", s.m);
-    ensure!(s.group % 8 == 0, "the GEMV path needs a group size divisible by 8, got {}", s.group);
-    let ng = if s.op.reduces_over_groups() { s.k / s.group } else { s.n / s.group };
-    ensure!(
-        !s.op.reduces_over_groups() || ng <= GEMV_K_MAX_GROUPS,
-        "the gemm_k GEMV takes at most {GEMV_K_MAX_GROUPS} groups, got {ng} (use a larger group size)"
-    );
+    let ng = gemv_groups(s)?;
     let mm = [1, 2, 4, 8, 16].into_iter().find(|&v| v >= s.m).unwrap();
     let r = gemv_rows_override(mm, s.n).unwrap_or_else(|| if s.op.reduces_over_groups() { gemv_k_rows_per_block(mm, s.n) } else { gemv_rows_per_warp(mm, s.n) });
     let entry = match s.op {
@@ -265,9 +259,7 @@ pub fn gemm_k_fold_router(x: &Tensor, w: &Tensor, layout: &RouteLayout, group: i
     let s = shape_of(RoutedOp::KPremasked, x, w, None, layout, group)?;
     ensure!(s.m == 1, "gemm_k_fold_router takes one token, got {}", s.m);
     let (device, f16, x, w, _) = cuda_inputs(&s, x, w, None)?;
-    ensure!(s.group % 8 == 0, "the GEMV path needs a group size divisible by 8, got {}", s.group);
-    let ng = s.k / s.group;
-    ensure!(ng <= GEMV_K_MAX_GROUPS, "the gemm_k GEMV takes at most {GEMV_K_MAX_GROUPS} groups, got {ng} (use a larger group size)");
+    let ng = gemv_groups(&s)?;
     let (rank, h) = f.w1.size2()?;
     ensure!(fold_rank_ok(rank), "gemm_k_fold_router: router rank {rank} must be even and at most 256");
     ensure!(h % 8 == 0, "gemm_k_fold_router: hidden size {h} must be divisible by 8");
@@ -328,6 +320,19 @@ pub fn gemm_k_fold_router(x: &Tensor, w: &Tensor, layout: &RouteLayout, group: i
     args.push(KernelArg::I32(shared as i32));
     unsafe { kernel.launch_pdl(LaunchConfig { grid: (blocks, 1, 1), block: (256, 1, 1), shared_mem_bytes: smem }, &args)? };
     Ok((out, mask, ext))
+}
+
+/// The routed groups of a GEMV call, after the checks every GEMV launch needs (tokens, group
+/// size, gemm_k's group-list capacity).
+fn gemv_groups(s: &GemmShape) -> Result<i64> {
+    ensure!(s.m <= GEMV_MAX_M, "the GEMV path takes at most {GEMV_MAX_M} tokens, got {}", s.m);
+    ensure!(s.group % 8 == 0, "the GEMV path needs a group size divisible by 8, got {}", s.group);
+    let ng = if s.op.reduces_over_groups() { s.k / s.group } else { s.n / s.group };
+    ensure!(
+        !s.op.reduces_over_groups() || ng <= GEMV_K_MAX_GROUPS,
+        "the gemm_k GEMV takes at most {GEMV_K_MAX_GROUPS} groups, got {ng} (use a larger group size)"
+    );
+    Ok(ng)
 }
 
 /// Arguments of the small-M kernels (GEMVs and the mma gemm_mn): x, w[, w2], mask, out, M, N,
