@@ -205,7 +205,7 @@ fn launch_gemv(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layou
     if !s.op.reduces_over_groups() {
         args.push(KernelArg::I32(layout.early() as i32));
     }
-    // gemm_mn: 4 warps a block, r rows a warp. gemm_k: 8 warps share r rows (split over the used
+    // gemm_mn: `gemv_mn_warps_per_block` warps a block, r rows a warp. gemm_k: 8 warps share r rows (split over the used
     // chunks); shared memory holds the block's group list (a group index, and with several
     // tokens which of them use it) and the warps' partial sums.
     let (blocks, threads, smem) = if s.op.reduces_over_groups() {
@@ -213,7 +213,8 @@ fn launch_gemv(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layou
         let list = ng as u32 * if mm > 1 { 8 } else { 4 };
         ((s.n / r) as u32, 32 * warps, list + 4 * warps * (r * mm) as u32)
     } else {
-        ((s.n as u32).div_ceil(4 * r as u32), 128, 0)
+        let wpb = gemv_mn_warps_per_block();
+        ((s.n as u32).div_ceil(wpb * r as u32), 32 * wpb, 0)
     };
     // Programmatic dependent launch: both GEMVs wait for the launch before (pdl.cuh).
     unsafe { kernel.launch_pdl(LaunchConfig { grid: (blocks, 1, 1), block: (threads, 1, 1), shared_mem_bytes: smem }, &args)? };
@@ -413,6 +414,14 @@ pub fn gemv_k_rows_per_block(mm: i64, n: i64) -> i64 {
         r *= 2;
     }
     r
+}
+
+/// Warps a block of the gemm_mn GEMV: `WIDE_GEMV_WARPS` (1, 2 or 4; read once), default 4.
+/// The kernel's warps are independent (no shared memory), so this only changes how finely the
+/// loading warps are dealt to the multiprocessors.
+fn gemv_mn_warps_per_block() -> u32 {
+    static V: OnceLock<u32> = OnceLock::new();
+    *V.get_or_init(|| std::env::var("WIDE_GEMV_WARPS").ok().and_then(|v| v.parse().ok()).filter(|w| [1, 2, 4].contains(w)).unwrap_or(4))
 }
 
 /// Rows a warp (gemm_mn) or a block (gemm_k) forced by `WIDE_GEMV_ROWS` (read once; for
