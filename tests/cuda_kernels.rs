@@ -382,6 +382,8 @@ fn sanitizer_small_all_ops() {
     // The wgmma kernel (Hopper): k loops of 2 and 3 steps, a partial token tile.
     run_mn_case(Kind::BFloat16, 200, 512, 128, 128, 0.5, false);
     run_mn_case(Kind::Half, 200, 512, 192, 128, 0.5, true);
+    // Its 128-token, 7-stage tile (few computing tiles from 512 tokens).
+    run_mn_case(Kind::BFloat16, 600, 512, 128, 128, 0.5, false);
     run_k_case(Kind::Half, 65, 256, 512, 32, 0.5);
     run_fold_case(Kind::BFloat16, 512, 1024, 64, 512, 32, 12, 4, 0.5);
     run_decode_case(Kind::BFloat16, 2, 8, 2, 300, 128, 2, &[1, 300], 0.5);
@@ -418,6 +420,22 @@ fn run_decode_case(kind: Kind, b: i64, hq: i64, hkv: i64, tcap: i64, d: i64, gh:
         let y = wide_kernels::attention_decode_with(&q, &k, &v, &len, &msk, gh, scale, separate).unwrap();
         check(&y, &r, Some(&off), &format!("attention_decode {kind:?} B={b} HQ={hq} HKV={hkv} T={tcap} D={d} gh={gh} lens={lengths:?} active={p_active} separate={separate}"));
     }
+    // As in a decode step: each sequence's newest row is written by the launches just before
+    // (poisoned until then), the older rows are loaded before the kernel waits for them.
+    let (ks, vs) = (k.copy(), v.copy());
+    for (i, &l) in lengths.iter().enumerate() {
+        let p = (l as i64 - 1).clamp(0, tcap - 1);
+        let _ = ks.get(i as i64).narrow(1, p, 1).fill_(f64::NAN);
+        let _ = vs.get(i as i64).narrow(1, p, 1).fill_(f64::NAN);
+    }
+    poison(b * hq, d, kind);
+    for (i, &l) in lengths.iter().enumerate() {
+        let p = (l as i64 - 1).clamp(0, tcap - 1);
+        ks.get(i as i64).narrow(1, p, 1).copy_(&k.get(i as i64).narrow(1, p, 1));
+        vs.get(i as i64).narrow(1, p, 1).copy_(&v.get(i as i64).narrow(1, p, 1));
+    }
+    let y = wide_kernels::attention_decode_step(&q, &ks, &vs, &len, &msk, gh, scale).unwrap();
+    check(&y, &r, Some(&off), &format!("attention_decode_step {kind:?} B={b} HQ={hq} HKV={hkv} T={tcap} D={d} gh={gh} lens={lengths:?} active={p_active}"));
 }
 
 #[test]

@@ -973,7 +973,9 @@ impl<'m> Engine<'m> {
                         Some(d) => (d.mask.shallow_clone(), d.group),
                         None => (self.ones_mask(b, q.device()), nh),
                     };
-                    let o = wide_kernels::attention_decode(&q.view([b, nh, hd]), kc, vc, len, &mask, gh, self.scale)?;
+                    // In the step, RoPE and the cache write (the launch just before) wrote only q and the
+                    // newest rows; the mask and lengths are older.
+                    let o = wide_kernels::attention_decode_step(&q.view([b, nh, hd]), kc, vc, len, &mask, gh, self.scale)?;
                     return Ok(o.view([b, nh * hd]));
                 }
                 let cap = cache.capacity;

@@ -76,6 +76,31 @@ pub fn attention_decode(q: &Tensor, k: &Tensor, v: &Tensor, lengths: &Tensor, ma
 /// positions (one launch) and by a second launch for longer ones.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_decode_with(q: &Tensor, k: &Tensor, v: &Tensor, lengths: &Tensor, mask: &Tensor, group_heads: i64, scale: f64, separate_combine: bool) -> Result<Tensor> {
+    decode(q, k, v, lengths, mask, group_heads, scale, separate_combine, false)
+}
+
+/// [`attention_decode`] inside a decode step, where the caller promises that the launch just
+/// before wrote only q and each sequence's newest cache row (position `lengths - 1`), and that
+/// the mask and lengths were written two or more launches back (the engine's step: RoPE and the
+/// cache write, then this). On CUDA the kernel then loads the mask, the lengths and the older
+/// rows' first tiles before waiting for that launch (programmatic dependent launch), the newest
+/// row after. Where the inputs need a conversion first (a non-contiguous mask, lengths not i32)
+/// that promise cannot hold, and it runs as [`attention_decode`].
+#[allow(clippy::too_many_arguments)]
+pub fn attention_decode_step(q: &Tensor, k: &Tensor, v: &Tensor, lengths: &Tensor, mask: &Tensor, group_heads: i64, scale: f64) -> Result<Tensor> {
+    let settled = early_loads() && lengths.kind() == Kind::Int && lengths.is_contiguous() && mask.is_contiguous() && matches!(mask.kind(), Kind::Bool | Kind::Uint8);
+    decode(q, k, v, lengths, mask, group_heads, scale, separate_combine(), settled)
+}
+
+/// `WIDE_DECODE_EARLY=0`: [`attention_decode_step`] waits for the launch before like
+/// [`attention_decode`] (read once; for A/B benchmarks).
+fn early_loads() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("WIDE_DECODE_EARLY").map(|v| v != "0").unwrap_or(true))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn decode(q: &Tensor, k: &Tensor, v: &Tensor, lengths: &Tensor, mask: &Tensor, group_heads: i64, scale: f64, separate_combine: bool, settled: bool) -> Result<Tensor> {
     let s = decode_shape(q, k, v, lengths, mask, group_heads)?;
     let device = match q.device() {
         Device::Cuda(dv) if matches!(q.kind(), Kind::BFloat16 | Kind::Half) => dv,
@@ -133,6 +158,7 @@ pub fn attention_decode_with(q: &Tensor, k: &Tensor, v: &Tensor, lengths: &Tenso
                 KernelArg::I32(s.group_heads as i32),
                 KernelArg::I32(s.ng as i32),
                 KernelArg::F32((scale * std::f64::consts::LOG2_E) as f32),
+                KernelArg::I32(settled as i32),
             ],
         )?;
         if merged {

@@ -103,6 +103,10 @@ impl RouteLayout {
     pub fn settled(&self) -> bool {
         self.settled
     }
+    /// The skip rate given with [`with_sparsity_hint`](Self::with_sparsity_hint), if any.
+    pub fn sparsity_hint(&self) -> Option<f64> {
+        self.sparsity_hint
+    }
     /// Skip rate: the hint if one was given, else measured once from the mask (a device sync).
     pub fn sparsity(&self) -> f64 {
         if let Some(s) = self.sparsity_hint {

@@ -822,7 +822,7 @@ template <int D, int QPK>
 __device__ __forceinline__ void attn_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                                   const int* __restrict__ lengths, const unsigned char* __restrict__ mask,
                                                   float* __restrict__ part_o, float* __restrict__ part_ml, T* __restrict__ out,
-                                                  int HQ, int HKV, int TCAP, int NB, int GH, int NG, float scale_log2) {
+                                                  int HQ, int HKV, int TCAP, int NB, int GH, int NG, float scale_log2, int settled) {
     static_assert(QPK <= 8 && D % 32 == 0, "at most 8 query heads a KV head, head_dim a multiple of 32");
     constexpr int DC = D / 32;     // 32-dim blocks of K (2 mma k-steps each)
     constexpr int CW = D / 16;     // dims a lane holds per V row chunk = PV mmas
@@ -830,8 +830,15 @@ __device__ __forceinline__ void attn_decode_split(const T* __restrict__ q, const
     constexpr int NW = 4;          // warps a block
     __shared__ float sm_o[NW][QPK][D];
     __shared__ float sm_m[NW][QPK], sm_l[NW][QPK];
-    pdl_wait();  // q and the cache rows come from the launch just before
-    pdl_trigger();
+    // q and the cache rows come from the launch just before. `settled` (the caller's promise, a
+    // decode step): that launch wrote only q and each sequence's newest cache row (position
+    // lengths[b] - 1), and the mask and lengths are two or more launches old. Then the mask,
+    // the length and the first tiles of the older rows are loaded before the wait, the newest
+    // row after it; nothing is stored before the wait either way.
+    if (!settled) {
+        pdl_wait();
+        pdl_trigger();
+    }
     const int b = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     // The length is loaded before the mask bits are reduced, so that both loads are in flight
@@ -841,6 +848,32 @@ __device__ __forceinline__ void attn_decode_split(const T* __restrict__ q, const
     const int n_act = __popcll(heads);
     const int len = min(len_b, TCAP);
     const int splits = decode_splits(NB, n_act, len);
+    const bool work = (int)blockIdx.x < n_act * splits;  // else nothing for this block (or no head active)
+    const int s = work ? blockIdx.x % splits : 0;
+    const int h = work ? nth_set_bit(heads, blockIdx.x / splits) : 0;
+    const float NEG_INF = -__int_as_float(0x7f800000);
+    const int chunk = decode_chunk(len, splits);
+    const int t0 = s * chunk, t1 = work ? min(len, t0 + chunk) : 0;
+    const long long head = ((long long)b * HKV + h) * TCAP;
+    const T* kb = k + head * D;
+    const T* vb = v + head * D;
+    // Two register slots of tiles: tile k + 2's loads are issued into the slot of tile k as soon
+    // as tile k is consumed (ptxas hoists them above tile k's PV products once its K registers
+    // are free), so a warp has one tile in flight while it computes and two while it waits.
+    constexpr int ST = 16 * NW;  // tokens between a warp's tiles
+    unsigned kr[2][2][DC][4], vr[2][4][2][VW];
+    int tb = t0 + 16 * warp;
+    const int tp = settled ? min(t1, len - 1) : t1;  // settled: the rows written before the last launch
+    decode_tile_loads<D>(kr[0], vr[0], kb, vb, tb, tp, g, t);
+    decode_tile_loads<D>(kr[1], vr[1], kb, vb, tb + ST, tp, g, t);
+    if (settled) {
+        pdl_wait();
+        pdl_trigger();
+        // The newest row, in this split's range when tp < t1: its tile again, now in full.
+        const int nt = len - 1;
+        if (tp < t1 && nt >= tb && nt < tb + 16) decode_tile_loads<D>(kr[0], vr[0], kb, vb, tb, t1, g, t);
+        if (tp < t1 && nt >= tb + ST && nt < tb + ST + 16) decode_tile_loads<D>(kr[1], vr[1], kb, vb, tb + ST, t1, g, t);
+    }
     if (out != nullptr) {
         // Merged here: block x writes the zeros of the x-th KV head with no active query head
         // (NB >= HKV blocks, so each such head has one).
@@ -850,12 +883,7 @@ __device__ __forceinline__ void attn_decode_split(const T* __restrict__ q, const
             for (int i = threadIdx.x; i < QPK * D; i += blockDim.x) o[i] = (T)0.0f;
         }
     }
-    if ((int)blockIdx.x >= n_act * splits) return;  // nothing for this block (or no head active)
-    const int s = blockIdx.x % splits;
-    const int h = nth_set_bit(heads, blockIdx.x / splits);
-    const float NEG_INF = -__int_as_float(0x7f800000);
-    const int chunk = decode_chunk(len, splits);
-    const int t0 = s * chunk, t1 = min(len, t0 + chunk);
+    if (!work) return;
     // Q A-fragments: row g = query head g (zero past QPK); a1, a3 (rows g + 8) stay zero.
     unsigned qa[DC][4];
 #pragma unroll
@@ -868,17 +896,6 @@ __device__ __forceinline__ void attn_decode_split(const T* __restrict__ q, const
 #pragma unroll
     for (int i = 0; i < CW; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
     float m = NEG_INF, l = 0.f;  // head g's running max (log2 domain) and this lane's share of the sum
-    const long long head = ((long long)b * HKV + h) * TCAP;
-    const T* kb = k + head * D;
-    const T* vb = v + head * D;
-    // Two register slots of tiles: tile k + 2's loads are issued into the slot of tile k as soon
-    // as tile k is consumed (ptxas hoists them above tile k's PV products once its K registers
-    // are free), so a warp has one tile in flight while it computes and two while it waits.
-    constexpr int ST = 16 * NW;  // tokens between a warp's tiles
-    unsigned kr[2][2][DC][4], vr[2][4][2][VW];
-    int tb = t0 + 16 * warp;
-    decode_tile_loads<D>(kr[0], vr[0], kb, vb, tb, t1, g, t);
-    decode_tile_loads<D>(kr[1], vr[1], kb, vb, tb + ST, t1, g, t);
     for (; tb < t1; tb += 2 * ST) {  // uniform in the warp
         decode_tile_compute<D>(qa, kr[0], vr[0], tb, t1, scale_log2, t, o, m, l);
         decode_tile_loads<D>(kr[0], vr[0], kb, vb, tb + 2 * ST, t1, g, t);
@@ -1061,8 +1078,8 @@ __device__ __forceinline__ void attn_decode_combine(const float* __restrict__ pa
 #define ATTN_DECODE(D, QPK)                                                                                         \
     extern "C" __global__ void __launch_bounds__(128) attn_decode_split_##D##_##QPK(                                 \
         const T* q, const T* k, const T* v, const int* lengths, const unsigned char* mask, float* part_o, float* part_ml, \
-        T* out, int HQ, int HKV, int TCAP, int NB, int GH, int NG, float scale_log2) {                                \
-        attn_decode_split<D, QPK>(q, k, v, lengths, mask, part_o, part_ml, out, HQ, HKV, TCAP, NB, GH, NG, scale_log2); \
+        T* out, int HQ, int HKV, int TCAP, int NB, int GH, int NG, float scale_log2, int settled) {                   \
+        attn_decode_split<D, QPK>(q, k, v, lengths, mask, part_o, part_ml, out, HQ, HKV, TCAP, NB, GH, NG, scale_log2, settled); \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(256) attn_decode_combine_##D##_##QPK(                               \
         const float* part_o, const float* part_ml, const int* lengths, const unsigned char* mask, T* out, int HQ, int HKV,     \

@@ -128,9 +128,40 @@ pub fn sweep(fused: bool) -> Vec<WgmmaConfig> {
 /// The configuration used: the default, or the one `WIDE_WGMMA` names for benchmark sweeps
 /// (`mi=1,stages=5,arrive=wait,cluster=2`, `tma=1`, `hint=1`; read once; ignored unless valid for this op).
 pub fn config(fused: bool) -> WgmmaConfig {
+    env_config(fused).unwrap_or_else(|| WgmmaConfig::default_for(fused))
+}
+
+/// The configuration of one launch: `WIDE_WGMMA` where set; else for a plain product whose
+/// default grid (256-token tiles) has at most 1.75 computing tiles a multiprocessor, from 512
+/// tokens, the 128-token tile with 7 stages (each block's weight stream then has more of its
+/// tiles in flight, and there are more blocks to spread); else the default. Measured on the
+/// H200 (s = 0.5, G = 128, cold, two runs, routed ms default -> small): up 512 tokens 0.094 ->
+/// 0.087, 1024 0.139 -> 0.128; Q 512 0.053-0.054 -> 0.035-0.039, 2048 0.098-0.102 -> 0.091-0.095;
+/// but up 2048 0.209 -> 0.232, Q 4096 0.144 -> 0.152-0.153 and up 256 0.055 -> 0.063 (its 128-token
+/// zero tiles interleave with the computing ones).
+pub fn config_for(s: &GemmShape, sparsity: f64, sms: i64) -> WgmmaConfig {
+    let fused = s.op == RoutedOp::MnSwiglu;
+    if let Some(c) = env_config(fused) {
+        return c;
+    }
+    let d = WgmmaConfig::default_for(fused);
+    if fused || s.m < 512 {
+        return d;
+    }
+    let active = (s.m as f64 * (1.0 - sparsity.clamp(0.0, 1.0))).ceil() as i64;
+    let tiles = (s.n / WGMMA_BN) * ((active + d.bm() - 1) / d.bm()).max(1);
+    let small = WgmmaConfig { mi: 1, stages: 7, ..d };
+    if 4 * tiles <= 7 * sms && small.valid(fused) {
+        small
+    } else {
+        d
+    }
+}
+
+fn env_config(fused: bool) -> Option<WgmmaConfig> {
     static V: OnceLock<Option<String>> = OnceLock::new();
     let d = WgmmaConfig::default_for(fused);
-    let Some(spec) = V.get_or_init(|| std::env::var("WIDE_WGMMA").ok()) else { return d };
+    let spec = V.get_or_init(|| std::env::var("WIDE_WGMMA").ok()).as_ref()?;
     let mut c = d;
     for kv in spec.split(',') {
         match kv.split_once('=') {
@@ -143,11 +174,7 @@ pub fn config(fused: bool) -> WgmmaConfig {
             _ => {}
         }
     }
-    if c.valid(fused) {
-        c
-    } else {
-        d
-    }
+    Some(if c.valid(fused) { c } else { d })
 }
 
 /// The module for a dtype, fusion flag and configuration.
@@ -212,7 +239,7 @@ pub(crate) fn launch(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>,
     let (device, f16, x, w, w2) = cuda_inputs(s, x, w, w2)?;
     ensure!(supported(device), "the wgmma kernel needs a compute capability 9.0 (Hopper) GPU; device {device} is not one");
     let fused = s.op == RoutedOp::MnSwiglu;
-    let c = config(fused);
+    let c = config_for(s, layout.sparsity_hint().unwrap_or(0.5), crate::cuda::multiprocessor_count(device)? as i64);
     let k = kernel(f16, fused, c, device)?;
     let (perm, count) = layout.lists()?;
     let out = Tensor::empty([s.m, s.n], (x.kind(), x.device()));
@@ -255,6 +282,24 @@ pub(crate) fn launch(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>,
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn small_grids_take_the_deep_128_token_tile() {
+        use crate::ops::dispatch::GemmShape;
+        let sh = |op, m, n| GemmShape { op, m, n, k: 4096, group: 128 };
+        let small = |op, m, n| config_for(&sh(op, m, n), 0.5, 132).mi == 1 && config_for(&sh(op, m, n), 0.5, 132).stages == 7;
+        if std::env::var("WIDE_WGMMA").is_ok() {
+            return; // the override wins everywhere
+        }
+        // Where the H200 measured the 128-token, 7-stage tile faster (up: N 14336; Q: N 4096).
+        assert!(small(RoutedOp::Mn, 512, 14336) && small(RoutedOp::Mn, 1024, 14336));
+        assert!(small(RoutedOp::Mn, 512, 4096) && small(RoutedOp::Mn, 2048, 4096));
+        // And where it measured it slower.
+        assert!(!small(RoutedOp::Mn, 2048, 14336) && !small(RoutedOp::Mn, 4096, 4096) && !small(RoutedOp::Mn, 256, 14336));
+        // The fused kernel keeps its one configuration (4 stages of 48 KiB fill the memory).
+        assert_eq!(config_for(&sh(RoutedOp::MnSwiglu, 1024, 14336), 0.5, 132), WgmmaConfig::default_for(true));
+        assert!(config_for(&sh(RoutedOp::Mn, 1024, 14336), 0.5, 132).valid(false));
+    }
 
     #[test]
     fn configurations_fit_the_multiprocessor() {
