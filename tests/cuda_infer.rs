@@ -38,6 +38,11 @@ fn fused_kernels_match_their_references() {
         assert!(rel(&o, &fused::rmsnorm_reference(&rr, &w, 1e-5)) < 1e-2, "rmsnorm m={m} h={h}");
         let (_, o2) = fused::add_rmsnorm(&x, None, &w, 1e-5).unwrap();
         assert!(rel(&o2, &fused::rmsnorm_reference(&x, &w, 1e-5)) < 1e-2);
+        // x and w loaded before the wait (the delta written by the launch just before): the same
+        // bits. x and w were written long before; d is rewritten right before the call.
+        let d2 = d.copy();
+        let (rs, os) = fused::add_rmsnorm_settled(&x, Some(&d2), &w, 1e-5).unwrap();
+        assert!(rs.equal(&r) && os.equal(&o), "add_rmsnorm_settled m={m} h={h} differs from add_rmsnorm");
         // The same launch with a router's first layer (rank 32: several router blocks a row).
         let (w1, b1) = (Tensor::randn([32, h], bf) * 0.03, Tensor::randn([32], bf) * 0.1);
         for delta in [Some(&d), None] {

@@ -209,6 +209,17 @@ pub struct Engine<'m> {
 /// Whether one-token decode folds each router into the projection before it (the mask then
 /// exists a launch earlier, and the next projection loads weights before its wait like a dense
 /// one). `WIDE_ROUTER_FOLD=0` (read once) keeps the router in the norm launch.
+/// Residual add + RMSNorm in the layers: with a delta (the projection just before) the residual
+/// x is the output of an earlier norm, two or more launches old, so the kernel may load it before
+/// waiting for that projection; without one (the first layer's input) x is the embedding, just
+/// written.
+fn plain_norm(x: &Tensor, delta: Option<&Tensor>, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+    match delta {
+        Some(_) => fused::add_rmsnorm_settled(x, delta, w, eps),
+        None => fused::add_rmsnorm(x, delta, w, eps),
+    }
+}
+
 fn router_fold_enabled() -> bool {
     static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *V.get_or_init(|| std::env::var("WIDE_ROUTER_FOLD").map_or(true, |v| v.trim() != "0"))
@@ -542,7 +553,7 @@ impl<'m> Engine<'m> {
             let down = self.timed("down", || self.project_k(&hid, &layer.mlp.down_proj.weight, layer.mlp.down_proj.bias.as_ref(), ffn_d.as_ref(), 1, 1, next, rc))?;
             delta = Some(down);
         }
-        let (_, hn) = self.timed("norm", || fused::add_rmsnorm(&x, delta.as_ref(), &m.norm.weight, eps))?;
+        let (_, hn) = self.timed("norm", || plain_norm(&x, delta.as_ref(), &m.norm.weight, eps))?;
         Ok(hn)
     }
 
@@ -574,7 +585,7 @@ impl<'m> Engine<'m> {
                 rc.gated = Some(Gated { kind, extra, mask: g.mask, ext: g.ext, early: false });
                 Ok((g.res, g.norm))
             }
-            None => fused::add_rmsnorm(x, delta, w, eps),
+            None => plain_norm(x, delta, w, eps),
         }
     }
 

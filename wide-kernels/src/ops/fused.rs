@@ -75,15 +75,31 @@ pub fn rmsnorm_reference(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
 
 /// `x, delta: [M, H]` (delta optional), `w: [H]` -> `(x + delta, rmsnorm(x + delta) * w)`.
 pub fn add_rmsnorm(x: &Tensor, delta: Option<&Tensor>, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
-    let (res, out, _, _) = add_rmsnorm_impl(x, delta, w, eps, None, None)?;
+    let (res, out, _, _) = add_rmsnorm_impl(x, delta, w, eps, None, None, false)?;
     Ok((res, out))
+}
+
+/// [`add_rmsnorm`] where the caller promises that the launch just before wrote neither `x` nor
+/// `w` (a decode step's residual, two or more launches old, with `delta` the projection just
+/// before): on CUDA the kernel then loads x's rows and the weights before it waits for that
+/// launch (programmatic dependent launch), and only delta after.
+pub fn add_rmsnorm_settled(x: &Tensor, delta: Option<&Tensor>, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+    let (res, out, _, _) = add_rmsnorm_impl(x, delta, w, eps, None, None, norm_early())?;
+    Ok((res, out))
+}
+
+/// `WIDE_NORM_EARLY=0`: [`add_rmsnorm_settled`] loads everything after the wait, like
+/// [`add_rmsnorm`] (read once; for A/B benchmarks).
+fn norm_early() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("WIDE_NORM_EARLY").map(|v| v != "0").unwrap_or(true))
 }
 
 /// [`add_rmsnorm`] and the first layer of a router reading the same residual (`w1: [R, H]`,
 /// `b1: [R]`): returns `(res, norm, res W1^T + b1)`. On CUDA one launch does both (decode: a
 /// GEMV launch fewer per router); the hidden `[M, R]` then feeds [`router_gate_from_hidden`].
 pub fn add_rmsnorm_router(x: &Tensor, delta: Option<&Tensor>, w: &Tensor, eps: f64, w1: &Tensor, b1: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
-    let (res, out, h1, _) = add_rmsnorm_impl(x, delta, w, eps, Some((w1, b1)), None)?;
+    let (res, out, h1, _) = add_rmsnorm_impl(x, delta, w, eps, Some((w1, b1)), None, false)?;
     let h1 = match h1 {
         Some(h) => h,
         None => res.linear(w1, Some(b1)),
@@ -107,7 +123,7 @@ pub struct NormRouterGate {
 /// launch does all of it: the last block to finish a token's router hidden runs the second
 /// layer and the gate (decode: no router launch at all).
 pub fn add_rmsnorm_router_gate(x: &Tensor, delta: Option<&Tensor>, w: &Tensor, eps: f64, r: &RouterWeights, offset: f64, extra: i64) -> Result<NormRouterGate> {
-    let (res, norm, h1, gated) = add_rmsnorm_impl(x, delta, w, eps, Some((r.w1, r.b1)), Some((r, offset, extra)))?;
+    let (res, norm, h1, gated) = add_rmsnorm_impl(x, delta, w, eps, Some((r.w1, r.b1)), Some((r, offset, extra)), false)?;
     let hidden = match h1 {
         Some(h) => h,
         None => res.linear(r.w1, Some(r.b1)),
@@ -145,6 +161,7 @@ fn add_rmsnorm_impl(
     eps: f64,
     router: Option<(&Tensor, &Tensor)>,
     gate: Option<(&RouterWeights, f64, i64)>,
+    pre: bool,
 ) -> Result<(Tensor, Tensor, Option<Tensor>, Gated)> {
     let (m, h) = x.size2()?;
     if let Some(d) = delta {
@@ -230,7 +247,11 @@ fn add_rmsnorm_impl(
                 }
                 // A few tokens (decode): each row's writes over norm_split() blocks (res is a new
                 // tensor whenever there is a delta; without one nothing is written to res).
-                None => ("add_rmsnorm", (m as u32, if m <= NORM_SPLIT_MAX_M { norm_split() } else { 1 }, 1), 0, None),
+                None => {
+                    // A non-contiguous weight is copied by the launch just before: not early then.
+                    args.push(KernelArg::I32((pre && w.is_contiguous()) as i32));
+                    ("add_rmsnorm", (m as u32, if m <= NORM_SPLIT_MAX_M { norm_split() } else { 1 }, 1), 0, None)
+                }
             };
             let k = kernel(f16, entry, dev)?;
             match cluster {

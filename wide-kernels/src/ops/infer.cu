@@ -19,45 +19,77 @@ __device__ __forceinline__ float block_sum(float v, float* sh) {
 // writes elements [i0, i1) (the whole row's statistics either way, so blocks that split a row's
 // writes agree bit for bit). x may alias res (in-place residual update) only when one block
 // writes the whole row. H <= 16 * blockDim.x.
-__device__ __forceinline__ void add_rmsnorm_row(const T* x, const T* __restrict__ delta, const T* __restrict__ w, T* res,
-                                                T* __restrict__ out, int H, float eps, int has_delta, long long m,
-                                                int i0, int i1) {
+constexpr int NORM_PER = 16;  // elements of a row a thread holds
+// Row m of x as floats: element threadIdx.x + j * blockDim.x in v[j] (0 past H).
+__device__ __forceinline__ void norm_load_row(const T* x, long long m, int H, float (&v)[NORM_PER]) {
+#pragma unroll
+    for (int j = 0; j < NORM_PER; ++j) {
+        const int i = threadIdx.x + j * blockDim.x;
+        v[j] = i < H ? tf(x[m * H + i]) : 0.f;
+    }
+}
+// The norm weights a thread writes with (elements of [i0, i1)).
+__device__ __forceinline__ void norm_load_weights(const T* __restrict__ w, int i0, int i1, float (&wv)[NORM_PER]) {
+#pragma unroll
+    for (int j = 0; j < NORM_PER; ++j) {
+        const int i = threadIdx.x + j * blockDim.x;
+        wv[j] = i >= i0 && i < i1 ? tf(w[i]) : 0.f;
+    }
+}
+// The rest of add_rmsnorm_row on x's row in v (see norm_load_row) and the weights in wv.
+__device__ __forceinline__ void add_rmsnorm_row_loaded(float (&v)[NORM_PER], const float (&wv)[NORM_PER], const T* __restrict__ delta, T* res,
+                                                       T* __restrict__ out, int H, float eps, int has_delta, long long m, int i0, int i1) {
     __shared__ float sh[32];
     const long long row = m * H;
-    constexpr int PER = 16;  // elements a thread holds
-    float v[PER];
     float ss = 0.f;
 #pragma unroll
-    for (int j = 0; j < PER; ++j) {
+    for (int j = 0; j < NORM_PER; ++j) {
         const int i = threadIdx.x + j * blockDim.x;
-        v[j] = 0.f;
         if (i < H) {
-            float a = tf(x[row + i]);
-            if (has_delta) a = rt(a + tf(delta[row + i]));
-            v[j] = a;
-            ss += a * a;
+            if (has_delta) v[j] = rt(v[j] + tf(delta[row + i]));
+            ss += v[j] * v[j];
         }
     }
     const float var = block_sum(ss, sh) / (float)H;
     const float inv = rsqrtf(var + eps);
 #pragma unroll
-    for (int j = 0; j < PER; ++j) {
+    for (int j = 0; j < NORM_PER; ++j) {
         const int i = threadIdx.x + j * blockDim.x;
         if (i >= i0 && i < i1) {
             if (has_delta) res[row + i] = ft(v[j]);
-            out[row + i] = ft(tf(w[i]) * rt(v[j] * inv));
+            out[row + i] = ft(wv[j] * rt(v[j] * inv));
         }
     }
 }
+__device__ __forceinline__ void add_rmsnorm_row(const T* x, const T* __restrict__ delta, const T* __restrict__ w, T* res,
+                                                T* __restrict__ out, int H, float eps, int has_delta, long long m,
+                                                int i0, int i1) {
+    float v[NORM_PER], wv[NORM_PER];
+    norm_load_row(x, m, H, v);
+    norm_load_weights(w, i0, i1, wv);
+    add_rmsnorm_row_loaded(v, wv, delta, res, out, H, eps, has_delta, m, i0, i1);
+}
 
 // Grid (M, S): block (m, y) writes slice y of S of row m (S > 1 at decode sizes: the row's
-// writes spread over S multiprocessors; x must not alias res then).
+// writes spread over S multiprocessors; x must not alias res then). With `pre` (the caller's
+// promise: the launch just before wrote neither x nor w, e.g. x is a residual two or more
+// launches old) x's row and the weights are loaded before the programmatic-launch wait, so
+// only delta's loads follow the launch before; else everything after it.
 extern "C" __global__ void __launch_bounds__(512) add_rmsnorm(const T* x, const T* __restrict__ delta, const T* __restrict__ w,
-                                                              T* res, T* __restrict__ out, int H, float eps, int has_delta) {
+                                                              T* res, T* __restrict__ out, int H, float eps, int has_delta, int pre) {
+    const int per = (H + gridDim.y - 1) / gridDim.y, i0 = blockIdx.y * per, i1 = min(H, i0 + per);
+    float v[NORM_PER], wv[NORM_PER];
+    if (pre) {
+        norm_load_row(x, blockIdx.x, H, v);
+        norm_load_weights(w, i0, i1, wv);
+    }
     pdl_wait();
     pdl_trigger();
-    const int per = (H + gridDim.y - 1) / gridDim.y, i0 = blockIdx.y * per;
-    add_rmsnorm_row(x, delta, w, res, out, H, eps, has_delta, blockIdx.x, i0, min(H, i0 + per));
+    if (!pre) {
+        norm_load_row(x, blockIdx.x, H, v);
+        norm_load_weights(w, i0, i1, wv);
+    }
+    add_rmsnorm_row_loaded(v, wv, delta, res, out, H, eps, has_delta, blockIdx.x, i0, i1);
 }
 
 // The router's first layer in the norm launches: a block's RPB outputs, each over WPR warps
