@@ -95,6 +95,13 @@ fn fused_kernels_match_their_references() {
         assert_eq!(qt.transpose(1, 2).stride(), [t * hq * d, hq * d, d, 1]);
         assert!(qt.equal(&q), "token-major q");
         assert!(rel(&kc, &kr) < 1e-2 && rel(&vc, &vr) < 1e-3, "cache writes");
+        // The rotation computed before the wait (qkv rewritten right before the call): same bits.
+        let (ks, vs) = (kc.zeros_like(), vc.zeros_like());
+        let qkv2 = qkv.copy();
+        let qs = fused::rope_qkv_cache_settled(&qkv2, &pos, &inv, &s, &ks, &vs, false).unwrap();
+        let (kz, vz) = (kc.zeros_like(), vc.zeros_like());
+        let _ = fused::rope_qkv_cache(&qkv, &pos, &inv, &s, &kz, &vz).unwrap();
+        assert!(qs.equal(&q) && ks.equal(&kz) && vs.equal(&vz), "rope_qkv_cache_settled differs");
     }
     let gu = Tensor::randn([9, 2 * 1024], bf);
     let mask = Tensor::rand([9, 8], (Kind::Float, dev)).lt(0.5);

@@ -540,7 +540,7 @@ impl<'m> Engine<'m> {
             }
             // SDPA's output follows q's layout: token-major q makes its [B, T, H * D] free.
             let token_major = lengths.is_none() && !self.routed_prefill_attention(i, t, attn_d.as_ref(), &qkv);
-            let q = self.timed("rope_kv", || fused::rope_qkv_cache_with(&qkv, pos, &self.inv_freq, &shape, &cache.keys[i], &cache.values[i], token_major))?;
+            let q = self.timed("rope_kv", || fused::rope_qkv_cache_settled(&qkv, pos, &self.inv_freq, &shape, &cache.keys[i], &cache.values[i], token_major))?;
             let attn = self.timed("attention", || self.attention(i, &q, (b, t), lengths, cache, attn_d.as_ref()))?;
             let next = (i, RouterKind::Ffn, &x);
             let o = self.timed("o_proj", || self.project_k(&attn, &layer.self_attn.o_proj.weight, layer.self_attn.o_proj.bias.as_ref(), attn_d.as_ref(), c.head_dim, 0, Some(next), rc))?;

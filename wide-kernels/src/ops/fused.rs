@@ -316,6 +316,28 @@ pub fn rope_qkv_cache(qkv: &Tensor, pos: &Tensor, inv_freq: &Tensor, s: &QkvShap
 /// of `[B, T, HQ, D]` storage, so that an attention whose output follows q's layout (SDPA) gives
 /// `[B, T, HQ * D]` without a copy.
 pub fn rope_qkv_cache_with(qkv: &Tensor, pos: &Tensor, inv_freq: &Tensor, s: &QkvShape, k_cache: &Tensor, v_cache: &Tensor, token_major_q: bool) -> Result<Tensor> {
+    rope_impl(qkv, pos, inv_freq, s, k_cache, v_cache, token_major_q, false)
+}
+
+/// [`rope_qkv_cache_with`] where the caller promises that the launch just before (the Q|K|V
+/// projection) wrote neither the positions nor `inv_freq` (the engine's layers: positions are
+/// set before the embedding): on CUDA the rotation is then computed before the kernel waits for
+/// that launch. Positions that need a conversion first (not i32, not contiguous) run as
+/// [`rope_qkv_cache_with`].
+pub fn rope_qkv_cache_settled(qkv: &Tensor, pos: &Tensor, inv_freq: &Tensor, s: &QkvShape, k_cache: &Tensor, v_cache: &Tensor, token_major_q: bool) -> Result<Tensor> {
+    let pre = rope_early() && pos.kind() == Kind::Int && pos.is_contiguous() && inv_freq.is_contiguous() && inv_freq.kind() == Kind::Float;
+    rope_impl(qkv, pos, inv_freq, s, k_cache, v_cache, token_major_q, pre)
+}
+
+/// `WIDE_ROPE_EARLY=0`: [`rope_qkv_cache_settled`] computes the rotation after the wait, like
+/// [`rope_qkv_cache_with`] (read once; for A/B benchmarks).
+fn rope_early() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("WIDE_ROPE_EARLY").map(|v| v != "0").unwrap_or(true))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn rope_impl(qkv: &Tensor, pos: &Tensor, inv_freq: &Tensor, s: &QkvShape, k_cache: &Tensor, v_cache: &Tensor, token_major_q: bool, pre: bool) -> Result<Tensor> {
     let (b, t, hq, hkv, d) = (s.batch, s.tokens, s.q_heads, s.kv_heads, s.head_dim);
     ensure!(qkv.size() == [b * t, (hq + 2 * hkv) * d], "rope_qkv_cache: qkv {:?} must be [{}, {}]", qkv.size(), b * t, (hq + 2 * hkv) * d);
     ensure!(pos.size() == [b * t], "rope_qkv_cache: positions {:?} must be [{}]", pos.size(), b * t);
@@ -361,6 +383,7 @@ pub fn rope_qkv_cache_with(qkv: &Tensor, pos: &Tensor, inv_freq: &Tensor, s: &Qk
                         KernelArg::I32(d as i32),
                         KernelArg::I32(cs[2] as i32),
                         KernelArg::I32(token_major_q as i32),
+                        KernelArg::I32(pre as i32),
                     ],
                 )?;
             }

@@ -339,8 +339,9 @@ extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router_cluster(NOR
 extern "C" __global__ void rope_qkv_cache(const T* __restrict__ qkv, const int* __restrict__ pos, int pos_add,
                                           const float* __restrict__ inv_freq, T* __restrict__ q_out, T* __restrict__ kc,
                                           T* __restrict__ vc, long long M, int T_, int HQ, int HKV, int D, int CAP,
-                                          int q_token_major) {
-    (void)M;  // the grid covers the tokens (the argument list is rope_qkv_cache8's)
+                                          int q_token_major, int pre) {
+    (void)M;    // the grid covers the tokens (the argument list is rope_qkv_cache8's)
+    (void)pre;  // (rope_qkv_cache8's)
     pdl_wait();
     pdl_trigger();
     const int m = blockIdx.x, h = blockIdx.y * blockDim.y + threadIdx.y, i = threadIdx.x, half = D >> 1;
@@ -400,19 +401,22 @@ __device__ __forceinline__ void rope8(const T* x1p, const T* x2p, const float* c
 extern "C" __global__ void __launch_bounds__(256) rope_qkv_cache8(const T* __restrict__ qkv, const int* __restrict__ pos, int pos_add,
                                                                   const float* __restrict__ inv_freq, T* __restrict__ q_out,
                                                                   T* __restrict__ kc, T* __restrict__ vc, long long M, int T_, int HQ,
-                                                                  int HKV, int D, int CAP, int q_token_major) {
-    pdl_wait();
-    pdl_trigger();
+                                                                  int HKV, int D, int CAP, int q_token_major, int pre) {
+    // pre (the caller's promise): the launch just before did not write the positions, so they
+    // and the rotation are computed before the programmatic-launch wait (only qkv follows it).
+    if (!pre) {
+        pdl_wait();
+        pdl_trigger();
+    }
     const int half = D >> 1, per_head = half >> 3, heads = HQ + HKV;
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= M * heads * per_head) return;
-    const int i0 = (int)(idx % per_head) * 8;
+    const bool live = idx < M * heads * per_head;
+    const int i0 = live ? (int)(idx % per_head) * 8 : 0;
     const long long mh = idx / per_head;
     const int h = (int)(mh % heads);
-    const long long m = mh / heads;
+    const long long m = live ? mh / heads : 0;
     const int b = (int)(m / T_), t = (int)(m - (long long)b * T_);
     const int p = pos[m] + pos_add;
-    if (h >= HQ && (p < 0 || p >= CAP)) return;
     float c[8], s[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -420,6 +424,11 @@ extern "C" __global__ void __launch_bounds__(256) rope_qkv_cache8(const T* __res
         c[j] = rt(c[j]);
         s[j] = rt(s[j]);
     }
+    if (pre) {
+        pdl_wait();
+        pdl_trigger();
+    }
+    if (!live || (h >= HQ && (p < 0 || p >= CAP))) return;
     const long long src = m * (HQ + 2 * HKV) * D;
     if (h < HQ) {
         const T* q = qkv + src + (long long)h * D + i0;
