@@ -36,8 +36,10 @@ __device__ __forceinline__ void norm_load_weights(const T* __restrict__ w, int i
         wv[j] = i >= i0 && i < i1 ? tf(w[i]) : 0.f;
     }
 }
-// The rest of add_rmsnorm_row on x's row in v (see norm_load_row) and the weights in wv.
-__device__ __forceinline__ void add_rmsnorm_row_loaded(float (&v)[NORM_PER], const float (&wv)[NORM_PER], const T* __restrict__ delta, T* res,
+// The rest of add_rmsnorm_row on x's row in v (see norm_load_row); the weights from wv (WV,
+// loaded before) or from w as they are written (the router launches: no registers to spare).
+template <bool WV>
+__device__ __forceinline__ void add_rmsnorm_row_loaded(float (&v)[NORM_PER], const float (&wv)[NORM_PER], const T* __restrict__ w, const T* __restrict__ delta, T* res,
                                                        T* __restrict__ out, int H, float eps, int has_delta, long long m, int i0, int i1) {
     __shared__ float sh[32];
     const long long row = m * H;
@@ -57,17 +59,16 @@ __device__ __forceinline__ void add_rmsnorm_row_loaded(float (&v)[NORM_PER], con
         const int i = threadIdx.x + j * blockDim.x;
         if (i >= i0 && i < i1) {
             if (has_delta) res[row + i] = ft(v[j]);
-            out[row + i] = ft(wv[j] * rt(v[j] * inv));
+            out[row + i] = ft((WV ? wv[j] : tf(w[i])) * rt(v[j] * inv));
         }
     }
 }
 __device__ __forceinline__ void add_rmsnorm_row(const T* x, const T* __restrict__ delta, const T* __restrict__ w, T* res,
                                                 T* __restrict__ out, int H, float eps, int has_delta, long long m,
                                                 int i0, int i1) {
-    float v[NORM_PER], wv[NORM_PER];
+    float v[NORM_PER];
     norm_load_row(x, m, H, v);
-    norm_load_weights(w, i0, i1, wv);
-    add_rmsnorm_row_loaded(v, wv, delta, res, out, H, eps, has_delta, m, i0, i1);
+    add_rmsnorm_row_loaded<false>(v, v, w, delta, res, out, H, eps, has_delta, m, i0, i1);
 }
 
 // Grid (M, S): block (m, y) writes slice y of S of row m (S > 1 at decode sizes: the row's
@@ -89,7 +90,7 @@ extern "C" __global__ void __launch_bounds__(512) add_rmsnorm(const T* x, const 
         norm_load_row(x, blockIdx.x, H, v);
         norm_load_weights(w, i0, i1, wv);
     }
-    add_rmsnorm_row_loaded(v, wv, delta, res, out, H, eps, has_delta, blockIdx.x, i0, i1);
+    add_rmsnorm_row_loaded<true>(v, wv, w, delta, res, out, H, eps, has_delta, blockIdx.x, i0, i1);
 }
 
 // The router's first layer in the norm launches: a block's RPB outputs, each over WPR warps
