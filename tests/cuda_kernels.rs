@@ -382,8 +382,8 @@ fn sanitizer_small_all_ops() {
     // The wgmma kernel (Hopper): k loops of 2 and 3 steps, a partial token tile.
     run_mn_case(Kind::BFloat16, 200, 512, 128, 128, 0.5, false);
     run_mn_case(Kind::Half, 200, 512, 192, 128, 0.5, true);
-    // Its 128-token, 7-stage tile (few computing tiles from 512 tokens).
-    run_mn_case(Kind::BFloat16, 600, 512, 128, 128, 0.5, false);
+    // Its 128-token, 7-stage tile (100 computing tiles at 512 tokens; see wgmma::config_for).
+    run_mn_case(Kind::BFloat16, 512, 12800, 128, 128, 0.5, false);
     run_k_case(Kind::Half, 65, 256, 512, 32, 0.5);
     run_fold_case(Kind::BFloat16, 512, 1024, 64, 512, 32, 12, 4, 0.5);
     run_decode_case(Kind::BFloat16, 2, 8, 2, 300, 128, 2, &[1, 300], 0.5);
