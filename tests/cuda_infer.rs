@@ -61,10 +61,6 @@ fn fused_kernels_match_their_references() {
                     poison_bool(m, 112);
                     let g = fused::add_rmsnorm_router_gate(&x, delta, &w, 1e-5, &rw, 0.05, extra).unwrap();
                     assert!(g.res.equal(&r2) && g.norm.equal(&o2), "norm outputs change with the gate fused in (m={m} h={h} rank {rank})");
-                    // x loaded before the wait (the delta rewritten right before): the same bits.
-                    let d2 = delta.map(|d| d.copy());
-                    let gs = fused::add_rmsnorm_router_gate_settled(&x, d2.as_ref(), &w, 1e-5, &rw, 0.05, extra).unwrap();
-                    assert!(gs.res.equal(&g.res) && gs.norm.equal(&g.norm) && gs.hidden.equal(&g.hidden) && gs.mask.equal(&g.mask), "add_rmsnorm_router_gate_settled differs (m={m} h={h} rank {rank} extra {extra})");
                     // The hidden the gate read is the router's first layer (checked on its own,
                     // so a wrong hidden cannot hide behind a gate computed from the same value).
                     assert!(rel(&g.hidden, &r2.linear(&w1, Some(&b1))) < 1e-2, "router first layer with the gate fused (m={m} h={h} rank {rank})");

@@ -581,11 +581,7 @@ impl<'m> Engine<'m> {
                 };
                 let off = self.offsets.borrow()[i][kind_index(kind)];
                 let w2 = RouterWeights { w1: &r.compressor_w, b1: &r.compressor_b, w2: &r.router_w, b2: &r.router_b };
-                // With a delta, x is an earlier norm's output (see plain_norm).
-                let g = match delta {
-                    Some(_) => fused::add_rmsnorm_router_gate_settled(x, delta, w, eps, &w2, off, extra)?,
-                    None => fused::add_rmsnorm_router_gate(x, delta, w, eps, &w2, off, extra)?,
-                };
+                let g = fused::add_rmsnorm_router_gate(x, delta, w, eps, &w2, off, extra)?;
                 rc.gated = Some(Gated { kind, extra, mask: g.mask, ext: g.ext, early: false });
                 Ok((g.res, g.norm))
             }

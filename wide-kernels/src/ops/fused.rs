@@ -123,19 +123,7 @@ pub struct NormRouterGate {
 /// launch does all of it: the last block to finish a token's router hidden runs the second
 /// layer and the gate (decode: no router launch at all).
 pub fn add_rmsnorm_router_gate(x: &Tensor, delta: Option<&Tensor>, w: &Tensor, eps: f64, r: &RouterWeights, offset: f64, extra: i64) -> Result<NormRouterGate> {
-    norm_router_gate(x, delta, w, eps, r, offset, extra, false)
-}
-
-/// [`add_rmsnorm_router_gate`] where the caller promises, as for [`add_rmsnorm_settled`], that
-/// the launch just before did not write `x`: on CUDA the router's blocks then load their share
-/// of x's row before they wait for that launch.
-pub fn add_rmsnorm_router_gate_settled(x: &Tensor, delta: Option<&Tensor>, w: &Tensor, eps: f64, r: &RouterWeights, offset: f64, extra: i64) -> Result<NormRouterGate> {
-    norm_router_gate(x, delta, w, eps, r, offset, extra, norm_early())
-}
-
-#[allow(clippy::too_many_arguments)]
-fn norm_router_gate(x: &Tensor, delta: Option<&Tensor>, w: &Tensor, eps: f64, r: &RouterWeights, offset: f64, extra: i64, pre: bool) -> Result<NormRouterGate> {
-    let (res, norm, h1, gated) = add_rmsnorm_impl(x, delta, w, eps, Some((r.w1, r.b1)), Some((r, offset, extra)), pre)?;
+    let (res, norm, h1, gated) = add_rmsnorm_impl(x, delta, w, eps, Some((r.w1, r.b1)), Some((r, offset, extra)), false)?;
     let hidden = match h1 {
         Some(h) => h,
         None => res.linear(r.w1, Some(r.b1)),
@@ -251,7 +239,6 @@ fn add_rmsnorm_impl(
                     let gate_bytes = g.map_or(0, |(rw, _, _)| (rw.w2.numel() + rw.b2.numel()) as i64 * x.kind().elt_size_in_bytes() as i64);
                     let w2_shared = cluster.is_some() && r % 8 == 0 && 4 * h + gate_bytes <= DEFAULT_DYNAMIC_SMEM;
                     args.push(KernelArg::I32(w2_shared as i32));
-                    args.push(KernelArg::I32(pre as i32));
                     // The residual row in shared memory (H floats; the gate reuses it for h1).
                     match cluster {
                         Some(nb) => ("add_rmsnorm_router_cluster", (m as u32, nb, 1), 4 * h as u32 + if w2_shared { gate_bytes as u32 } else { 0 }, Some(h1)),

@@ -134,22 +134,16 @@ __device__ __forceinline__ float router_w1_dot(const T* __restrict__ wr, const u
 // xs[i] = x[row + i] (+ delta[row + i], rounded to storage like the residual), then a barrier.
 // 16-byte loads, all of a thread's in flight at once (H % 8 == 0, H <= 16 * blockDim.x; the
 // callers' conditions): one round trip to L2, where a loop of 2-byte loads took one a pass.
-// residual_row_load_x loads the x part (before the programmatic-launch wait when x is settled),
-// residual_row_to_shared the delta part and does the rest.
-__device__ __forceinline__ void residual_row_load_x(const T* x, long long row, int H, uint4 (&xv)[2]) {
+__device__ __forceinline__ void residual_row_to_shared(const T* x, const T* __restrict__ delta, int has_delta, long long row, int H,
+                                                       float* xs) {
+    uint4 xv[2], dv[2];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
         const int c = threadIdx.x + j * blockDim.x;
-        xv[j] = 8 * c < H ? *reinterpret_cast<const uint4*>(x + row + 8 * c) : make_uint4(0, 0, 0, 0);
-    }
-}
-__device__ __forceinline__ void residual_row_to_shared(const uint4 (&xv)[2], const T* __restrict__ delta, int has_delta, long long row,
-                                                       int H, float* xs) {
-    uint4 dv[2];
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-        const int c = threadIdx.x + j * blockDim.x;
-        dv[j] = has_delta && 8 * c < H ? *reinterpret_cast<const uint4*>(delta + row + 8 * c) : make_uint4(0, 0, 0, 0);
+        if (8 * c < H) {
+            xv[j] = *reinterpret_cast<const uint4*>(x + row + 8 * c);
+            dv[j] = has_delta ? *reinterpret_cast<const uint4*>(delta + row + 8 * c) : make_uint4(0, 0, 0, 0);
+        }
     }
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
@@ -179,7 +173,7 @@ __device__ unsigned int router_tickets[ROUTER_TICKETS];
     const T *x, const T *__restrict__ delta, const T *__restrict__ w, T *res, T *__restrict__ out, int H, float eps, \
         int has_delta, const T *__restrict__ w1, const T *__restrict__ b1, T *__restrict__ h1, int R, int RPB,       \
         const T *__restrict__ w2, const T *__restrict__ b2, float offset, unsigned char *__restrict__ mask,          \
-        unsigned char *__restrict__ ext, int NG, int EXTRA, int w2_shared, int pre
+        unsigned char *__restrict__ ext, int NG, int EXTRA, int w2_shared
 
 // add_rmsnorm and the first layer of the router that reads the same residual, in one launch
 // (decode: saves a GEMV launch per router). Grid (M, 1 + ceil(R / RPB)): block (m, 0) is
@@ -192,8 +186,6 @@ __device__ unsigned int router_tickets[ROUTER_TICKETS];
 // With w2 != null (M <= ROUTER_TICKETS, R <= min(256, H)) the last of row m's y > 0 blocks to
 // finish also runs the second layer and the gate on h1[m] (gate_row): the router costs no
 // launch of its own. w2_shared is read by add_rmsnorm_router_cluster only (one argument list).
-// pre (the caller's promise, as in add_rmsnorm): the launch just before did not write x, so the
-// router blocks load their share of x's row before the wait (block 0, add_rmsnorm_row, after).
 extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router(NORM_ROUTER_PARAMS) {
     if (blockIdx.y == 0) {
         pdl_wait();
@@ -210,18 +202,15 @@ extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router(NORM_ROUTER
     const T* wr = w1 + (long long)(mine ? r : 0) * H;
     // W1's first chunks before the wait, while the launch that writes x and delta finishes; the
     // gate's weights (read by whichever block arrives last) into L2 by one block.
-    uint4 w1pre[ROUTER_PRE];
-    router_w1_preload(wr, mine, piece, lane, wpr, H, w1pre);
+    uint4 pre[ROUTER_PRE];
+    router_w1_preload(wr, mine, piece, lane, wpr, H, pre);
     if (w2 != nullptr && blockIdx.y == 1) router_gate_prefetch(w2, b2, NG, R);
-    const long long row = (long long)blockIdx.x * H;
-    uint4 xv[2];
-    if (pre) residual_row_load_x(x, row, H, xv);
     pdl_wait();
     pdl_trigger();
-    if (!pre) residual_row_load_x(x, row, H, xv);
-    residual_row_to_shared(xv, delta, has_delta, row, H, xs);
+    const long long row = (long long)blockIdx.x * H;
+    residual_row_to_shared(x, delta, has_delta, row, H, xs);
     if (mine) {
-        const float acc = router_w1_dot(wr, w1pre, xs, piece, lane, wpr, H);
+        const float acc = router_w1_dot(wr, pre, xs, piece, lane, wpr, H);
         if (lane == 0) part[warp] = acc;
     }
     __syncthreads();
@@ -282,8 +271,8 @@ extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router_cluster(NOR
     // Block 0 must be running before others write its shared memory: every block arrives now
     // and waits just before those writes.
     cluster_arrive_relaxed();
-    uint4 w1pre[ROUTER_PRE];
-    router_w1_preload(wr, mine, piece, lane, wpr, H, w1pre);
+    uint4 pre[ROUTER_PRE];
+    router_w1_preload(wr, mine, piece, lane, wpr, H, pre);
     // Block 0 gates: its weights into its shared memory (w2_shared; 16-byte rows, R % 8 == 0)
     // or into L2, before the wait.
     T* w2s = reinterpret_cast<T*>(xs + H);
@@ -297,13 +286,10 @@ extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router_cluster(NOR
             router_gate_prefetch(w2, b2, NG, R);
         }
     }
-    const long long row = (long long)blockIdx.x * H;
-    uint4 xv[2];
-    if (pre) residual_row_load_x(x, row, H, xv);  // x settled (see add_rmsnorm_router)
     pdl_wait();
     pdl_trigger();
-    if (!pre) residual_row_load_x(x, row, H, xv);
-    residual_row_to_shared(xv, delta, has_delta, row, H, xs);
+    const long long row = (long long)blockIdx.x * H;
+    residual_row_to_shared(x, delta, has_delta, row, H, xs);
     // The sum of squares in add_rmsnorm's order (its NT threads, each over i = t + j NT; the
     // other threads add exact zeros), so the outputs are bit for bit those of add_rmsnorm.
     const int NT = (min(512, max(32, (H + 15) / 16)) + 31) / 32 * 32;
@@ -317,7 +303,7 @@ extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router_cluster(NOR
         out[row + i] = ft(tf(w[i]) * rt(xs[i] * inv));
     }
     if (mine) {
-        const float acc = router_w1_dot(wr, w1pre, xs, piece, lane, wpr, H);
+        const float acc = router_w1_dot(wr, pre, xs, piece, lane, wpr, H);
         if (lane == 0) part[warp] = acc;
     }
     __syncthreads();
