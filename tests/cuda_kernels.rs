@@ -421,7 +421,8 @@ fn run_decode_case(kind: Kind, b: i64, hq: i64, hkv: i64, tcap: i64, d: i64, gh:
         check(&y, &r, Some(&off), &format!("attention_decode {kind:?} B={b} HQ={hq} HKV={hkv} T={tcap} D={d} gh={gh} lens={lengths:?} active={p_active} separate={separate}"));
     }
     // As in a decode step: each sequence's newest row is written by the launches just before
-    // (poisoned until then), the older rows are loaded before the kernel waits for them.
+    // (NaN until then). The kernel's loads before its wait stop short of that row; a missing
+    // reload of its tile after the wait would read it as zeros and fail the check.
     let (ks, vs) = (k.copy(), v.copy());
     for (i, &l) in lengths.iter().enumerate() {
         let p = (l as i64 - 1).clamp(0, tcap - 1);

@@ -86,7 +86,6 @@ pub fn attention_decode_with(q: &Tensor, k: &Tensor, v: &Tensor, lengths: &Tenso
 /// rows' first tiles before waiting for that launch (programmatic dependent launch), the newest
 /// row after. Where the inputs need a conversion first (a non-contiguous mask, lengths not i32)
 /// that promise cannot hold, and it runs as [`attention_decode`].
-#[allow(clippy::too_many_arguments)]
 pub fn attention_decode_step(q: &Tensor, k: &Tensor, v: &Tensor, lengths: &Tensor, mask: &Tensor, group_heads: i64, scale: f64) -> Result<Tensor> {
     let settled = early_loads() && lengths.kind() == Kind::Int && lengths.is_contiguous() && mask.is_contiguous() && matches!(mask.kind(), Kind::Bool | Kind::Uint8);
     decode(q, k, v, lengths, mask, group_heads, scale, separate_combine(), settled)

@@ -108,7 +108,7 @@ impl WgmmaConfig {
     }
 }
 
-/// The configurations a benchmark sweep can force with `WIDE_WGMMA` (see [`config`]); each is
+/// The configurations a benchmark sweep can force with `WIDE_WGMMA` (see [`config_for`]); each is
 /// compiled by the NVRTC test.
 pub fn sweep(fused: bool) -> Vec<WgmmaConfig> {
     let mut v = vec![WgmmaConfig::default_for(fused)];
@@ -123,12 +123,6 @@ pub fn sweep(fused: bool) -> Vec<WgmmaConfig> {
         }
     }
     v
-}
-
-/// The configuration used: the default, or the one `WIDE_WGMMA` names for benchmark sweeps
-/// (`mi=1,stages=5,arrive=wait,cluster=2`, `tma=1`, `hint=1`; read once; ignored unless valid for this op).
-pub fn config(fused: bool) -> WgmmaConfig {
-    env_config(fused).unwrap_or_else(|| WgmmaConfig::default_for(fused))
 }
 
 /// The configuration of one launch: `WIDE_WGMMA` where set; else for a plain product from 512
@@ -160,6 +154,8 @@ pub fn config_for(s: &GemmShape, sparsity: f64, sms: i64) -> WgmmaConfig {
     }
 }
 
+/// `WIDE_WGMMA` (`mi=1,stages=5,arrive=wait,cluster=2`, `tma=1`, `hint=1`; read once), over the
+/// default of this op; an invalid one gives the default.
 fn env_config(fused: bool) -> Option<WgmmaConfig> {
     static V: OnceLock<Option<String>> = OnceLock::new();
     let d = WgmmaConfig::default_for(fused);
