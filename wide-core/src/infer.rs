@@ -81,10 +81,12 @@ fn fuse(parts: &[&Tensor]) -> Result<Tensor> {
     Ok(fused)
 }
 
-/// Per-op device times (ms) of a profiled run, summed by op name.
+/// Per-op device times (ms) of a profiled run, summed by op name, and the host time (ms) each
+/// op took to queue its work (what bounds a short prefill: the GPU cannot run ahead of it).
 #[derive(Debug, Default, Clone)]
 pub struct Profile {
     pub ms: BTreeMap<String, f64>,
+    pub host_ms: BTreeMap<String, f64>,
     pub calls: BTreeMap<String, u64>,
 }
 
@@ -399,7 +401,7 @@ impl<'m> Engine<'m> {
             }
             return f();
         }
-        let ms;
+        let (ms, host_ms);
         let out;
         if let Device::Cuda(d) = self.model.device {
             // A device spin first, so the host queues the op before the GPU reaches it and the
@@ -407,15 +409,19 @@ impl<'m> Engine<'m> {
             wide_kernels::ops::gpu_spin(d, 40)?;
             let timer = wide_kernels::GpuTimer::new(d)?;
             timer.start()?;
+            let t = std::time::Instant::now();
             out = f()?;
+            host_ms = t.elapsed().as_secs_f64() * 1e3;
             ms = timer.stop_ms()?;
         } else {
             let t = std::time::Instant::now();
             out = f()?;
             ms = t.elapsed().as_secs_f64() * 1e3;
+            host_ms = ms;
         }
         if let Some(p) = self.profile.borrow_mut().as_mut() {
             *p.ms.entry(name.to_string()).or_default() += ms;
+            *p.host_ms.entry(name.to_string()).or_default() += host_ms;
             *p.calls.entry(name.to_string()).or_default() += 1;
         }
         Ok(out)

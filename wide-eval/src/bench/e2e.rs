@@ -215,7 +215,7 @@ fn skip_json(c: &SkipCounts) -> Value {
 }
 
 /// Per-op device times: the largest prefill and one batch-1 decode step (eager, each op
-/// timed alone between CUDA events after a device spin).
+/// timed alone between CUDA events after a device spin), and the prefill ops' host issue times.
 fn profile_ops(engine: &Engine, cfg: &E2eBenchConfig, vocab: i64) -> Result<Value> {
     let device = cfg.device;
     let t = *cfg.prefill_tokens.iter().max().unwrap_or(&2048);
@@ -240,7 +240,7 @@ fn profile_ops(engine: &Engine, cfg: &E2eBenchConfig, vocab: i64) -> Result<Valu
         Ok(())
     })?;
     let per_step: serde_json::Map<String, Value> = dec_prof.ms.iter().map(|(k, v)| (k.clone(), json!(v / steps as f64))).collect();
-    Ok(json!({"prefill_tokens": t, "prefill_ms": pre.ms, "decode_batch1_ms_per_step": per_step}))
+    Ok(json!({"prefill_tokens": t, "prefill_ms": pre.ms, "prefill_host_ms": pre.host_ms, "decode_batch1_ms_per_step": per_step}))
 }
 
 fn with_profile(engine: &Engine, f: impl FnOnce() -> Result<()>) -> Result<Profile> {
