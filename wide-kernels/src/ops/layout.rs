@@ -1,8 +1,8 @@
 //! The routing layout: one routing decision (a token x group mask) turned into per-group token
 //! lists, built once and shared by every op of that decision (gate, up and down share the FFN
 //! mask; Q, attention and O share the attention mask).
-use super::routed_source;
-use crate::cuda::{CudaKernel, KernelArg, LaunchConfig};
+use super::routed_kernel;
+use crate::cuda::{KernelArg, LaunchConfig};
 use anyhow::{bail, Context, Result};
 use std::cell::OnceCell;
 use tch::{Device, Kind, Tensor};
@@ -157,8 +157,10 @@ fn build_cuda(mask: &Tensor, device: usize) -> Result<(Tensor, Tensor)> {
     let mask = mask.contiguous();
     let perm = Tensor::empty([ng, m], (Kind::Int, mask.device()));
     let count = Tensor::empty([ng], (Kind::Int, mask.device()));
-    let src = routed_source(false, None); // the layout entry is the same in both dtype modules
-    let k = CudaKernel::get(&src, "route_layout", device).context("loading route_layout")?;
+    // The layout entry is the same in both dtype modules. Through the loaded-entry map: a
+    // `CudaKernel::get` here hashed the whole routed source (~77 KB) on every build, ~0.1 ms of
+    // host time per layout, two or three a layer in a routed prefill.
+    let k = routed_kernel(false, None, "route_layout", device).context("loading route_layout")?;
     let threads = (m.min(1024) as u32).div_ceil(32) * 32;
     unsafe {
         k.launch(
