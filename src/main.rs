@@ -321,7 +321,9 @@ struct E2eArgs {
     /// Channels per FFN group (random routers).
     #[arg(long, default_value_t = 128)]
     ffn_group_size: i64,
-    #[arg(long, value_delimiter = ',', default_value = "2048,8192")]
+    /// Prompt lengths of the prefill measurements (batch 1); the short one shows the host's
+    /// share (each row also prints the host issue time).
+    #[arg(long, value_delimiter = ',', default_value = "512,2048,8192")]
     prefill_tokens: Vec<i64>,
     #[arg(long, value_delimiter = ',', default_value = "1,8,16,32")]
     decode_batches: Vec<i64>,

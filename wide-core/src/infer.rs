@@ -292,6 +292,13 @@ fn qkv_on_gemv(x: &Tensor) -> bool {
     x.size()[0] <= GEMV_MAX_M && is_fast_dtype(x)
 }
 
+/// Whether the fused Q|K|V may run as one routed launch on the extended mask: on the GEMV, or
+/// at prefill sizes on CUDA (where `large_m_qkv_path` asks the dispatch). The gate kernel then
+/// writes the extended mask beside the mask, saving the concatenation's launches.
+fn qkv_wants_ext(x: &Tensor) -> bool {
+    qkv_on_gemv(x) || (x.size()[0] >= LARGE_M_MIN && is_fast_dtype(x) && matches!(x.device(), Device::Cuda(_)))
+}
+
 /// Up to this many tokens the norm launch also runs the router and its gate (one launch instead
 /// of the norm, cuBLAS's first layer and the gate kernel); `WIDE_ROUTER_FUSE_MAX_M=N` moves the
 /// bound (a measurement knob). Above it the per-token router blocks would each read all of W1.
@@ -698,7 +705,7 @@ impl<'m> Engine<'m> {
         let (mask, ext, early) = if let Some(ar) = &l.attention {
             let gh = nh / ar.groups;
             let extra = self.q_extra(gh);
-            let want_ext = extra > 0 && qkv_on_gemv(x);
+            let want_ext = extra > 0 && qkv_wants_ext(x);
             let (mask, ext) = self.gate(i, RouterKind::Attention, ar, x, rc, if want_ext { extra } else { 0 })?;
             (mask, ext, rc.early)
         } else if let Some(s) = &l.static_attention {
@@ -711,7 +718,7 @@ impl<'m> Engine<'m> {
         let group = nh / mask.size()[1];
         let ext = match ext {
             Some(e) => Some(e),
-            None if self.q_extra(group) > 0 && qkv_on_gemv(x) => {
+            None if self.q_extra(group) > 0 && qkv_wants_ext(x) => {
                 Some(Tensor::cat(&[&mask, &Tensor::ones([mt, self.q_extra(group)], (Kind::Bool, x.device()))], 1))
             }
             None => None,
@@ -782,7 +789,7 @@ impl<'m> Engine<'m> {
     /// At prefill sizes, the fused Q|K|V projection as one routed launch (Q rows of skipped head
     /// groups not computed, the K|V groups always on) where the dispatch measures it faster than
     /// cuBLAS on the whole width; None otherwise (and where K|V are not whole groups of Q's width).
-    fn large_m_qkv_path(&self, h: &Tensor, w: &Tensor, d: &Decision) -> Result<Option<(RouteLayout, i64, GemmPath)>> {
+    fn large_m_qkv_path(&self, h: &Tensor, w: &Tensor, d: &Decision, ext: Option<&Tensor>) -> Result<Option<(RouteLayout, i64, GemmPath)>> {
         let (mt, extra) = (h.size()[0], self.q_extra(d.group));
         if mt < LARGE_M_MIN || extra == 0 || !is_fast_dtype(h) {
             return Ok(None);
@@ -792,7 +799,10 @@ impl<'m> Engine<'m> {
             return Ok(None);
         }
         let ng = d.mask.size()[1];
-        let ext = Tensor::cat(&[&d.mask, &Tensor::ones([mt, extra], (Kind::Bool, h.device()))], 1);
+        let ext = match ext {
+            Some(e) if e.size() == [mt, ng + extra] => e.shallow_clone(),
+            _ => Tensor::cat(&[&d.mask, &Tensor::ones([mt, extra], (Kind::Bool, h.device()))], 1),
+        };
         let sp = self.sparsity_hint[0] * ng as f64 / (ng + extra) as f64;
         let lay = route_layout(&ext)?.with_sparsity_hint(sp).with_always_on_from(ng)?;
         let group = d.group * self.model.config.head_dim;
@@ -837,7 +847,7 @@ impl<'m> Engine<'m> {
             }
         }
         if let (Some(d), None) = (d, &f.qkv_bias) {
-            if let Some((lay, group, path)) = self.large_m_qkv_path(h, &f.qkv, d)? {
+            if let Some((lay, group, path)) = self.large_m_qkv_path(h, &f.qkv, d, ext)? {
                 return Ok(routed_gemm(RoutedOp::Mn, h, &f.qkv, None, &lay, group, Some(path))?.0);
             }
         }
