@@ -412,8 +412,10 @@ impl<'m> Engine<'m> {
         let out;
         if let Device::Cuda(d) = self.model.device {
             // A device spin first, so the host queues the op before the GPU reaches it and the
-            // events time device work alone.
-            wide_kernels::ops::gpu_spin(d, 40)?;
+            // events time device work alone. It must outlast the op's host issue time (up to
+            // ~0.1 ms for a routed prefill op on the H200 machine), else the GPU idles inside
+            // the timed region and the op's device time reads as its host time.
+            wide_kernels::ops::gpu_spin(d, 250)?;
             let timer = wide_kernels::GpuTimer::new(d)?;
             timer.start()?;
             let t = std::time::Instant::now();
