@@ -294,3 +294,53 @@ fn graph_decode_matches_eager_decode_and_full_forwards() {
         }
     }
 }
+
+/// The one-launch prefill router (`router_prefill`, taken by `router_gate` from 32 tokens):
+/// its first layer against cuBLAS's, its decisions bit for bit those of the gate kernel on the
+/// hidden it wrote, and against the cuBLAS-hidden router only where the logit margin is within
+/// rounding. Token counts that are not whole 16-token blocks, ranks 8 / 32 / 64, both gates'
+/// widths (8 attention groups with 4 extra, 112 FFN groups), outputs poisoned.
+#[test]
+fn prefill_router_matches_the_separate_router() {
+    let dev = gpu();
+    let _g = tch::no_grad_guard();
+    tch::manual_seed(5);
+    for kind in [Kind::BFloat16, Kind::Half] {
+        for (m, h) in [(33i64, 4096i64), (512, 4096), (1000, 512)] {
+            let x = Tensor::randn([m, h], (kind, dev));
+            for rank in [8i64, 32, 64] {
+                for (ng, extra) in [(8i64, 4i64), (112, 0)] {
+                    let (w1, b1) = (Tensor::randn([rank, h], (kind, dev)) * 0.03, Tensor::randn([rank], (kind, dev)) * 0.1);
+                    let (w2, b2) = (Tensor::randn([2 * ng, rank], (kind, dev)) * 0.2, Tensor::randn([2 * ng], (kind, dev)) * 0.1);
+                    let rw = RouterWeights { w1: &w1, b1: &b1, w2: &w2, b2: &b2 };
+                    let what = format!("{kind:?} m={m} h={h} rank={rank} groups={ng} extra={extra}");
+                    assert!(fused::router_prefill_runs(&x, &rw), "{what}: should run");
+                    poison_bool(m, ng);
+                    let (mask, ext, h1) = fused::router_prefill(&x, &rw, 0.05, extra).unwrap();
+                    let href = x.linear(&w1, Some(&b1));
+                    assert!(rel(&h1, &href) < 1e-2, "{what}: first layer {}", rel(&h1, &href));
+                    let (want, want_ext) = fused::router_gate_from_hidden(&h1, &rw, 0.05, extra).unwrap();
+                    assert!(mask.equal(&want), "{what}: gate differs from the gate kernel on the same hidden");
+                    assert_eq!(ext.is_some(), extra > 0);
+                    if let (Some(e), Some(we)) = (&ext, &want_ext) {
+                        assert!(e.equal(we), "{what}: extended mask differs");
+                        assert!(e.narrow(1, ng, extra).all().int64_value(&[]) == 1, "{what}: extra groups must be on");
+                    }
+                    let on = mask.to_kind(Kind::Float).mean(Kind::Float).double_value(&[]);
+                    assert!(on > 0.05 && on < 0.95, "{what}: degenerate test, {on} of the pairs on");
+                    // Against the router on cuBLAS's hidden: only near-ties may differ.
+                    let (sep, _) = fused::router_gate_from_hidden(&href, &rw, 0.05, 0).unwrap();
+                    let lg = href.linear(&w2, Some(&b2)).to_kind(Kind::Float).view([m, ng, 2]);
+                    let margin = (lg.select(-1, 1) - lg.select(-1, 0) + 0.05).abs();
+                    let diff = mask.logical_xor(&sep);
+                    let n_diff = diff.sum(Kind::Int64).int64_value(&[]);
+                    let worst = margin.masked_select(&diff).max_other(&Tensor::zeros([1], (Kind::Float, dev))).max().double_value(&[]);
+                    assert!(n_diff * 100 <= m * ng && worst < 0.1, "{what}: {n_diff} decisions differ from the separate router, margin up to {worst}");
+                    // router_gate takes this launch from 32 tokens.
+                    let (via, _) = fused::router_gate(&x, &rw, 0.05, 0).unwrap();
+                    assert!(via.equal(&mask), "{what}: router_gate does not take the one-launch router");
+                }
+            }
+        }
+    }
+}

@@ -540,3 +540,53 @@ fn attention_prefill_matches_reference() {
         run_prefill_case(kind, 3, 16, 16, 129, 200, 64, 8, 0.7);
     }
 }
+
+/// Once each kernel is loaded, the ops' launch paths must not hash kernel sources again (a
+/// lookup by source hashes all of it: `route_layout` did that on every build, ~0.1 ms of host
+/// time per layout, which made a 512-token routed prefill wait on the host).
+#[test]
+fn launch_paths_do_not_rehash_kernel_sources() {
+    let dev = gpu();
+    tch::manual_seed(23);
+    let (m, k, n, g) = (512i64, 256i64, 512i64, 128i64);
+    let x = Tensor::randn([m, k], (Kind::BFloat16, dev));
+    let w = Tensor::randn([n, k], (Kind::BFloat16, dev));
+    let xk = Tensor::randn([m, n], (Kind::BFloat16, dev));
+    let wk = Tensor::randn([k, n], (Kind::BFloat16, dev));
+    let x1 = x.narrow(0, 0, 1);
+    let (b, hq, hkv, d, gh, t) = (1i64, 8i64, 2i64, 128i64, 4i64, 256i64);
+    let q = Tensor::randn([b, hq, t, d], (Kind::BFloat16, dev));
+    let kv = Tensor::randn([b, hkv, t, d], (Kind::BFloat16, dev));
+    let qd = Tensor::randn([b, hq, d], (Kind::BFloat16, dev));
+    let len = Tensor::from_slice(&[t as i32]).to_device(dev);
+    let scale = 1.0 / (d as f64).sqrt();
+    let round = || {
+        let msk = mask(m, n / g, 0.5);
+        let lay = route_layout(&msk).unwrap();
+        let _ = lay.lists().unwrap();
+        let s = GemmShape { op: RoutedOp::Mn, m, n, k, group: g };
+        for p in paths_for(&s) {
+            let _ = routed_gemm(RoutedOp::Mn, &x, &w, None, &lay, g, Some(p)).unwrap();
+        }
+        let _ = routed_gemm(RoutedOp::KPremasked, &xk, &wk, None, &lay, g, Some(GemmPath::DenseMasked)).unwrap();
+        let lay1 = route_layout(&msk.narrow(0, 0, 1)).unwrap();
+        let _ = routed_gemm(RoutedOp::Mn, &x1, &w, None, &lay1, g, Some(GemmPath::Gemv)).unwrap();
+        let _ = routed_gemm(RoutedOp::KPremasked, &xk.narrow(0, 0, 1), &wk, None, &lay1, g, Some(GemmPath::Gemv)).unwrap();
+        let pm = Tensor::rand([b, t, hq / gh], (Kind::Float, dev)).lt(0.5);
+        for tile in PREFILL_TILES.into_iter().filter(|x| x.supports(d, 0)) {
+            let _ = wide_kernels::attention_prefill_routed(&q, &kv, &kv, &pm, gh, scale, tile).unwrap();
+        }
+        let _ = wide_kernels::attention_prefill_dense(&q, &kv, &kv, &pm, gh, scale).unwrap();
+        let dm = mask(b, hq / gh, 0.5);
+        let _ = wide_kernels::attention_decode(&qd, &kv, &kv, &len, &dm, gh, scale).unwrap();
+        let _ = wide_kernels::attention_decode_step(&qd, &kv, &kv, &len, &dm, gh, scale).unwrap();
+    };
+    round(); // loads every kernel once
+    let before = wide_kernels::nvrtc::source_hashes();
+    for _ in 0..3 {
+        round();
+    }
+    tch::Cuda::synchronize(0);
+    let after = wide_kernels::nvrtc::source_hashes();
+    assert_eq!(after, before, "{} kernel sources hashed again by launches whose kernels were already loaded", after - before);
+}

@@ -114,7 +114,20 @@ fn cache_dir() -> PathBuf {
     PathBuf::from(home).join(".cache/wide/kernels")
 }
 
+thread_local! {
+    static SOURCE_HASHES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// How many kernel sources this thread has hashed (each `CudaKernel::get` and cache lookup
+/// hashes its whole source). A launch path that hashes on every call pays that in host time
+/// (~0.1 ms for the routed module); tests use this to check that hot paths take loaded entries
+/// from their maps instead.
+pub fn source_hashes() -> u64 {
+    SOURCE_HASHES.with(|c| c.get())
+}
+
 fn key_of(src: &KernelSource, opts: &[String]) -> u64 {
+    SOURCE_HASHES.with(|c| c.set(c.get() + 1));
     // FNV-1a: stable across runs and toolchains (std's hasher is not).
     struct Fnv(u64);
     impl Hasher for Fnv {

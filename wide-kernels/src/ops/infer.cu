@@ -475,6 +475,73 @@ extern "C" __global__ void swiglu_masked(const T* __restrict__ gu, const unsigne
     }
 }
 
+// The whole token router at prefill sizes, one launch instead of cuBLAS's first layer and the
+// gate kernel: 16 tokens a block, the first layer on the tensor cores with 8 warps splitting the
+// 32-wide k chunks (fragments loaded straight from global memory, k permuted the same way in x
+// and w1: lane (g, q) holds k 8q..8q+7 of the chunk), warp partials added in a fixed order, + b1
+// and one rounding to storage (h1, also written out), then gate_group for each (token, group).
+// R a multiple of 8, at most RPF_MAXR; H a multiple of 32. Grid (ceil(M / 16)), 256 threads.
+#define RPF_MAXR 64
+#define RPF_WARPS 8
+extern "C" __global__ void __launch_bounds__(32 * RPF_WARPS)
+    router_prefill(const T* __restrict__ x, const T* __restrict__ w1, const T* __restrict__ b1, const T* __restrict__ w2,
+                   const T* __restrict__ b2, float offset, T* __restrict__ h1, unsigned char* __restrict__ mask,
+                   unsigned char* __restrict__ ext, int M, int H, int R, int NG, int EXTRA) {
+    __shared__ float part[RPF_WARPS][16][RPF_MAXR];
+    __shared__ float hs[16][RPF_MAXR];
+    pdl_wait();
+    pdl_trigger();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const long long m0 = (long long)blockIdx.x * 16;
+    const long long ra = m0 + g, rb = m0 + g + 8;
+    const int nt = R / 8;
+    float acc[RPF_MAXR / 8][4];
+#pragma unroll
+    for (int t = 0; t < RPF_MAXR / 8; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+    const uint4 z = make_uint4(0, 0, 0, 0);
+    for (int c = warp; c < H / 32; c += RPF_WARPS) {
+        const int k = c * 32 + q * 8;
+        const uint4 xa = ra < M ? __ldg(reinterpret_cast<const uint4*>(x + ra * H + k)) : z;
+        const uint4 xb = rb < M ? __ldg(reinterpret_cast<const uint4*>(x + rb * H + k)) : z;
+        const unsigned a0[4] = {xa.x, xb.x, xa.y, xb.y}, a1[4] = {xa.z, xb.z, xa.w, xb.w};
+#pragma unroll
+        for (int t = 0; t < RPF_MAXR / 8; ++t) {
+            if (t < nt) {
+                const uint4 wv = __ldg(reinterpret_cast<const uint4*>(w1 + (long long)(t * 8 + g) * H + k));
+                const unsigned bw0[2] = {wv.x, wv.y}, bw1[2] = {wv.z, wv.w};
+                mma16816(acc[t], a0, bw0);
+                mma16816(acc[t], a1, bw1);
+            }
+        }
+    }
+    // acc[t][j]: token g (j < 2) or g + 8, output t * 8 + 2q + (j & 1).
+#pragma unroll
+    for (int t = 0; t < RPF_MAXR / 8; ++t) {
+        if (t < nt) {
+            part[warp][g][t * 8 + 2 * q] = acc[t][0];
+            part[warp][g][t * 8 + 2 * q + 1] = acc[t][1];
+            part[warp][g + 8][t * 8 + 2 * q] = acc[t][2];
+            part[warp][g + 8][t * 8 + 2 * q + 1] = acc[t][3];
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < 16 * R; i += blockDim.x) {
+        const int tok = i / R, r = i % R;
+        float s = 0.f;
+#pragma unroll
+        for (int w = 0; w < RPF_WARPS; ++w) s += part[w][tok][r];
+        const T hv = ft(s + tf(b1[r]));
+        hs[tok][r] = tf(hv);
+        if (m0 + tok < M) h1[(m0 + tok) * R + r] = hv;
+    }
+    __syncthreads();
+    const int ngx = NG + EXTRA;
+    for (int i = threadIdx.x; i < 16 * ngx; i += blockDim.x) {
+        const int tok = i / ngx, gg = i % ngx;
+        if (m0 + tok < M) gate_group(hs[tok], w2, b2, offset, mask, ext, R, NG, EXTRA, m0 + tok, gg);
+    }
+}
+
 // Second router layer and deterministic gate for a few tokens (decode): h [M, R] is the first
 // layer's output (x W1^T + b1, from cuBLAS or add_rmsnorm_router); see gate_row. Grid (M), 128
 // threads.
