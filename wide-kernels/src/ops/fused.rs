@@ -475,11 +475,18 @@ fn gate_from_hidden_reference(h: &Tensor, r: &RouterWeights, offset: f64) -> Ten
 pub fn router_gate(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64) -> Result<(Tensor, Option<Tensor>)> {
     let (m, hidden) = x.size2()?;
     ensure!(r.w1.size2()?.1 == hidden, "router_gate: compressor {:?} does not take hidden size {hidden}", r.w1.size());
-    if m >= ROUTER_PREFILL_MIN_M && router_prefill_runs(x, r) {
+    if m >= ROUTER_PREFILL_MIN_M && router_prefill_enabled() && router_prefill_runs(x, r) {
         let (mask, ext, _) = router_prefill(x, r, offset, extra)?;
         return Ok((mask, ext));
     }
     router_gate_from_hidden(&x.linear(r.w1, Some(r.b1)), r, offset, extra)
+}
+
+/// `WIDE_ROUTER_PREFILL=0` (read once) keeps [`router_gate`] on cuBLAS + the gate kernel at
+/// every size (an A/B knob).
+fn router_prefill_enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("WIDE_ROUTER_PREFILL").map(|v| v.trim() != "0").unwrap_or(true))
 }
 
 /// From this many tokens [`router_gate`] runs the one-launch router on CUDA (below, the engine's
@@ -522,10 +529,21 @@ pub fn router_prefill(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64) ->
     let h1 = Tensor::empty([m, rank], (x.kind(), x.device()));
     let mask = Tensor::empty([m, ng], (Kind::Bool, x.device()));
     let ext = (extra > 0).then(|| Tensor::empty([m, ng + extra], (Kind::Bool, x.device())));
-    let k = kernel(f16, "router_prefill", dev)?;
+    let nt = [1i64, 2, 4, 8].into_iter().find(|&t| 8 * t >= rank).expect("rank checked above");
+    let entry = match nt {
+        1 => "router_prefill_1",
+        2 => "router_prefill_2",
+        4 => "router_prefill_4",
+        _ => "router_prefill_8",
+    };
+    let k = kernel(f16, entry, dev)?;
+    // The gate's weights in shared memory where they fit in the default 48 KiB beside the
+    // block's static partial sums and hidden values (4608 bytes an output tile, and ~1 KiB more).
+    let gate_bytes = (2 * ng * rank + 2 * ng) * 2;
+    let sh_gate = w2.data_ptr() as usize % 16 == 0 && gate_bytes <= 47 * 1024 - 4608 * nt;
     unsafe {
         k.launch_pdl(
-            LaunchConfig { grid: (((m + 15) / 16) as u32, 1, 1), block: (256, 1, 1), shared_mem_bytes: 0 },
+            LaunchConfig { grid: (((m + 15) / 16) as u32, 1, 1), block: (256, 1, 1), shared_mem_bytes: if sh_gate { gate_bytes as u32 } else { 0 } },
             &[
                 KernelArg::tensor(&x)?,
                 KernelArg::tensor(&w1)?,
@@ -544,6 +562,7 @@ pub fn router_prefill(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64) ->
                 KernelArg::I32(rank as i32),
                 KernelArg::I32(ng as i32),
                 KernelArg::I32(extra as i32),
+                KernelArg::I32(sh_gate as i32),
             ],
         )?;
     }

@@ -478,37 +478,59 @@ extern "C" __global__ void swiglu_masked(const T* __restrict__ gu, const unsigne
 // The whole token router at prefill sizes, one launch instead of cuBLAS's first layer and the
 // gate kernel: 16 tokens a block, the first layer on the tensor cores with 8 warps splitting the
 // 32-wide k chunks (fragments loaded straight from global memory, k permuted the same way in x
-// and w1: lane (g, q) holds k 8q..8q+7 of the chunk), warp partials added in a fixed order, + b1
-// and one rounding to storage (h1, also written out), then gate_group for each (token, group).
-// R a multiple of 8, at most RPF_MAXR; H a multiple of 32. Grid (ceil(M / 16)), 256 threads.
-#define RPF_MAXR 64
+// and w1: lane (g, q) holds k 8q..8q+7 of the chunk; a few chunks' loads issued before their
+// mma), warp partials added in a fixed order, + b1 and one rounding to storage (h1, also written
+// out), then gate_group for each (token, group), with the gate's weights copied into shared
+// memory (before the programmatic-launch wait: they are weights) where `sh_gate`. NT 8-wide
+// output tiles (R <= 8 NT, R a multiple of 8); H a multiple of 32. Grid (ceil(M / 16)), 256
+// threads; dynamic shared memory 2 NG R + 2 NG elements of T when sh_gate.
 #define RPF_WARPS 8
-extern "C" __global__ void __launch_bounds__(32 * RPF_WARPS)
-    router_prefill(const T* __restrict__ x, const T* __restrict__ w1, const T* __restrict__ b1, const T* __restrict__ w2,
-                   const T* __restrict__ b2, float offset, T* __restrict__ h1, unsigned char* __restrict__ mask,
-                   unsigned char* __restrict__ ext, int M, int H, int R, int NG, int EXTRA) {
-    __shared__ float part[RPF_WARPS][16][RPF_MAXR];
-    __shared__ float hs[16][RPF_MAXR];
+#define RPF_U 4
+template <int NT>
+__device__ __forceinline__ void router_prefill(const T* __restrict__ x, const T* __restrict__ w1, const T* __restrict__ b1, const T* __restrict__ w2,
+                                               const T* __restrict__ b2, float offset, T* __restrict__ h1, unsigned char* __restrict__ mask,
+                                               unsigned char* __restrict__ ext, int M, int H, int R, int NG, int EXTRA, int sh_gate) {
+    __shared__ float part[RPF_WARPS][16][8 * NT];
+    __shared__ float hs[16][8 * NT];
+    extern __shared__ __align__(16) unsigned char rpf_dyn[];
+    T* w2s = reinterpret_cast<T*>(rpf_dyn);
+    T* b2s = w2s + 2 * NG * R;
+    if (sh_gate) {
+        const int n16 = 2 * NG * R / 8;
+        for (int i = threadIdx.x; i < n16; i += blockDim.x)
+            reinterpret_cast<uint4*>(w2s)[i] = __ldg(reinterpret_cast<const uint4*>(w2) + i);
+        for (int i = threadIdx.x; i < 2 * NG; i += blockDim.x) b2s[i] = b2[i];
+    }
     pdl_wait();
     pdl_trigger();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const long long m0 = (long long)blockIdx.x * 16;
     const long long ra = m0 + g, rb = m0 + g + 8;
-    const int nt = R / 8;
-    float acc[RPF_MAXR / 8][4];
+    const int nt = R / 8, nch = H / 32;
+    constexpr int U = NT <= 4 ? RPF_U : RPF_U / 2;  // chunks in flight a warp (registers)
+    float acc[NT][4];
 #pragma unroll
-    for (int t = 0; t < RPF_MAXR / 8; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+    for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
     const uint4 z = make_uint4(0, 0, 0, 0);
-    for (int c = warp; c < H / 32; c += RPF_WARPS) {
-        const int k = c * 32 + q * 8;
-        const uint4 xa = ra < M ? __ldg(reinterpret_cast<const uint4*>(x + ra * H + k)) : z;
-        const uint4 xb = rb < M ? __ldg(reinterpret_cast<const uint4*>(x + rb * H + k)) : z;
-        const unsigned a0[4] = {xa.x, xb.x, xa.y, xb.y}, a1[4] = {xa.z, xb.z, xa.w, xb.w};
+    for (int c0 = warp; c0 < nch; c0 += RPF_WARPS * U) {
+        uint4 xa[U], xb[U], wv[U][NT];
 #pragma unroll
-        for (int t = 0; t < RPF_MAXR / 8; ++t) {
-            if (t < nt) {
-                const uint4 wv = __ldg(reinterpret_cast<const uint4*>(w1 + (long long)(t * 8 + g) * H + k));
-                const unsigned bw0[2] = {wv.x, wv.y}, bw1[2] = {wv.z, wv.w};
+        for (int u = 0; u < U; ++u) {
+            const int c = c0 + u * RPF_WARPS;
+            const int k = c * 32 + q * 8;
+            const bool ok = c < nch;
+            xa[u] = ok && ra < M ? __ldg(reinterpret_cast<const uint4*>(x + ra * H + k)) : z;
+            xb[u] = ok && rb < M ? __ldg(reinterpret_cast<const uint4*>(x + rb * H + k)) : z;
+#pragma unroll
+            for (int t = 0; t < NT; ++t)
+                wv[u][t] = ok && t < nt ? __ldg(reinterpret_cast<const uint4*>(w1 + (long long)(t * 8 + g) * H + k)) : z;
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const unsigned a0[4] = {xa[u].x, xb[u].x, xa[u].y, xb[u].y}, a1[4] = {xa[u].z, xb[u].z, xa[u].w, xb[u].w};
+#pragma unroll
+            for (int t = 0; t < NT; ++t) {
+                const unsigned bw0[2] = {wv[u][t].x, wv[u][t].y}, bw1[2] = {wv[u][t].z, wv[u][t].w};
                 mma16816(acc[t], a0, bw0);
                 mma16816(acc[t], a1, bw1);
             }
@@ -516,13 +538,11 @@ extern "C" __global__ void __launch_bounds__(32 * RPF_WARPS)
     }
     // acc[t][j]: token g (j < 2) or g + 8, output t * 8 + 2q + (j & 1).
 #pragma unroll
-    for (int t = 0; t < RPF_MAXR / 8; ++t) {
-        if (t < nt) {
-            part[warp][g][t * 8 + 2 * q] = acc[t][0];
-            part[warp][g][t * 8 + 2 * q + 1] = acc[t][1];
-            part[warp][g + 8][t * 8 + 2 * q] = acc[t][2];
-            part[warp][g + 8][t * 8 + 2 * q + 1] = acc[t][3];
-        }
+    for (int t = 0; t < NT; ++t) {
+        part[warp][g][t * 8 + 2 * q] = acc[t][0];
+        part[warp][g][t * 8 + 2 * q + 1] = acc[t][1];
+        part[warp][g + 8][t * 8 + 2 * q] = acc[t][2];
+        part[warp][g + 8][t * 8 + 2 * q + 1] = acc[t][3];
     }
     __syncthreads();
     for (int i = threadIdx.x; i < 16 * R; i += blockDim.x) {
@@ -538,9 +558,24 @@ extern "C" __global__ void __launch_bounds__(32 * RPF_WARPS)
     const int ngx = NG + EXTRA;
     for (int i = threadIdx.x; i < 16 * ngx; i += blockDim.x) {
         const int tok = i / ngx, gg = i % ngx;
-        if (m0 + tok < M) gate_group(hs[tok], w2, b2, offset, mask, ext, R, NG, EXTRA, m0 + tok, gg);
+        if (m0 + tok >= M) continue;
+        if (sh_gate)
+            gate_group<true>(hs[tok], w2s, b2s, offset, mask, ext, R, NG, EXTRA, m0 + tok, gg);
+        else
+            gate_group<false>(hs[tok], w2, b2, offset, mask, ext, R, NG, EXTRA, m0 + tok, gg);
     }
 }
+#define ROUTER_PREFILL(NT)                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(32 * RPF_WARPS) router_prefill_##NT(                                             \
+        const T* __restrict__ x, const T* __restrict__ w1, const T* __restrict__ b1, const T* __restrict__ w2,                    \
+        const T* __restrict__ b2, float offset, T* __restrict__ h1, unsigned char* __restrict__ mask, unsigned char* __restrict__ ext, \
+        int M, int H, int R, int NG, int EXTRA, int sh_gate) {                                                                    \
+        router_prefill<NT>(x, w1, b1, w2, b2, offset, h1, mask, ext, M, H, R, NG, EXTRA, sh_gate);                                \
+    }
+ROUTER_PREFILL(1)
+ROUTER_PREFILL(2)
+ROUTER_PREFILL(4)
+ROUTER_PREFILL(8)
 
 // Second router layer and deterministic gate for a few tokens (decode): h [M, R] is the first
 // layer's output (x W1^T + b1, from cuBLAS or add_rmsnorm_router); see gate_row. Grid (M), 128
