@@ -469,104 +469,12 @@ fn gate_from_hidden_reference(h: &Tensor, r: &RouterWeights, offset: f64) -> Ten
 
 /// The router on `x: [M, hidden]` and the deterministic gate (a group runs iff
 /// `skip - execute + offset <= 0`): returns the mask bool `[M, groups]` and, with `extra > 0`,
-/// the same mask with `extra` always-on groups appended, `[M, groups + extra]`. On CUDA from
-/// [`ROUTER_PREFILL_MIN_M`] tokens the whole router is one launch ([`router_prefill`]) where it
-/// can run; otherwise the first layer runs on cuBLAS, then [`router_gate_from_hidden`].
+/// the same mask with `extra` always-on groups appended, `[M, groups + extra]`. On CUDA the
+/// first layer runs on cuBLAS (a GEMV or GEMM over all SMs), then [`router_gate_from_hidden`].
 pub fn router_gate(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64) -> Result<(Tensor, Option<Tensor>)> {
-    let (m, hidden) = x.size2()?;
+    let (_, hidden) = x.size2()?;
     ensure!(r.w1.size2()?.1 == hidden, "router_gate: compressor {:?} does not take hidden size {hidden}", r.w1.size());
-    if m >= ROUTER_PREFILL_MIN_M && router_prefill_enabled() && router_prefill_runs(x, r) {
-        let (mask, ext, _) = router_prefill(x, r, offset, extra)?;
-        return Ok((mask, ext));
-    }
     router_gate_from_hidden(&x.linear(r.w1, Some(r.b1)), r, offset, extra)
-}
-
-/// `WIDE_ROUTER_PREFILL=0` (read once) keeps [`router_gate`] on cuBLAS + the gate kernel at
-/// every size (an A/B knob).
-fn router_prefill_enabled() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("WIDE_ROUTER_PREFILL").map(|v| v.trim() != "0").unwrap_or(true))
-}
-
-/// From this many tokens [`router_gate`] runs the one-launch router on CUDA (below, the engine's
-/// norm launch carries the router anyway, up to 64 tokens).
-pub const ROUTER_PREFILL_MIN_M: i64 = 32;
-
-/// Whether [`router_prefill`] can run the router `r` on `x`: CUDA bf16/f16 tensors of one
-/// dtype, a rank that is a multiple of 8 and at most 64, a hidden size that is a multiple of 32.
-pub fn router_prefill_runs(x: &Tensor, r: &RouterWeights) -> bool {
-    let (Ok((_, h)), Ok((rank, h1)), Ok((n2, r2))) = (x.size2(), r.w1.size2(), r.w2.size2()) else { return false };
-    cuda_of(x).is_some()
-        && [r.w1, r.b1, r.w2, r.b2].iter().all(|t| t.kind() == x.kind() && t.device() == x.device())
-        && h == h1
-        && h % 32 == 0
-        && rank % 8 == 0
-        && rank > 0
-        && rank <= 64
-        && r2 == rank
-        && n2 % 2 == 0
-        && r.b1.size() == [rank]
-        && r.b2.size() == [n2]
-}
-
-/// The whole router in one launch (16 tokens a block; see `router_prefill` in infer.cu):
-/// `(mask [M, groups] bool, extended mask [M, groups + extra] when extra > 0, first layer's
-/// output h1 [M, rank])`. The gate reads h1 as stored, so its decisions are those of
-/// [`router_gate_from_hidden`] on h1; h1 equals `x.linear(w1, b1)` up to the summation order.
-pub fn router_prefill(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64) -> Result<(Tensor, Option<Tensor>, Tensor)> {
-    ensure!(router_prefill_runs(x, r), "router_prefill: needs CUDA bf16/f16 tensors of one dtype, rank a multiple of 8 up to 64 and hidden a multiple of 32 (x {:?}, w1 {:?}, w2 {:?})", x.size(), r.w1.size(), r.w2.size());
-    ensure!(extra >= 0, "router_prefill: extra groups must be >= 0, got {extra}");
-    let (dev, f16) = cuda_of(x).expect("checked above");
-    let (m, h) = x.size2()?;
-    let rank = r.w1.size()[0];
-    let ng = r.w2.size()[0] / 2;
-    ensure!(m <= 16 * (i32::MAX as i64), "router_prefill: {m} tokens are too many for one launch");
-    let (x, w1, b1, w2, b2) = (x.contiguous(), r.w1.contiguous(), r.b1.contiguous(), r.w2.contiguous(), r.b2.contiguous());
-    for (t, n) in [(&x, "x"), (&w1, "w1"), (&w2, "w2")] {
-        ensure!(t.data_ptr() as usize % 16 == 0, "router_prefill: {n} is not 16-byte aligned (a view with an odd offset?)");
-    }
-    let h1 = Tensor::empty([m, rank], (x.kind(), x.device()));
-    let mask = Tensor::empty([m, ng], (Kind::Bool, x.device()));
-    let ext = (extra > 0).then(|| Tensor::empty([m, ng + extra], (Kind::Bool, x.device())));
-    let nt = [1i64, 2, 4, 8].into_iter().find(|&t| 8 * t >= rank).expect("rank checked above");
-    let entry = match nt {
-        1 => "router_prefill_1",
-        2 => "router_prefill_2",
-        4 => "router_prefill_4",
-        _ => "router_prefill_8",
-    };
-    let k = kernel(f16, entry, dev)?;
-    // The gate's weights in shared memory where they fit in the default 48 KiB beside the
-    // block's static partial sums and hidden values (4608 bytes an output tile, and ~1 KiB more).
-    let gate_bytes = (2 * ng * rank + 2 * ng) * 2;
-    let sh_gate = w2.data_ptr() as usize % 16 == 0 && gate_bytes <= 47 * 1024 - 4608 * nt;
-    unsafe {
-        k.launch_pdl(
-            LaunchConfig { grid: (((m + 15) / 16) as u32, 1, 1), block: (256, 1, 1), shared_mem_bytes: if sh_gate { gate_bytes as u32 } else { 0 } },
-            &[
-                KernelArg::tensor(&x)?,
-                KernelArg::tensor(&w1)?,
-                KernelArg::tensor(&b1)?,
-                KernelArg::tensor(&w2)?,
-                KernelArg::tensor(&b2)?,
-                KernelArg::F32(offset as f32),
-                KernelArg::tensor(&h1)?,
-                KernelArg::tensor(&mask)?,
-                match &ext {
-                    Some(t) => KernelArg::tensor(t)?,
-                    None => KernelArg::Ptr(0),
-                },
-                KernelArg::I32(m as i32),
-                KernelArg::I32(h as i32),
-                KernelArg::I32(rank as i32),
-                KernelArg::I32(ng as i32),
-                KernelArg::I32(extra as i32),
-                KernelArg::I32(sh_gate as i32),
-            ],
-        )?;
-    }
-    Ok((mask, ext, h1))
 }
 
 /// The router's second layer and the gate on its first layer's output `h: [M, rank]` (from
