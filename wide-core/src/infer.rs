@@ -553,8 +553,11 @@ impl<'m> Engine<'m> {
                 let k = kn.forward(&v.narrow(1, nh, nkv));
                 qkv = Tensor::cat(&[&q, &k, &v.narrow(1, nh + nkv, nkv)], 1).view([b * t, -1]);
             }
-            // SDPA's output follows q's layout: token-major q makes its [B, T, H * D] free.
-            let token_major = lengths.is_none() && !self.routed_prefill_attention(i, t, attn_d.as_ref(), &qkv);
+            // SDPA's output follows q's layout: token-major q makes its [B, T, H * D] free. The
+            // routed prefill kernels take q head-major (they would copy it); below the length
+            // from which they may run, routed attention is SDPA + the zero pass too.
+            let head_major = self.routed_prefill_attention(i, t, attn_d.as_ref(), &qkv) && wide_kernels::ops::attention::prefill_routed_possible(t);
+            let token_major = lengths.is_none() && !head_major;
             let q = self.timed("rope_kv", || fused::rope_qkv_cache_settled(&qkv, pos, &self.inv_freq, &shape, &cache.keys[i], &cache.values[i], token_major))?;
             let attn = self.timed("attention", || self.attention(i, &q, (b, t), lengths, cache, attn_d.as_ref()))?;
             let next = (i, RouterKind::Ffn, &x);

@@ -337,6 +337,14 @@ pub const PREFILL_ROUTED_MIN_TOKENS: i64 = 2048;
 /// Prompt length from which it considers the wgmma (Hopper) routed kernel.
 pub const PREFILL_WGMMA_MIN_TOKENS: i64 = 1024;
 
+/// Whether [`attention_prefill`] / [`attention_prefill_with`] may take a routed kernel for a
+/// `tokens`-token prompt (else they run SDPA and the zero pass, which take q in any layout
+/// while the routed kernels copy it head-major): from the smaller of the two kernels' minimum
+/// lengths, or at any length under `WIDE_ATTN_PREFILL=routed`.
+pub fn prefill_routed_possible(tokens: i64) -> bool {
+    prefill_override() == Some(true) || tokens >= PREFILL_WGMMA_MIN_TOKENS.min(PREFILL_ROUTED_MIN_TOKENS)
+}
+
 fn prefill_min_tokens(wgmma: bool) -> i64 {
     if wgmma {
         PREFILL_WGMMA_MIN_TOKENS
