@@ -386,41 +386,6 @@ impl Drop for GpuTimer {
     }
 }
 
-/// A device buffer of twice the L2 size, allocated outside libtorch's caching allocator (so it
-/// shows in no tensor statistics and is returned on drop), whose `flush` overwrites the whole
-/// L2 on libtorch's current stream: the next launch reads its inputs from HBM, as each layer of
-/// a model does once the other layers' weights have passed through the cache.
-pub struct L2Flush {
-    ptr: sys::CUdeviceptr,
-    bytes: usize,
-    device: usize,
-}
-
-impl L2Flush {
-    pub fn new(device: usize) -> Result<Self> {
-        let bytes = 2 * l2_cache_bytes(device)?.max(1 << 20);
-        let ptr = unsafe { drv::malloc_sync(bytes) }.map_err(|e| driver_err(e, "allocating the L2 flush buffer"))?;
-        Ok(Self { ptr, bytes, device })
-    }
-
-    /// Queues a write of the whole buffer (a different value each call).
-    pub fn flush(&self) -> Result<()> {
-        static FILL: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(1);
-        let v = FILL.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let stream = shim::current_stream(self.device)? as sys::CUstream;
-        unsafe { drv::memset_d8_async(self.ptr, v, self.bytes, stream) }.map_err(|e| driver_err(e, "overwriting the L2"))
-    }
-}
-
-impl Drop for L2Flush {
-    fn drop(&mut self) {
-        if let Ok(stream) = shim::current_stream(self.device) {
-            let _ = unsafe { drv::stream::synchronize(stream as sys::CUstream) };
-        }
-        let _ = unsafe { drv::free_sync(self.ptr) };
-    }
-}
-
 fn device_attribute(device: usize, attr: sys::CUdevice_attribute, what: &str) -> Result<usize> {
     ensure_context(device)?;
     let dev = drv::device::get(device as i32).map_err(|e| driver_err(e, "opening the device"))?;

@@ -12,8 +12,8 @@
 use super::dispatch::{self, GemmPath, GemmShape, RoutedOp, TileConfig, Tuned, TuneKey, GEMV_K_MAX_GROUPS, GEMV_MAX_M};
 use super::wgmma;
 use super::layout::RouteLayout;
-use super::{gpu_spin, routed_kernel};
-use crate::cuda::{GpuTimer, KernelArg, L2Flush, LaunchConfig};
+use super::routed_kernel;
+use crate::cuda::{GpuTimer, KernelArg, LaunchConfig};
 use anyhow::{bail, ensure, Context, Result};
 use std::sync::OnceLock;
 use tch::{Device, Kind, Tensor};
@@ -560,8 +560,7 @@ fn launch_tiled(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layo
 }
 
 /// The autotuner's record for this shape's bucket, measuring it on these inputs on first use:
-/// dense+mask, every feasible tile and (on sm_90) the wgmma kernel, median of 3 event-timed runs after one warm-up,
-/// each with the L2 overwritten before it (see `autotune`). It
+/// dense+mask, every feasible tile and (on sm_90) the wgmma kernel, median of 3 event-timed runs after one warm-up. It
 /// synchronises the device, so run a first (un-captured) call before capturing a CUDA graph.
 fn tuned(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: &RouteLayout) -> Result<Tuned> {
     let device = match x.device() {
@@ -583,20 +582,10 @@ fn autotune(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: 
         _ => bail!("autotuning needs a CUDA device"),
     };
     let timer = GpuTimer::new(device)?;
-    // Timed cold: in a model each layer's weights have left the L2 by the time the layer runs
-    // again, and a product whose weights fit in the L2 (Q: 33.5 MB) ranks differently warm.
-    // Without the buffer (no memory left outside libtorch's cache) the runs are timed warm.
-    let flush = L2Flush::new(device).ok();
     let time = |p: GemmPath| -> Result<f64> {
         let _ = run_path(s, x, w, w2, layout, p)?;
         let mut v = vec![];
         for _ in 0..3 {
-            if let Some(f) = &flush {
-                f.flush()?;
-            }
-            // The host queues the timed launches behind a device spin, so host-side work (the
-            // dense path's allocations, the routed paths' argument set-up) is not timed.
-            gpu_spin(device, 200)?;
             timer.start()?;
             let _ = run_path(s, x, w, w2, layout, p)?;
             v.push(timer.stop_ms()?);
