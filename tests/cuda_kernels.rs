@@ -15,6 +15,7 @@ use wide_kernels::ops::dispatch::{feasible_tiles, skinny_feasible, wgmma_feasibl
 use wide_kernels::ops::gemm::{gemm_k_reference, gemm_mn_reference, routed_gemm};
 use wide_kernels::ops::layout::{route_layout, route_layout_reference};
 use wide_kernels::ops::attention::PREFILL_TILES;
+use wide_kernels::ops::fused;
 use wide_kernels::CudaGraph;
 
 fn gpu() -> Device {
@@ -580,6 +581,17 @@ fn launch_paths_do_not_rehash_kernel_sources() {
         let dm = mask(b, hq / gh, 0.5);
         let _ = wide_kernels::attention_decode(&qd, &kv, &kv, &len, &dm, gh, scale).unwrap();
         let _ = wide_kernels::attention_decode_step(&qd, &kv, &kv, &len, &dm, gh, scale).unwrap();
+        // The engine's fused kernels and the NVRTC template op.
+        let nw = Tensor::randn([k], (Kind::BFloat16, dev));
+        let _ = fused::add_rmsnorm(&x, Some(&x), &nw, 1e-5).unwrap();
+        let _ = fused::add_rmsnorm_settled(&x, Some(&x), &nw, 1e-5).unwrap();
+        let (w1, b1) = (Tensor::randn([32, k], (Kind::BFloat16, dev)), Tensor::randn([32], (Kind::BFloat16, dev)));
+        let (w2, b2) = (Tensor::randn([2 * (n / g), 32], (Kind::BFloat16, dev)), Tensor::randn([2 * (n / g)], (Kind::BFloat16, dev)));
+        let rw = fused::RouterWeights { w1: &w1, b1: &b1, w2: &w2, b2: &b2 };
+        let _ = fused::router_gate(&x, &rw, 0.0, 2).unwrap();
+        let _ = fused::add_rmsnorm_router_gate(&x.narrow(0, 0, 4), None, &nw, 1e-5, &rw, 0.0, 2).unwrap();
+        let _ = fused::swiglu(&Tensor::randn([m, 2 * n], (Kind::BFloat16, dev)), Some(&msk), g).unwrap();
+        let _ = wide_kernels::ops::scale_shift::scale_shift(&x, 2.0, 1.0).unwrap();
     };
     round(); // loads every kernel once
     let before = wide_kernels::nvrtc::source_hashes();

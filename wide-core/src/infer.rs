@@ -292,11 +292,16 @@ fn qkv_on_gemv(x: &Tensor) -> bool {
     x.size()[0] <= GEMV_MAX_M && is_fast_dtype(x)
 }
 
-/// Whether the fused Q|K|V may run as one routed launch on the extended mask: on the GEMV, or
-/// at prefill sizes on CUDA (where `large_m_qkv_path` asks the dispatch). The gate kernel then
-/// writes the extended mask beside the mask, saving the concatenation's launches.
+/// Prefill sizes on CUDA, where `large_m_qkv_path` asks the dispatch about a routed Q|K|V.
+fn qkv_large_m(x: &Tensor) -> bool {
+    x.size()[0] >= LARGE_M_MIN && is_fast_dtype(x) && matches!(x.device(), Device::Cuda(_))
+}
+
+/// Whether the fused Q|K|V may run as one routed launch on the extended mask (on the GEMV or at
+/// prefill sizes): the gate kernel then writes the extended mask beside the mask, saving the
+/// concatenation's launches.
 fn qkv_wants_ext(x: &Tensor) -> bool {
-    qkv_on_gemv(x) || (x.size()[0] >= LARGE_M_MIN && is_fast_dtype(x) && matches!(x.device(), Device::Cuda(_)))
+    qkv_on_gemv(x) || qkv_large_m(x)
 }
 
 /// Up to this many tokens the norm launch also runs the router and its gate (one launch instead
@@ -796,7 +801,7 @@ impl<'m> Engine<'m> {
     /// cuBLAS on the whole width; None otherwise (and where K|V are not whole groups of Q's width).
     fn large_m_qkv_path(&self, h: &Tensor, w: &Tensor, d: &Decision, ext: Option<&Tensor>) -> Result<Option<(RouteLayout, i64, GemmPath)>> {
         let (mt, extra) = (h.size()[0], self.q_extra(d.group));
-        if mt < LARGE_M_MIN || extra == 0 || !is_fast_dtype(h) {
+        if !qkv_large_m(h) || extra == 0 {
             return Ok(None);
         }
         let key = (mt, (self.sparsity_hint[0] * 64.0).round() as i64, d.group);

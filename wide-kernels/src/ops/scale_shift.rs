@@ -4,6 +4,8 @@
 use crate::cuda::{CudaKernel, KernelArg, LaunchConfig};
 use crate::nvrtc::KernelSource;
 use anyhow::{bail, Result};
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
 use tch::{Device, Kind, Tensor};
 
 const SOURCE: &str = r#"
@@ -33,6 +35,17 @@ pub fn scale_shift_reference(x: &Tensor, alpha: f64, beta: f64) -> Tensor {
     (x.to_kind(Kind::Float) * alpha + beta).to_kind(x.kind())
 }
 
+/// The entry loaded once per (entry, device); later calls look it up instead of hashing the source.
+fn kernel(entry: &'static str, device: usize) -> Result<CudaKernel> {
+    static K: OnceLock<Mutex<HashMap<(&'static str, usize), CudaKernel>>> = OnceLock::new();
+    if let Some(k) = K.get_or_init(Default::default).lock().unwrap().get(&(entry, device)) {
+        return Ok(*k);
+    }
+    let k = CudaKernel::get(&kernel_variants()[0], entry, device)?;
+    K.get_or_init(Default::default).lock().unwrap().insert((entry, device), k);
+    Ok(k)
+}
+
 /// `alpha * x + beta`; the CUDA kernel on CUDA tensors (f32, bf16), the reference elsewhere.
 pub fn scale_shift(x: &Tensor, alpha: f64, beta: f64) -> Result<Tensor> {
     let device = match x.device() {
@@ -47,7 +60,7 @@ pub fn scale_shift(x: &Tensor, alpha: f64, beta: f64) -> Result<Tensor> {
     let x = x.contiguous();
     let y = x.empty_like();
     let n = x.numel();
-    let kernel = CudaKernel::get(&kernel_variants()[0], entry, device)?;
+    let kernel = kernel(entry, device)?;
     let cfg = LaunchConfig::for_elements(n, 256);
     let cfg = LaunchConfig { grid: (cfg.grid.0.min(65535 * 8), 1, 1), ..cfg };
     unsafe {
