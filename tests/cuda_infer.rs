@@ -123,6 +123,64 @@ fn fused_kernels_match_their_references() {
     assert!(ext.narrow(1, 0, 112).equal(&m) && ext.narrow(1, 112, 4).all().int64_value(&[]) == 1);
 }
 
+/// The one-launch prefill router (`fused::router_prefill`, clusters of hidden / 512 blocks
+/// splitting the first layer's k): its rounded hidden against the f64 first layer, its decision
+/// bit for bit the gate kernel's on that hidden, every mask byte written, the same bits on a
+/// second call (a fixed summation order), and the decision of cuBLAS's first layer + the gate
+/// wherever the logit margin exceeds the rounding. Token counts off the 128-token tile, cluster
+/// sizes 1, 3, 4 and 8, ranks 16 / 32 / 64, the gate's weights in shared memory and (many
+/// groups at rank 64) read from global memory.
+#[test]
+fn router_prefill_matches_the_unfused_router() {
+    let dev = gpu();
+    let _g = tch::no_grad_guard();
+    tch::manual_seed(5);
+    for kind in [Kind::BFloat16, Kind::Half] {
+        let o = (kind, dev);
+        for (m, h, rank, ng, extra) in [(1i64, 4096i64, 32i64, 112i64, 0i64), (7, 4096, 32, 8, 4), (129, 2048, 16, 28, 0), (300, 512, 64, 112, 4), (2048, 4096, 32, 112, 0), (2051, 1536, 32, 8, 4), (64, 1024, 64, 1024, 0)] {
+            let what = format!("{kind:?} M={m} H={h} rank={rank} groups={ng}+{extra}");
+            let x = Tensor::randn([m, h], o);
+            let w1 = Tensor::randn([rank, h], o) * (1.0 / (h as f64).sqrt());
+            let b1 = Tensor::randn([rank], o) * 0.1;
+            let w2 = Tensor::randn([2 * ng, rank], o) * (1.0 / (rank as f64).sqrt());
+            let b2 = Tensor::randn([2 * ng], o) * 0.1;
+            let rw = RouterWeights { w1: &w1, b1: &b1, w2: &w2, b2: &b2 };
+            let offset = 0.05;
+            poison_bool(m, ng);
+            let (mask, ext, hid) = fused::router_prefill(&x, &rw, offset, extra, true).unwrap().unwrap_or_else(|| panic!("{what}: the kernel does not apply"));
+            for (t, which) in [(Some(&mask), "mask"), (ext.as_ref(), "extended mask")] {
+                if let Some(t) = t {
+                    assert!(t.view_dtype(Kind::Uint8).max().int64_value(&[]) <= 1, "{what}: {which} has unwritten bytes");
+                }
+            }
+            let hid = hid.unwrap();
+            let d = |t: &Tensor| t.to_kind(Kind::Double);
+            let want = d(&x).matmul(&d(&w1).tr()) + d(&b1);
+            let scale = d(&x).abs().matmul(&d(&w1).abs().tr()) + d(&b1).abs();
+            let ulp = if kind == Kind::Half { 1.0 / 1024.0 } else { 1.0 / 128.0 };
+            let bad = ((d(&hid) - &want).abs() - want.abs() * ulp - &scale * 1e-5).gt(0.0).sum(Kind::Int64).int64_value(&[]);
+            assert_eq!(bad, 0, "{what}: {bad} hidden values off the f64 first layer by more than a rounding");
+            let (gm, ge) = fused::router_gate_from_hidden(&hid, &rw, offset, extra).unwrap();
+            assert!(mask.equal(&gm), "{what}: decision differs from the gate kernel's on the same hidden");
+            assert_eq!(ext.is_some(), extra > 0, "{what}: extended mask iff extra groups");
+            if let (Some(a), Some(b)) = (&ext, &ge) {
+                assert!(a.equal(b), "{what}: extended mask differs");
+            }
+            let (again, _, hid2) = fused::router_prefill(&x, &rw, offset, extra, true).unwrap().unwrap();
+            assert!(again.equal(&mask) && hid2.unwrap().equal(&hid), "{what}: a second call differs");
+            let (public, _) = fused::router_gate(&x, &rw, offset, extra).unwrap();
+            assert!(public.equal(&mask), "{what}: router_gate does not take the one-launch router");
+            // cuBLAS's first layer + the gate kernel, where the f64 logits are not near a tie.
+            let (old, _) = fused::router_gate_from_hidden(&x.linear(&w1, Some(&b1)), &rw, offset, 0).unwrap();
+            let logits = want.matmul(&d(&w2).tr()) + d(&b2);
+            let logits = logits.view([m, ng, 2]);
+            let sure = (logits.select(2, 1) - logits.select(2, 0) + offset).abs().gt(0.05);
+            let differ = mask.ne_tensor(&old).logical_and(&sure).sum(Kind::Int64).int64_value(&[]);
+            assert_eq!(differ, 0, "{what}: {differ} decisions with margin > 0.05 differ from cuBLAS + the gate kernel");
+        }
+    }
+}
+
 /// Leaves garbage in the allocator's free bool blocks of this size, so a kernel that skips
 /// writing part of its mask output is caught.
 fn poison_bool(m: i64, ng: i64) {

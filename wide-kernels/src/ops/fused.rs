@@ -7,7 +7,8 @@
 //! - [`rope_qkv_cache`]: RoPE on the fused q/k/v projection, q out in attention layout, k and v
 //!   written into the KV cache at each token's position;
 //! - [`swiglu`]: `silu(gate) * up` from the fused gate|up projection, zero at skipped groups;
-//! - [`router_gate`]: a token router (two linears) and its deterministic gate, for few tokens.
+//! - [`router_gate`]: a token router (two linears) and its deterministic gate ([`router_prefill`]:
+//!   the whole router in one clustered launch on Hopper).
 use crate::cuda::{CudaKernel, KernelArg, LaunchConfig};
 use crate::nvrtc::KernelSource;
 use anyhow::{ensure, Result};
@@ -469,12 +470,111 @@ fn gate_from_hidden_reference(h: &Tensor, r: &RouterWeights, offset: f64) -> Ten
 
 /// The router on `x: [M, hidden]` and the deterministic gate (a group runs iff
 /// `skip - execute + offset <= 0`): returns the mask bool `[M, groups]` and, with `extra > 0`,
-/// the same mask with `extra` always-on groups appended, `[M, groups + extra]`. On CUDA the
-/// first layer runs on cuBLAS (a GEMV or GEMM over all SMs), then [`router_gate_from_hidden`].
+/// the same mask with `extra` always-on groups appended, `[M, groups + extra]`. On a Hopper GPU
+/// one launch ([`router_prefill`]) where it applies; else on CUDA the first layer runs on cuBLAS
+/// (a GEMV or GEMM over all SMs), then [`router_gate_from_hidden`].
 pub fn router_gate(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64) -> Result<(Tensor, Option<Tensor>)> {
     let (_, hidden) = x.size2()?;
     ensure!(r.w1.size2()?.1 == hidden, "router_gate: compressor {:?} does not take hidden size {hidden}", r.w1.size());
+    if let Some((mask, ext, _)) = router_prefill(x, r, offset, extra, false)? {
+        return Ok((mask, ext));
+    }
     router_gate_from_hidden(&x.linear(r.w1, Some(r.b1)), r, offset, extra)
+}
+
+/// Token rows of a clustered router tile and the k one of its blocks multiplies (`RP_BM`,
+/// `RP_KB` in infer.cu).
+const ROUTER_PREFILL_BM: i64 = 128;
+const ROUTER_PREFILL_KB: i64 = 512;
+/// Shared memory a block may use (227 KiB on compute capability 9.0).
+const MAX_DYNAMIC_SMEM: i64 = 227 * 1024;
+
+/// Whether [`router_prefill`] may run its kernel (the default on compute capability 9.0+), unless
+/// `WIDE_ROUTER_PREFILL=0` (read once) keeps cuBLAS's first layer + the gate kernel, for A/B runs.
+fn router_prefill_enabled(device: usize) -> Result<bool> {
+    static OFF: OnceLock<bool> = OnceLock::new();
+    if *OFF.get_or_init(|| std::env::var("WIDE_ROUTER_PREFILL").is_ok_and(|v| v.trim() == "0")) {
+        return Ok(false);
+    }
+    Ok(crate::cuda::compute_major(device)? >= 9)
+}
+
+/// The whole router of `x: [M, hidden]` in one launch on a Hopper GPU (`router_prefill_R` in
+/// infer.cu: clusters of hidden / 512 blocks split the first layer's k, so x is read once and W1
+/// once a 128-token tile; the same cluster sums the partials in a fixed order, rounds the hidden
+/// like the unfused first layer and gates): the mask, the extended mask (with `extra > 0`) and,
+/// with `want_hidden`, the rounded first layer `[M, rank]`. None where it does not apply (not
+/// CUDA bf16/f16, compute capability below 9.0, hidden not a multiple of 512 or above 4096, rank
+/// not 16, 32 or 64, or the gate's weights of another dtype); the caller then runs cuBLAS + the
+/// gate kernel.
+pub fn router_prefill(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64, want_hidden: bool) -> Result<Option<(Tensor, Option<Tensor>, Option<Tensor>)>> {
+    let Some((dev, f16)) = cuda_of(x) else { return Ok(None) };
+    let (m, h) = x.size2()?;
+    let (rank, h1k) = r.w1.size2()?;
+    let rs = h / ROUTER_PREFILL_KB;
+    let entry = match rank {
+        16 => "router_prefill_16",
+        32 => "router_prefill_32",
+        64 => "router_prefill_64",
+        _ => return Ok(None),
+    };
+    let same = |t: &Tensor| t.kind() == x.kind() && t.device() == x.device();
+    if h1k != h || h % ROUTER_PREFILL_KB != 0 || !(1..=8).contains(&rs) || m < 1 || m > i32::MAX as i64 || !same(r.w1) || !same(r.b1) || !same(r.w2) || !same(r.b2) {
+        return Ok(None);
+    }
+    ensure!(r.w2.dim() == 2 && r.w2.size()[1] == rank && r.w2.size()[0] % 2 == 0, "router_gate: router layer {:?} does not take rank {rank}", r.w2.size());
+    let ng = r.w2.size()[0] / 2;
+    ensure!(r.b1.size() == [rank] && r.b2.size() == [2 * ng], "router_gate: biases {:?} / {:?} must be [{rank}] / [{}]", r.b1.size(), r.b2.size(), 2 * ng);
+    if !router_prefill_enabled(dev)? {
+        return Ok(None);
+    }
+    let x = x.contiguous();
+    let elt = x.kind().elt_size_in_bytes() as i64;
+    // x tile and W1 slice (padded rows); the gate's weights beside them when they fit.
+    let base = (ROUTER_PREFILL_BM + rank) * (ROUTER_PREFILL_KB + 8) * elt;
+    let gate_bytes = (2 * ng * rank + 2 * ng) * elt;
+    let w2_shared = base + gate_bytes <= MAX_DYNAMIC_SMEM;
+    let smem = (base + if w2_shared { gate_bytes } else { 0 }) as u32;
+    let mask = Tensor::empty([m, ng], (Kind::Bool, x.device()));
+    let ext = (extra > 0).then(|| Tensor::empty([m, ng + extra], (Kind::Bool, x.device())));
+    let hidden = want_hidden.then(|| Tensor::empty([m, rank], (x.kind(), x.device())));
+    let k = kernel(f16, entry, dev)?;
+    // The shared-memory limit raised once per loaded entry (a driver call each time otherwise).
+    static RAISED: OnceLock<Mutex<std::collections::HashSet<(bool, &'static str, usize)>>> = OnceLock::new();
+    if RAISED.get_or_init(Default::default).lock().unwrap().insert((f16, entry, dev)) {
+        k.set_max_dynamic_shared_mem(MAX_DYNAMIC_SMEM as u32)?;
+    }
+    let cfg = LaunchConfig { grid: (rs as u32, ((m + ROUTER_PREFILL_BM - 1) / ROUTER_PREFILL_BM) as u32, 1), block: (256, 1, 1), shared_mem_bytes: smem };
+    let opt = |t: &Option<Tensor>| -> Result<KernelArg> {
+        Ok(match t {
+            Some(t) => KernelArg::tensor(t)?,
+            None => KernelArg::Ptr(0),
+        })
+    };
+    let args = [
+        KernelArg::tensor(&x)?,
+        KernelArg::tensor(&r.w1.contiguous())?,
+        KernelArg::tensor(&r.b1.contiguous())?,
+        KernelArg::tensor(&r.w2.contiguous())?,
+        KernelArg::tensor(&r.b2.contiguous())?,
+        KernelArg::F32(offset as f32),
+        KernelArg::tensor(&mask)?,
+        opt(&ext)?,
+        opt(&hidden)?,
+        KernelArg::I32(m as i32),
+        KernelArg::I32(h as i32),
+        KernelArg::I32(ng as i32),
+        KernelArg::I32(extra as i32),
+        KernelArg::I32(w2_shared as i32),
+    ];
+    unsafe {
+        if rs > 1 {
+            k.launch_pdl_cluster(cfg, (rs as u32, 1, 1), &args)?;
+        } else {
+            k.launch_pdl(cfg, &args)?;
+        }
+    }
+    Ok(Some((mask, ext, hidden)))
 }
 
 /// The router's second layer and the gate on its first layer's output `h: [M, rank]` (from

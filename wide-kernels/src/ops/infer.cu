@@ -490,3 +490,155 @@ extern "C" __global__ void __launch_bounds__(128) router_gate(const T* __restric
     gate_row(hs, w2, b2, offset, mask, ext, R, NG, EXTRA, m);
 }
 
+
+// The whole router of a prefill (first layer x W1^T + b1 rounded to storage, then gate_one) in
+// one launch. Grid (RS, ceil(M / 128)), clusters of the RS blocks of a token tile (RS = H / 512,
+// 1..8): block (r, t) multiplies the tile's 128 rows of x with W1 over k in [512 r, 512 r + 512)
+// on mma.sync. All its loads are issued up front (W1's slice before the programmatic-launch wait,
+// the weights being settled; x's after it in 8 cp.async groups of 64 k, computed as they land:
+// about 160 KB in flight a multiprocessor), so each x byte is read once and W1 once a token
+// tile. Each block leaves its f32 partial [128 x R] in shared memory; after a cluster barrier
+// block r sums the RS partials of the tokens r, r + RS, ... of the tile in rank order (a fixed
+// order), adds b1, rounds, and gates them. h1 (optional) receives the rounded first layer.
+// The cuBLAS path it replaces is a split-K GEMM, its reduction and the gate kernel: three
+// launches and the hidden's round trip.
+#define RP_BM 128
+#define RP_KB 512
+#define RP_CH 64
+#define RP_NCH (RP_KB / RP_CH)
+#define RP_LDS (RP_KB + 8)  // padded shared row (1040 bytes): ldmatrix rows land in distinct banks
+#define RP_THREADS 256
+__device__ __forceinline__ void cp_wait_le(int n) {
+    // cp.async.wait_group takes an immediate.
+    switch (n) {
+        case 0: cp_wait<0>(); break;
+        case 1: cp_wait<1>(); break;
+        case 2: cp_wait<2>(); break;
+        case 3: cp_wait<3>(); break;
+        case 4: cp_wait<4>(); break;
+        case 5: cp_wait<5>(); break;
+        case 6: cp_wait<6>(); break;
+        default: cp_wait<7>(); break;
+    }
+}
+template <int R>
+__device__ __forceinline__ void router_prefill_body(const T* __restrict__ x, const T* __restrict__ w1, const T* __restrict__ b1,
+                                                    const T* __restrict__ w2, const T* __restrict__ b2, float offset,
+                                                    unsigned char* __restrict__ mask, unsigned char* __restrict__ ext, T* __restrict__ h1,
+                                                    int M, int H, int NG, int EXTRA, int w2_shared) {
+#if __CUDA_ARCH__ >= 900
+    extern __shared__ __align__(16) unsigned char rp_smem[];
+    T* xs = reinterpret_cast<T*>(rp_smem);  // [RP_BM][RP_LDS]; after the product: part, then hs
+    T* ws = xs + RP_BM * RP_LDS;            // [R][RP_LDS]
+    T* w2s = ws + R * RP_LDS;               // w2_shared: [2 NG][R], then b2 [2 NG]
+    T* b2s = w2s + 2 * NG * R;
+    float* part = reinterpret_cast<float*>(rp_smem);  // [RP_BM][R]
+    float* hs = part + RP_BM * R;                     // [tokens of this block][R]
+    unsigned rank;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    const int RS = gridDim.x;
+    const int m0 = blockIdx.y * RP_BM, k0 = (int)rank * RP_KB;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    // Settled weights first: W1's slice (one cp.async group) and the gate's.
+    for (int c = tid; c < R * (RP_KB / 8); c += RP_THREADS) {
+        const int r = c / (RP_KB / 8), j = c % (RP_KB / 8);
+        cp_async16(ws + r * RP_LDS + j * 8, w1 + (long long)r * H + k0 + j * 8, true);
+    }
+    cp_commit();
+    if (w2_shared) {
+        for (int c = tid; c < NG * R / 4; c += RP_THREADS) reinterpret_cast<uint4*>(w2s)[c] = __ldg(reinterpret_cast<const uint4*>(w2) + c);
+        for (int i = tid; i < 2 * NG; i += RP_THREADS) b2s[i] = b2[i];
+    }
+    pdl_wait();
+    pdl_trigger();
+    // x: RP_NCH groups of 64 k; rows past M zero-filled (from a valid address).
+#pragma unroll
+    for (int ch = 0; ch < RP_NCH; ++ch) {
+        for (int c = tid; c < RP_BM * (RP_CH / 8); c += RP_THREADS) {
+            const int r = c / (RP_CH / 8), j = c % (RP_CH / 8);
+            const bool v = m0 + r < M;
+            cp_async16(xs + r * RP_LDS + ch * RP_CH + j * 8, x + (long long)(v ? m0 + r : 0) * H + k0 + ch * RP_CH + j * 8, v);
+        }
+        cp_commit();
+    }
+    // Warp w: tokens [16 w, 16 w + 16) of the tile, all R outputs (R / 8 tiles of m16n8k16).
+    float acc[R / 8][4];
+#pragma unroll
+    for (int n = 0; n < R / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+    const T* xa = xs + (warp * 16 + (lane & 15)) * RP_LDS + ((lane >> 4) << 3);
+    const T* wb = ws + ((lane & 7) + ((lane >> 4) << 3)) * RP_LDS + (((lane >> 3) & 1) << 3);
+#pragma unroll 1
+    for (int ch = 0; ch < RP_NCH; ++ch) {
+        cp_wait_le(RP_NCH - 1 - ch);  // this thread's copies of chunk ch (and W1) have landed
+        __syncthreads();              // and every thread's
+#pragma unroll
+        for (int kk = 0; kk < RP_CH / 16; ++kk) {
+            const int k = ch * RP_CH + kk * 16;
+            unsigned a[4];
+            ldsm_x4(a, xa + k);
+#pragma unroll
+            for (int nj = 0; nj < R / 16; ++nj) {
+                unsigned r4[4];
+                ldsm_x4(r4, wb + nj * 16 * RP_LDS + k);
+                const unsigned bb0[2] = {r4[0], r4[1]}, bb1[2] = {r4[2], r4[3]};
+                mma16816(acc[2 * nj], a, bb0);
+                mma16816(acc[2 * nj + 1], a, bb1);
+            }
+        }
+    }
+    __syncthreads();  // every warp is done with x: its memory takes the partial sums
+    {
+        float* pw = part + (warp * 16 + (lane >> 2)) * R + 2 * (lane & 3);
+#pragma unroll
+        for (int n = 0; n < R / 8; ++n) {
+            *reinterpret_cast<float2*>(pw + n * 8) = make_float2(acc[n][0], acc[n][1]);
+            *reinterpret_cast<float2*>(pw + 8 * R + n * 8) = make_float2(acc[n][2], acc[n][3]);
+        }
+    }
+    cluster_arrive_release();  // publishes the partials to the cluster
+    cluster_wait();
+    // This block's tokens: r, r + RS, ... of the tile; the RS partials summed in rank order.
+    const int ntok = (RP_BM - (int)rank + RS - 1) / RS;
+    const unsigned part_base = (unsigned)__cvta_generic_to_shared(part);
+    for (int p = tid; p < ntok * R; p += RP_THREADS) {
+        const int i = p / R, j = p % R, t = (int)rank + RS * i;
+        const unsigned off = part_base + (unsigned)((t * R + j) * 4);
+        float s = 0.f;
+        for (int q = 0; q < RS; ++q) {
+            unsigned remote;
+            float v;
+            asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(off), "r"(q));
+            asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+            s += v;
+        }
+        const T hv = ft(s + tf(b1[j]));
+        hs[i * R + j] = tf(hv);
+        if (h1 != nullptr && m0 + t < M) h1[(long long)(m0 + t) * R + j] = hv;
+    }
+    cluster_arrive_relaxed();  // done reading the other blocks' partials
+    __syncthreads();
+    const int NE = NG + EXTRA;
+    for (int p = tid; p < ntok * NE; p += RP_THREADS) {
+        const int i = p / NE, g = p % NE;
+        const long long m = m0 + (int)rank + RS * i;
+        if (m >= M) continue;
+        unsigned char on = 1;
+        if (g < NG) {
+            on = w2_shared ? gate_one<true>(hs + i * R, w2s, b2s, offset, R, g) : gate_one(hs + i * R, w2, b2, offset, R, g);
+            mask[m * NG + g] = on;
+        }
+        if (ext != nullptr) ext[m * NE + g] = on;
+    }
+    cluster_wait();  // no block leaves while another may still read its partials
+#endif
+}
+#define ROUTER_PREFILL(R)                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(RP_THREADS, 1) router_prefill_##R(                                             \
+        const T* __restrict__ x, const T* __restrict__ w1, const T* __restrict__ b1, const T* __restrict__ w2,                  \
+        const T* __restrict__ b2, float offset, unsigned char* __restrict__ mask, unsigned char* __restrict__ ext,              \
+        T* __restrict__ h1, int M, int H, int NG, int EXTRA, int w2_shared) {                                                  \
+        router_prefill_body<R>(x, w1, b1, w2, b2, offset, mask, ext, h1, M, H, NG, EXTRA, w2_shared);                          \
+    }
+ROUTER_PREFILL(16)
+ROUTER_PREFILL(32)
+ROUTER_PREFILL(64)

@@ -11,11 +11,44 @@ __device__ __forceinline__ T ft(float v) { return __float2bfloat16_rn(v); }
 // Round to storage precision and back (what a tch op in the storage dtype does).
 __device__ __forceinline__ float rt(float v) { return tf(ft(v)); }
 
-// Second router layer and deterministic gate of token m on its first layer's output hs[R]
-// (f32 values of the stored h1): logits = h W2^T + b2 viewed [NG, 2] = (execute, skip); group g
-// runs iff skip - execute + offset <= 0. Writes mask u8 [M, NG] and, when ext != null, ext
-// [M, NG + EXTRA] with the EXTRA trailing groups on. Threads of the block share the groups.
-// With SH, w2 and b2 are copies in shared memory (plain loads) instead of global memory (__ldg).
+// Second router layer and deterministic gate of one token for group g < NG, on its first
+// layer's output hs[R] (f32 values of the stored h1): logits = h W2^T + b2 viewed [NG, 2] =
+// (execute, skip); the group runs iff skip - execute + offset <= 0. With SH, w2 and b2 are
+// copies in shared memory (plain loads) instead of global memory (__ldg).
+template <bool SH = false>
+__device__ __forceinline__ unsigned char gate_one(const float* hs, const T* __restrict__ w2, const T* __restrict__ b2, float offset, int R, int g) {
+    float e = 0.f, s = 0.f;
+    const T* we = w2 + (long long)(2 * g) * R;
+    const T* wsk = we + R;
+    if ((R & 7) == 0) {
+        // 16-byte loads (the two rows are contiguous), a few in flight; the same sequential
+        // accumulation order as the scalar loop.
+#pragma unroll 4
+        for (int c = 0; c < R; c += 8) {
+            const uint4 ev = SH ? *reinterpret_cast<const uint4*>(we + c) : __ldg(reinterpret_cast<const uint4*>(we + c));
+            const uint4 sv = SH ? *reinterpret_cast<const uint4*>(wsk + c) : __ldg(reinterpret_cast<const uint4*>(wsk + c));
+            const T* ee = reinterpret_cast<const T*>(&ev);
+            const T* ss = reinterpret_cast<const T*>(&sv);
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                e = fmaf(tf(ee[u]), hs[c + u], e);
+                s = fmaf(tf(ss[u]), hs[c + u], s);
+            }
+        }
+    } else {
+        for (int r = 0; r < R; ++r) {
+            e = fmaf(tf(we[r]), hs[r], e);
+            s = fmaf(tf(wsk[r]), hs[r], s);
+        }
+    }
+    e = rt(rt(e) + tf(b2[2 * g]));
+    s = rt(rt(s) + tf(b2[2 * g + 1]));
+    return (s - e + offset) <= 0.f;
+}
+
+// The gate of token m (gate_one for every group): writes mask u8 [M, NG] and, when ext !=
+// null, ext [M, NG + EXTRA] with the EXTRA trailing groups on. Threads of the block share the
+// groups.
 template <bool SH = false>
 __device__ __forceinline__ void gate_row(const float* hs, const T* __restrict__ w2, const T* __restrict__ b2, float offset,
                                          unsigned char* __restrict__ mask, unsigned char* __restrict__ ext, int R, int NG,
@@ -23,33 +56,7 @@ __device__ __forceinline__ void gate_row(const float* hs, const T* __restrict__ 
     for (int g = threadIdx.x; g < NG + EXTRA; g += blockDim.x) {
         unsigned char on = 1;
         if (g < NG) {
-            float e = 0.f, s = 0.f;
-            const T* we = w2 + (long long)(2 * g) * R;
-            const T* wsk = we + R;
-            if ((R & 7) == 0) {
-                // 16-byte loads (the two rows are contiguous), a few in flight; the same
-                // sequential accumulation order as the scalar loop.
-#pragma unroll 4
-                for (int c = 0; c < R; c += 8) {
-                    const uint4 ev = SH ? *reinterpret_cast<const uint4*>(we + c) : __ldg(reinterpret_cast<const uint4*>(we + c));
-                    const uint4 sv = SH ? *reinterpret_cast<const uint4*>(wsk + c) : __ldg(reinterpret_cast<const uint4*>(wsk + c));
-                    const T* ee = reinterpret_cast<const T*>(&ev);
-                    const T* ss = reinterpret_cast<const T*>(&sv);
-#pragma unroll
-                    for (int u = 0; u < 8; ++u) {
-                        e = fmaf(tf(ee[u]), hs[c + u], e);
-                        s = fmaf(tf(ss[u]), hs[c + u], s);
-                    }
-                }
-            } else {
-                for (int r = 0; r < R; ++r) {
-                    e = fmaf(tf(we[r]), hs[r], e);
-                    s = fmaf(tf(wsk[r]), hs[r], s);
-                }
-            }
-            e = rt(rt(e) + tf(b2[2 * g]));
-            s = rt(rt(s) + tf(b2[2 * g + 1]));
-            on = (s - e + offset) <= 0.f;
+            on = gate_one<SH>(hs, w2, b2, offset, R, g);
             mask[m * NG + g] = on;
         }
         if (ext != nullptr) ext[m * (NG + EXTRA) + g] = on;
