@@ -500,8 +500,8 @@ fn router_prefill_enabled(device: usize) -> Result<bool> {
 }
 
 /// The whole router of `x: [M, hidden]` in one launch on a Hopper GPU (`router_prefill_R` in
-/// infer.cu: clusters of hidden / 512 blocks split the first layer's k, so x is read once and W1
-/// once a 128-token tile; the same cluster sums the partials in a fixed order, rounds the hidden
+/// infer.cu: clusters of hidden / 512 blocks split the first layer's k, their operands loaded by
+/// TMA, so x is read once and W1 once a 128-token tile; the same cluster sums the partials in a fixed order, rounds the hidden
 /// like the unfused first layer and gates): the mask, the extended mask (with `extra > 0`) and,
 /// with `want_hidden`, the rounded first layer `[M, rank]`. None where it does not apply (not
 /// CUDA bf16/f16, compute capability below 9.0, hidden not a multiple of 512 or above 4096, rank
@@ -529,9 +529,13 @@ pub fn router_prefill(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64, wa
         return Ok(None);
     }
     let x = x.contiguous();
+    if x.data_ptr() as usize % 16 != 0 {
+        return Ok(None);
+    }
     let elt = x.kind().elt_size_in_bytes() as i64;
-    // x tile and W1 slice (padded rows); the gate's weights beside them when they fit.
-    let base = (ROUTER_PREFILL_BM + rank) * (ROUTER_PREFILL_KB + 8) * elt;
+    // x chunks and W1 chunks (128-byte rows, 1024-aligned: +1 KiB slack); the gate's weights
+    // beside them when they fit.
+    let base = (ROUTER_PREFILL_BM + rank) * ROUTER_PREFILL_KB * elt + 1024;
     let gate_bytes = (2 * ng * rank + 2 * ng) * elt;
     let w2_shared = base + gate_bytes <= MAX_DYNAMIC_SMEM;
     let smem = (base + if w2_shared { gate_bytes } else { 0 }) as u32;
@@ -551,9 +555,10 @@ pub fn router_prefill(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64, wa
             None => KernelArg::Ptr(0),
         })
     };
+    let w1 = r.w1.contiguous();
     let args = [
-        KernelArg::tensor(&x)?,
-        KernelArg::tensor(&r.w1.contiguous())?,
+        crate::cuda::tensor_map_2d(&x, f16, ROUTER_PREFILL_BM as u32, 64)?,
+        crate::cuda::tensor_map_2d(&w1, f16, rank as u32, 64)?,
         KernelArg::tensor(&r.b1.contiguous())?,
         KernelArg::tensor(&r.w2.contiguous())?,
         KernelArg::tensor(&r.b2.contiguous())?,
@@ -562,7 +567,6 @@ pub fn router_prefill(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64, wa
         opt(&ext)?,
         opt(&hidden)?,
         KernelArg::I32(m as i32),
-        KernelArg::I32(h as i32),
         KernelArg::I32(ng as i32),
         KernelArg::I32(extra as i32),
         KernelArg::I32(w2_shared as i32),

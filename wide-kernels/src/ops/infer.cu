@@ -494,92 +494,111 @@ extern "C" __global__ void __launch_bounds__(128) router_gate(const T* __restric
 // The whole router of a prefill (first layer x W1^T + b1 rounded to storage, then gate_one) in
 // one launch. Grid (RS, ceil(M / 128)), clusters of the RS blocks of a token tile (RS = H / 512,
 // 1..8): block (r, t) multiplies the tile's 128 rows of x with W1 over k in [512 r, 512 r + 512)
-// on mma.sync. All its loads are issued up front (W1's slice before the programmatic-launch wait,
-// the weights being settled; x's after it in 8 cp.async groups of 64 k, computed as they land:
-// about 160 KB in flight a multiprocessor), so each x byte is read once and W1 once a token
-// tile. Each block leaves its f32 partial [128 x R] in shared memory; after a cluster barrier
-// block r sums the RS partials of the tokens r, r + RS, ... of the tile in rank order (a fixed
-// order), adds b1, rounds, and gates them. h1 (optional) receives the rounded first layer.
-// The cuBLAS path it replaces is a split-K GEMM, its reduction and the gate kernel: three
-// launches and the hidden's round trip.
+// on mma.sync. One thread requests all of the block's operands up front with the tensor copy
+// engine (TMA, 128-byte swizzle; W1's slice before the programmatic-launch wait, the weights
+// being settled, x's after it), 8 chunks of 64 k each completing on its own mbarrier, and the
+// warps compute each chunk as it lands: each x byte is read once and W1 once a token tile, with
+// ~160 KB in flight a multiprocessor (16-byte cp.async copies held it to ~8 GB/s a
+// multiprocessor). Each block leaves its f32 partial [128 x R] in shared memory; after a
+// cluster barrier block r sums the RS partials of the tile's tokens r, r + RS, ... in rank order
+// (a fixed order), adds b1, rounds, and gates them. h1 (optional) receives the rounded first
+// layer. The cuBLAS path it replaces is a split-K GEMM, its reduction and the gate kernel.
 #define RP_BM 128
 #define RP_KB 512
 #define RP_CH 64
 #define RP_NCH (RP_KB / RP_CH)
-#define RP_LDS (RP_KB + 8)  // padded shared row (1040 bytes): ldmatrix rows land in distinct banks
 #define RP_THREADS 256
-__device__ __forceinline__ void cp_wait_le(int n) {
-    // cp.async.wait_group takes an immediate.
-    switch (n) {
-        case 0: cp_wait<0>(); break;
-        case 1: cp_wait<1>(); break;
-        case 2: cp_wait<2>(); break;
-        case 3: cp_wait<3>(); break;
-        case 4: cp_wait<4>(); break;
-        case 5: cp_wait<5>(); break;
-        case 6: cp_wait<6>(); break;
-        default: cp_wait<7>(); break;
-    }
+struct __align__(128) RpMap {
+    unsigned long long v[16];
+};
+__device__ __forceinline__ void rp_mbar_init(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void rp_expect_tx(unsigned bar, unsigned bytes) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void rp_mbar_wait(unsigned bar, unsigned parity) {
+    asm volatile(
+        "{\n.reg .pred p;\nRP_WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        "@!p bra RP_WAIT;\n}" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+// Box {64 k, rows} at (k0, row0) of a 2-D tensor map, 128B-swizzled at dst, completing on bar.
+__device__ __forceinline__ void rp_tma(unsigned dst, const RpMap* map, int k0, int row0, unsigned bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
+                 "l"(reinterpret_cast<unsigned long long>(map)), "r"(k0), "r"(row0), "r"(bar)
+                 : "memory");
+}
+__device__ __forceinline__ void ldsm_x4_at(unsigned* r, unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 template <int R>
-__device__ __forceinline__ void router_prefill_body(const T* __restrict__ x, const T* __restrict__ w1, const T* __restrict__ b1,
+__device__ __forceinline__ void router_prefill_body(const RpMap* map_x, const RpMap* map_w, const T* __restrict__ b1,
                                                     const T* __restrict__ w2, const T* __restrict__ b2, float offset,
                                                     unsigned char* __restrict__ mask, unsigned char* __restrict__ ext, T* __restrict__ h1,
-                                                    int M, int H, int NG, int EXTRA, int w2_shared) {
+                                                    int M, int NG, int EXTRA, int w2_shared) {
 #if __CUDA_ARCH__ >= 900
     extern __shared__ __align__(16) unsigned char rp_smem[];
-    T* xs = reinterpret_cast<T*>(rp_smem);  // [RP_BM][RP_LDS]; after the product: part, then hs
-    T* ws = xs + RP_BM * RP_LDS;            // [R][RP_LDS]
-    T* w2s = ws + R * RP_LDS;               // w2_shared: [2 NG][R], then b2 [2 NG]
+    __shared__ __align__(8) unsigned long long bar[RP_NCH];
+    // Chunks start 1024-aligned (the swizzle pattern follows absolute address bits); the launch
+    // asks for 1024 bytes of slack.
+    const unsigned raw = smem_u32(rp_smem);
+    const unsigned base = (raw + 1023u) & ~1023u;
+    unsigned char* gbase = rp_smem + (base - raw);
+    const unsigned xs = base;                         // RP_NCH x [128 rows x 128 bytes]
+    const unsigned ws = base + RP_NCH * RP_BM * 128;  // RP_NCH x [R rows x 128 bytes]
+    T* w2s = reinterpret_cast<T*>(gbase + RP_NCH * (RP_BM + R) * 128);  // w2_shared: [2 NG][R], b2 [2 NG]
     T* b2s = w2s + 2 * NG * R;
-    float* part = reinterpret_cast<float*>(rp_smem);  // [RP_BM][R]
-    float* hs = part + RP_BM * R;                     // [tokens of this block][R]
+    float* part = reinterpret_cast<float*>(gbase);  // after the product: [RP_BM][R], then hs
+    float* hs = part + RP_BM * R;
     unsigned rank;
     asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
     const int RS = gridDim.x;
     const int m0 = blockIdx.y * RP_BM, k0 = (int)rank * RP_KB;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    // Settled weights first: W1's slice (one cp.async group) and the gate's.
-    for (int c = tid; c < R * (RP_KB / 8); c += RP_THREADS) {
-        const int r = c / (RP_KB / 8), j = c % (RP_KB / 8);
-        cp_async16(ws + r * RP_LDS + j * 8, w1 + (long long)r * H + k0 + j * 8, true);
+    if (tid == 0) {
+        for (int ch = 0; ch < RP_NCH; ++ch) rp_mbar_init(smem_u32(&bar[ch]), 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
-    cp_commit();
+    __syncthreads();
+    // Settled weights first: W1's slice by TMA, the gate's into shared memory.
+    if (tid == 0)
+        for (int ch = 0; ch < RP_NCH; ++ch) {
+            rp_expect_tx(smem_u32(&bar[ch]), (RP_BM + R) * 128);
+            rp_tma(ws + ch * R * 128, map_w, k0 + ch * RP_CH, 0, smem_u32(&bar[ch]));
+        }
     if (w2_shared) {
         for (int c = tid; c < NG * R / 4; c += RP_THREADS) reinterpret_cast<uint4*>(w2s)[c] = __ldg(reinterpret_cast<const uint4*>(w2) + c);
         for (int i = tid; i < 2 * NG; i += RP_THREADS) b2s[i] = b2[i];
     }
     pdl_wait();
     pdl_trigger();
-    // x: RP_NCH groups of 64 k; rows past M zero-filled (from a valid address).
-#pragma unroll
-    for (int ch = 0; ch < RP_NCH; ++ch) {
-        for (int c = tid; c < RP_BM * (RP_CH / 8); c += RP_THREADS) {
-            const int r = c / (RP_CH / 8), j = c % (RP_CH / 8);
-            const bool v = m0 + r < M;
-            cp_async16(xs + r * RP_LDS + ch * RP_CH + j * 8, x + (long long)(v ? m0 + r : 0) * H + k0 + ch * RP_CH + j * 8, v);
-        }
-        cp_commit();
-    }
+    // x: rows past M are zero-filled by the copy engine (and still counted in the bytes).
+    if (tid == 0)
+        for (int ch = 0; ch < RP_NCH; ++ch) rp_tma(xs + ch * RP_BM * 128, map_x, k0 + ch * RP_CH, m0, smem_u32(&bar[ch]));
     // Warp w: tokens [16 w, 16 w + 16) of the tile, all R outputs (R / 8 tiles of m16n8k16).
+    // 16-byte chunk c of row r of a 128-byte-swizzled block sits at chunk c ^ (r % 8).
     float acc[R / 8][4];
 #pragma unroll
     for (int n = 0; n < R / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
-    const T* xa = xs + (warp * 16 + (lane & 15)) * RP_LDS + ((lane >> 4) << 3);
-    const T* wb = ws + ((lane & 7) + ((lane >> 4) << 3)) * RP_LDS + (((lane >> 3) & 1) << 3);
+    const int ar = warp * 16 + (lane & 15), ac = lane >> 4;
+    const int br = (lane & 7) + ((lane >> 4) << 3), bc = (lane >> 3) & 1;
 #pragma unroll 1
     for (int ch = 0; ch < RP_NCH; ++ch) {
-        cp_wait_le(RP_NCH - 1 - ch);  // this thread's copies of chunk ch (and W1) have landed
-        __syncthreads();              // and every thread's
+        rp_mbar_wait(smem_u32(&bar[ch]), 0);
+        const unsigned xa = xs + ch * RP_BM * 128 + ar * 128;
+        const unsigned wb = ws + ch * R * 128;
 #pragma unroll
         for (int kk = 0; kk < RP_CH / 16; ++kk) {
-            const int k = ch * RP_CH + kk * 16;
             unsigned a[4];
-            ldsm_x4(a, xa + k);
+            ldsm_x4_at(a, xa + (((2 * kk + ac) ^ (ar & 7)) << 4));
 #pragma unroll
             for (int nj = 0; nj < R / 16; ++nj) {
+                const int row = nj * 16 + br;
                 unsigned r4[4];
-                ldsm_x4(r4, wb + nj * 16 * RP_LDS + k);
+                ldsm_x4_at(r4, wb + row * 128 + (((2 * kk + bc) ^ (row & 7)) << 4));
                 const unsigned bb0[2] = {r4[0], r4[1]}, bb1[2] = {r4[2], r4[3]};
                 mma16816(acc[2 * nj], a, bb0);
                 mma16816(acc[2 * nj + 1], a, bb1);
@@ -597,20 +616,27 @@ __device__ __forceinline__ void router_prefill_body(const T* __restrict__ x, con
     }
     cluster_arrive_release();  // publishes the partials to the cluster
     cluster_wait();
-    // This block's tokens: r, r + RS, ... of the tile; the RS partials summed in rank order.
+    // This block's tokens: r, r + RS, ... of the tile; the RS partials summed in rank order
+    // (all RS loads issued before the first add).
     const int ntok = (RP_BM - (int)rank + RS - 1) / RS;
-    const unsigned part_base = (unsigned)__cvta_generic_to_shared(part);
+    const unsigned part_base = smem_u32(part);
     for (int p = tid; p < ntok * R; p += RP_THREADS) {
         const int i = p / R, j = p % R, t = (int)rank + RS * i;
         const unsigned off = part_base + (unsigned)((t * R + j) * 4);
-        float s = 0.f;
-        for (int q = 0; q < RS; ++q) {
-            unsigned remote;
-            float v;
-            asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(off), "r"(q));
-            asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-            s += v;
+        float v[8];
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+            v[q] = 0.f;
+            if (q < RS) {
+                unsigned remote;
+                asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(off), "r"(q));
+                asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v[q]) : "r"(remote));
+            }
         }
+        float s = 0.f;
+#pragma unroll
+        for (int q = 0; q < 8; ++q)
+            if (q < RS) s += v[q];
         const T hv = ft(s + tf(b1[j]));
         hs[i * R + j] = tf(hv);
         if (h1 != nullptr && m0 + t < M) h1[(long long)(m0 + t) * R + j] = hv;
@@ -634,10 +660,10 @@ __device__ __forceinline__ void router_prefill_body(const T* __restrict__ x, con
 }
 #define ROUTER_PREFILL(R)                                                                                                       \
     extern "C" __global__ void __launch_bounds__(RP_THREADS, 1) router_prefill_##R(                                             \
-        const T* __restrict__ x, const T* __restrict__ w1, const T* __restrict__ b1, const T* __restrict__ w2,                  \
-        const T* __restrict__ b2, float offset, unsigned char* __restrict__ mask, unsigned char* __restrict__ ext,              \
-        T* __restrict__ h1, int M, int H, int NG, int EXTRA, int w2_shared) {                                                  \
-        router_prefill_body<R>(x, w1, b1, w2, b2, offset, mask, ext, h1, M, H, NG, EXTRA, w2_shared);                          \
+        const __grid_constant__ RpMap map_x, const __grid_constant__ RpMap map_w, const T* __restrict__ b1,                    \
+        const T* __restrict__ w2, const T* __restrict__ b2, float offset, unsigned char* __restrict__ mask,                     \
+        unsigned char* __restrict__ ext, T* __restrict__ h1, int M, int NG, int EXTRA, int w2_shared) {                         \
+        router_prefill_body<R>(&map_x, &map_w, b1, w2, b2, offset, mask, ext, h1, M, NG, EXTRA, w2_shared);                     \
     }
 ROUTER_PREFILL(16)
 ROUTER_PREFILL(32)
