@@ -486,8 +486,9 @@ pub fn router_gate(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64) -> Re
 /// `RP_KB` in infer.cu).
 const ROUTER_PREFILL_BM: i64 = 128;
 const ROUTER_PREFILL_KB: i64 = 512;
-/// Shared memory a block may use (227 KiB on compute capability 9.0).
-const MAX_DYNAMIC_SMEM: i64 = 227 * 1024;
+/// Dynamic shared memory a block may use (227 KiB on compute capability 9.0, less the router
+/// kernel's static barriers and the system's reservation, rounded down).
+const MAX_DYNAMIC_SMEM: i64 = 225 * 1024;
 
 /// Whether [`router_prefill`] may run its kernel (the default on compute capability 9.0+), unless
 /// `WIDE_ROUTER_PREFILL=0` (read once) keeps cuBLAS's first layer + the gate kernel, for A/B runs.
@@ -543,10 +544,17 @@ pub fn router_prefill(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64, wa
     let ext = (extra > 0).then(|| Tensor::empty([m, ng + extra], (Kind::Bool, x.device())));
     let hidden = want_hidden.then(|| Tensor::empty([m, rank], (x.kind(), x.device())));
     let k = kernel(f16, entry, dev)?;
-    // The shared-memory limit raised once per loaded entry (a driver call each time otherwise).
-    static RAISED: OnceLock<Mutex<std::collections::HashSet<(bool, &'static str, usize)>>> = OnceLock::new();
-    if RAISED.get_or_init(Default::default).lock().unwrap().insert((f16, entry, dev)) {
-        k.set_max_dynamic_shared_mem(MAX_DYNAMIC_SMEM as u32)?;
+    // The shared-memory limit raised only when a launch needs more than the entry's last one (a
+    // driver call each time otherwise); the limit counts the kernel's static shared memory too,
+    // so it is the launch's own size, not the device maximum.
+    static RAISED: OnceLock<Mutex<HashMap<(bool, &'static str, usize), u32>>> = OnceLock::new();
+    {
+        let mut raised = RAISED.get_or_init(Default::default).lock().unwrap();
+        let have = raised.entry((f16, entry, dev)).or_insert(0);
+        if smem > *have {
+            k.set_max_dynamic_shared_mem(smem)?;
+            *have = smem;
+        }
     }
     let cfg = LaunchConfig { grid: (rs as u32, ((m + ROUTER_PREFILL_BM - 1) / ROUTER_PREFILL_BM) as u32, 1), block: (256, 1, 1), shared_mem_bytes: smem };
     let opt = |t: &Option<Tensor>| -> Result<KernelArg> {
