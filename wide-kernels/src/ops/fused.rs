@@ -483,12 +483,14 @@ pub fn router_gate(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64) -> Re
 }
 
 /// Token rows of a clustered router tile and the k one of its blocks multiplies (`RP_BM`,
-/// `RP_KB` in infer.cu).
-const ROUTER_PREFILL_BM: i64 = 128;
+/// `RP_KB` in infer.cu; a block has RP_BM * 2 threads).
+const ROUTER_PREFILL_BM: i64 = 64;
 const ROUTER_PREFILL_KB: i64 = 512;
 /// Dynamic shared memory a block may use (227 KiB on compute capability 9.0, less the router
 /// kernel's static barriers and the system's reservation, rounded down).
 const MAX_DYNAMIC_SMEM: i64 = 225 * 1024;
+/// Dynamic shared memory under which two blocks fit a multiprocessor.
+const TWO_BLOCKS_SMEM: i64 = 112 * 1024;
 
 /// Whether [`router_prefill`] may run its kernel (the default on compute capability 9.0+), unless
 /// `WIDE_ROUTER_PREFILL=0` (read once) keeps cuBLAS's first layer + the gate kernel, for A/B runs.
@@ -502,7 +504,7 @@ fn router_prefill_enabled(device: usize) -> Result<bool> {
 
 /// The whole router of `x: [M, hidden]` in one launch on a Hopper GPU (`router_prefill_R` in
 /// infer.cu: clusters of hidden / 512 blocks split the first layer's k, their operands loaded by
-/// TMA, so x is read once and W1 once a 128-token tile; the same cluster sums the partials in a fixed order, rounds the hidden
+/// TMA, so x is read once and W1 once a 64-token tile; the same cluster sums the partials in a fixed order, rounds the hidden
 /// like the unfused first layer and gates): the mask, the extended mask (with `extra > 0`) and,
 /// with `want_hidden`, the rounded first layer `[M, rank]`. None where it does not apply (not
 /// CUDA bf16/f16, compute capability below 9.0, hidden not a multiple of 512 or above 4096, rank
@@ -538,7 +540,10 @@ pub fn router_prefill(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64, wa
     // beside them when they fit.
     let base = (ROUTER_PREFILL_BM + rank) * ROUTER_PREFILL_KB * elt + 1024;
     let gate_bytes = (2 * ng * rank + 2 * ng) * elt;
-    let w2_shared = base + gate_bytes <= MAX_DYNAMIC_SMEM;
+    // The gate's weights in shared memory only where that keeps as many blocks a multiprocessor
+    // (two, each under half of its 228 KiB less the per-block reservations).
+    let cap = if base <= TWO_BLOCKS_SMEM { TWO_BLOCKS_SMEM } else { MAX_DYNAMIC_SMEM };
+    let w2_shared = base + gate_bytes <= cap;
     let smem = (base + if w2_shared { gate_bytes } else { 0 }) as u32;
     let mask = Tensor::empty([m, ng], (Kind::Bool, x.device()));
     let ext = (extra > 0).then(|| Tensor::empty([m, ng + extra], (Kind::Bool, x.device())));
@@ -556,7 +561,7 @@ pub fn router_prefill(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64, wa
             *have = smem;
         }
     }
-    let cfg = LaunchConfig { grid: (rs as u32, ((m + ROUTER_PREFILL_BM - 1) / ROUTER_PREFILL_BM) as u32, 1), block: (256, 1, 1), shared_mem_bytes: smem };
+    let cfg = LaunchConfig { grid: (rs as u32, ((m + ROUTER_PREFILL_BM - 1) / ROUTER_PREFILL_BM) as u32, 1), block: (2 * ROUTER_PREFILL_BM as u32, 1, 1), shared_mem_bytes: smem };
     let opt = |t: &Option<Tensor>| -> Result<KernelArg> {
         Ok(match t {
             Some(t) => KernelArg::tensor(t)?,

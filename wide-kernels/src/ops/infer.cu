@@ -492,22 +492,24 @@ extern "C" __global__ void __launch_bounds__(128) router_gate(const T* __restric
 
 
 // The whole router of a prefill (first layer x W1^T + b1 rounded to storage, then gate_one) in
-// one launch. Grid (RS, ceil(M / 128)), clusters of the RS blocks of a token tile (RS = H / 512,
-// 1..8): block (r, t) multiplies the tile's 128 rows of x with W1 over k in [512 r, 512 r + 512)
-// on mma.sync. One thread requests all of the block's operands up front with the tensor copy
+// one launch. Grid (RS, ceil(M / 64)), clusters of the RS blocks of a token tile (RS = H / 512,
+// 1..8): block (r, t) multiplies the tile's 64 rows of x with W1 over k in [512 r, 512 r + 512)
+// on mma.sync, one warp a 16-token row of the tile. One thread requests all of the block's operands up front with the tensor copy
 // engine (TMA, 128-byte swizzle; W1's slice before the programmatic-launch wait, the weights
 // being settled, x's after it), 8 chunks of 64 k each completing on its own mbarrier, and the
 // warps compute each chunk as it lands: each x byte is read once and W1 once a token tile, with
-// ~160 KB in flight a multiprocessor (16-byte cp.async copies held it to ~8 GB/s a
-// multiprocessor). Each block leaves its f32 partial [128 x R] in shared memory; after a
+// ~190 KB in flight a multiprocessor. Two blocks fit a multiprocessor (~112 KB of shared memory
+// each at rank 32): with 128-token tiles (180 KB) at most 15 clusters of 8 ran at once, so a
+// 2048-token router (16 clusters) took two waves. Each block leaves its f32 partial [64 x R]
+// in shared memory; after a
 // cluster barrier block r sums the RS partials of the tile's tokens r, r + RS, ... in rank order
 // (a fixed order), adds b1, rounds, and gates them. h1 (optional) receives the rounded first
 // layer. The cuBLAS path it replaces is a split-K GEMM, its reduction and the gate kernel.
-#define RP_BM 128
+#define RP_BM 64
 #define RP_KB 512
 #define RP_CH 64
 #define RP_NCH (RP_KB / RP_CH)
-#define RP_THREADS 256
+#define RP_THREADS (RP_BM * 2)  // one warp a 16-token row
 struct __align__(128) RpMap {
     unsigned long long v[16];
 };
@@ -547,7 +549,7 @@ __device__ __forceinline__ void router_prefill_body(const RpMap* map_x, const Rp
     const unsigned raw = smem_u32(rp_smem);
     const unsigned base = (raw + 1023u) & ~1023u;
     unsigned char* gbase = rp_smem + (base - raw);
-    const unsigned xs = base;                         // RP_NCH x [128 rows x 128 bytes]
+    const unsigned xs = base;                         // RP_NCH x [RP_BM rows x 128 bytes]
     const unsigned ws = base + RP_NCH * RP_BM * 128;  // RP_NCH x [R rows x 128 bytes]
     T* w2s = reinterpret_cast<T*>(gbase + RP_NCH * (RP_BM + R) * 128);  // w2_shared: [2 NG][R], b2 [2 NG]
     T* b2s = w2s + 2 * NG * R;
@@ -659,7 +661,7 @@ __device__ __forceinline__ void router_prefill_body(const RpMap* map_x, const Rp
 #endif
 }
 #define ROUTER_PREFILL(R)                                                                                                       \
-    extern "C" __global__ void __launch_bounds__(RP_THREADS, 1) router_prefill_##R(                                             \
+    extern "C" __global__ void __launch_bounds__(RP_THREADS, 2) router_prefill_##R(                                             \
         const __grid_constant__ RpMap map_x, const __grid_constant__ RpMap map_w, const T* __restrict__ b1,                    \
         const T* __restrict__ w2, const T* __restrict__ b2, float offset, unsigned char* __restrict__ mask,                     \
         unsigned char* __restrict__ ext, T* __restrict__ h1, int M, int NG, int EXTRA, int w2_shared) {                         \
