@@ -484,7 +484,9 @@ pub fn router_gate(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64) -> Re
 
 /// Token rows of a clustered router tile and the k one of its blocks multiplies (`RP_BM`,
 /// `RP_KB` in infer.cu; a block has RP_BM * 2 threads).
-const ROUTER_PREFILL_BM: i64 = 64;
+const ROUTER_PREFILL_BM: i64 = 128;
+/// x chunks of 64 k a block holds at once (`RP_STAGES`).
+const ROUTER_PREFILL_STAGES: i64 = 3;
 const ROUTER_PREFILL_KB: i64 = 512;
 /// Dynamic shared memory a block may use (227 KiB on compute capability 9.0, less the router
 /// kernel's static barriers and the system's reservation, rounded down).
@@ -504,7 +506,7 @@ fn router_prefill_enabled(device: usize) -> Result<bool> {
 
 /// The whole router of `x: [M, hidden]` in one launch on a Hopper GPU (`router_prefill_R` in
 /// infer.cu: clusters of hidden / 512 blocks split the first layer's k, their operands loaded by
-/// TMA, so x is read once and W1 once a 64-token tile; the same cluster sums the partials in a fixed order, rounds the hidden
+/// TMA, so x is read once and W1 once a 128-token tile; the same cluster sums the partials in a fixed order, rounds the hidden
 /// like the unfused first layer and gates): the mask, the extended mask (with `extra > 0`) and,
 /// with `want_hidden`, the rounded first layer `[M, rank]`. None where it does not apply (not
 /// CUDA bf16/f16, compute capability below 9.0, hidden not a multiple of 512 or above 4096, rank
@@ -536,14 +538,14 @@ pub fn router_prefill(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64, wa
         return Ok(None);
     }
     let elt = x.kind().elt_size_in_bytes() as i64;
-    // x chunks and W1 chunks (128-byte rows, 1024-aligned: +1 KiB slack); the gate's weights
-    // beside them when they fit.
-    let base = (ROUTER_PREFILL_BM + rank) * ROUTER_PREFILL_KB * elt + 1024;
-    let gate_bytes = (2 * ng * rank + 2 * ng) * elt;
-    // The gate's weights in shared memory only where that keeps as many blocks a multiprocessor
-    // (two, each under half of its 228 KiB less the per-block reservations).
+    // The x ring and W1's chunks (128-byte rows, 1024-aligned: +1 KiB slack); the gate's
+    // weights beside them (each group's pair of rows padded by 16 bytes) where that keeps two
+    // blocks a multiprocessor.
+    let base = (ROUTER_PREFILL_STAGES * ROUTER_PREFILL_BM + rank * ROUTER_PREFILL_KB / 64) * 128 + 1024;
+    let gate_bytes = ng * (2 * rank + 8) * elt + 2 * ng * elt + 16;
     let cap = if base <= TWO_BLOCKS_SMEM { TWO_BLOCKS_SMEM } else { MAX_DYNAMIC_SMEM };
-    let w2_shared = base + gate_bytes <= cap;
+    let aligned = |t: &Tensor| t.data_ptr() as usize % 16 == 0;
+    let w2_shared = base + gate_bytes <= cap && rank % 8 == 0 && aligned(r.w2) && aligned(r.b2);
     let smem = (base + if w2_shared { gate_bytes } else { 0 }) as u32;
     let mask = Tensor::empty([m, ng], (Kind::Bool, x.device()));
     let ext = (extra > 0).then(|| Tensor::empty([m, ng + extra], (Kind::Bool, x.device())));

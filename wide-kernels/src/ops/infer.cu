@@ -492,23 +492,28 @@ extern "C" __global__ void __launch_bounds__(128) router_gate(const T* __restric
 
 
 // The whole router of a prefill (first layer x W1^T + b1 rounded to storage, then gate_one) in
-// one launch. Grid (RS, ceil(M / 64)), clusters of the RS blocks of a token tile (RS = H / 512,
-// 1..8): block (r, t) multiplies the tile's 64 rows of x with W1 over k in [512 r, 512 r + 512)
-// on mma.sync, one warp a 16-token row of the tile. One thread requests all of the block's operands up front with the tensor copy
-// engine (TMA, 128-byte swizzle; W1's slice before the programmatic-launch wait, the weights
-// being settled, x's after it), 8 chunks of 64 k each completing on its own mbarrier, and the
-// warps compute each chunk as it lands: each x byte is read once and W1 once a token tile, with
-// ~190 KB in flight a multiprocessor. Two blocks fit a multiprocessor (~112 KB of shared memory
-// each at rank 32): with 128-token tiles (180 KB) at most 15 clusters of 8 ran at once, so a
-// 2048-token router (16 clusters) took two waves. Each block leaves its f32 partial [64 x R]
-// in shared memory; after a
-// cluster barrier block r sums the RS partials of the tile's tokens r, r + RS, ... in rank order
-// (a fixed order), adds b1, rounds, and gates them. h1 (optional) receives the rounded first
-// layer. The cuBLAS path it replaces is a split-K GEMM, its reduction and the gate kernel.
-#define RP_BM 64
+// one launch. Grid (RS, ceil(M / 128)), clusters of the RS blocks of a token tile (RS = H / 512,
+// 1..8): block (r, t) multiplies the tile's 128 rows of x with W1 over k in [512 r, 512 r + 512)
+// on mma.sync, one warp a 16-token row of the tile. Thread 0 requests the operands with the
+// tensor copy engine (TMA, 128-byte swizzle), 8 chunks of 64 k each completing on its own
+// mbarrier: all of W1's slice before the programmatic-launch wait (the weights are settled), x's
+// chunks after it through a ring of RP_STAGES 16 KB stages, the next chunk requested once every
+// warp is done with the stage; the warps compute each chunk as it lands. Each x byte is read once
+// and W1 once a tile. Shared memory (~97 KB at rank 32, the gate's weights included) lets two
+// blocks share a multiprocessor: with every chunk resident (180 KB) at most 15 clusters of 8 ran
+// at once (ncu), so a 2048-token router (16 clusters) took two waves. Each block leaves its f32
+// partial [128 x R] in shared memory; after a cluster barrier block r sums the RS partials of the
+// tile's tokens r, r + RS, ... in rank order (a fixed order), adds b1, rounds, and gates them
+// (the gate's weights copied into shared memory, each group's pair of rows padded by 16 bytes so
+// that a quarter warp's 16-byte loads of 8 groups fall on distinct banks). h1 (optional)
+// receives the rounded first layer. The cuBLAS path it replaces is a split-K GEMM, its reduction
+// and the gate kernel (three launches; ~100 us of host time a call in `at::linear`'s cuBLASLt
+// path on the H200 machine).
+#define RP_BM 128
 #define RP_KB 512
 #define RP_CH 64
 #define RP_NCH (RP_KB / RP_CH)
+#define RP_STAGES 3
 #define RP_THREADS (RP_BM * 2)  // one warp a 16-token row
 struct __align__(128) RpMap {
     unsigned long long v[16];
@@ -544,15 +549,17 @@ __device__ __forceinline__ void router_prefill_body(const RpMap* map_x, const Rp
 #if __CUDA_ARCH__ >= 900
     extern __shared__ __align__(16) unsigned char rp_smem[];
     __shared__ __align__(8) unsigned long long bar[RP_NCH];
-    // Chunks start 1024-aligned (the swizzle pattern follows absolute address bits); the launch
+    // Stages start 1024-aligned (the swizzle pattern follows absolute address bits); the launch
     // asks for 1024 bytes of slack.
     const unsigned raw = smem_u32(rp_smem);
     const unsigned base = (raw + 1023u) & ~1023u;
     unsigned char* gbase = rp_smem + (base - raw);
-    const unsigned xs = base;                         // RP_NCH x [RP_BM rows x 128 bytes]
-    const unsigned ws = base + RP_NCH * RP_BM * 128;  // RP_NCH x [R rows x 128 bytes]
-    T* w2s = reinterpret_cast<T*>(gbase + RP_NCH * (RP_BM + R) * 128);  // w2_shared: [2 NG][R], b2 [2 NG]
-    T* b2s = w2s + 2 * NG * R;
+    constexpr int XB = RP_BM * 128;                  // bytes of an x chunk
+    constexpr int PS = 2 * R + 8;                    // elements of a padded pair of gate rows
+    const unsigned xs = base;                         // RP_STAGES x [128 rows x 128 bytes]
+    const unsigned ws = base + RP_STAGES * XB;        // RP_NCH x [R rows x 128 bytes]
+    T* w2s = reinterpret_cast<T*>(gbase + RP_STAGES * XB + RP_NCH * R * 128);  // w2_shared: NG pairs of PS, then b2 [2 NG]
+    T* b2s = w2s + NG * PS;
     float* part = reinterpret_cast<float*>(gbase);  // after the product: [RP_BM][R], then hs
     float* hs = part + RP_BM * R;
     unsigned rank;
@@ -565,21 +572,29 @@ __device__ __forceinline__ void router_prefill_body(const RpMap* map_x, const Rp
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
-    // Settled weights first: W1's slice by TMA, the gate's into shared memory.
+    // Settled weights first: all of W1's slice; b1 of this thread's outputs (its j is fixed:
+    // RP_THREADS % R == 0).
     if (tid == 0)
         for (int ch = 0; ch < RP_NCH; ++ch) {
             rp_expect_tx(smem_u32(&bar[ch]), (RP_BM + R) * 128);
             rp_tma(ws + ch * R * 128, map_w, k0 + ch * RP_CH, 0, smem_u32(&bar[ch]));
         }
-    if (w2_shared) {
-        for (int c = tid; c < NG * R / 4; c += RP_THREADS) reinterpret_cast<uint4*>(w2s)[c] = __ldg(reinterpret_cast<const uint4*>(w2) + c);
-        for (int i = tid; i < 2 * NG; i += RP_THREADS) b2s[i] = b2[i];
-    }
+    const float b1v = tf(b1[tid % R]);
     pdl_wait();
     pdl_trigger();
     // x: rows past M are zero-filled by the copy engine (and still counted in the bytes).
     if (tid == 0)
-        for (int ch = 0; ch < RP_NCH; ++ch) rp_tma(xs + ch * RP_BM * 128, map_x, k0 + ch * RP_CH, m0, smem_u32(&bar[ch]));
+        for (int ch = 0; ch < RP_STAGES; ++ch) rp_tma(xs + ch * XB, map_x, k0 + ch * RP_CH, m0, smem_u32(&bar[ch]));
+    // The gate's weights in flight meanwhile (needed only at the end).
+    if (w2_shared) {
+        for (int c = tid; c < NG * (R / 4); c += RP_THREADS) {
+            const int g = c / (R / 4), j = c % (R / 4);
+            cp_async16(w2s + g * PS + j * 8, w2 + (long long)g * 2 * R + j * 8, true);
+        }
+        for (int i = tid; i < NG / 4; i += RP_THREADS) cp_async16(b2s + i * 8, b2 + i * 8, true);
+        for (int i = (NG / 4) * 8 + tid; i < 2 * NG; i += RP_THREADS) b2s[i] = b2[i];
+        cp_commit();
+    }
     // Warp w: tokens [16 w, 16 w + 16) of the tile, all R outputs (R / 8 tiles of m16n8k16).
     // 16-byte chunk c of row r of a 128-byte-swizzled block sits at chunk c ^ (r % 8).
     float acc[R / 8][4];
@@ -590,7 +605,7 @@ __device__ __forceinline__ void router_prefill_body(const RpMap* map_x, const Rp
 #pragma unroll 1
     for (int ch = 0; ch < RP_NCH; ++ch) {
         rp_mbar_wait(smem_u32(&bar[ch]), 0);
-        const unsigned xa = xs + ch * RP_BM * 128 + ar * 128;
+        const unsigned xa = xs + (ch % RP_STAGES) * XB + ar * 128;
         const unsigned wb = ws + ch * R * 128;
 #pragma unroll
         for (int kk = 0; kk < RP_CH / 16; ++kk) {
@@ -605,6 +620,11 @@ __device__ __forceinline__ void router_prefill_body(const RpMap* map_x, const Rp
                 mma16816(acc[2 * nj], a, bb0);
                 mma16816(acc[2 * nj + 1], a, bb1);
             }
+        }
+        // Every warp is done with this stage: refill it with chunk ch + RP_STAGES.
+        if (ch + RP_STAGES < RP_NCH) {
+            __syncthreads();
+            if (tid == 0) rp_tma(xs + (ch % RP_STAGES) * XB, map_x, k0 + (ch + RP_STAGES) * RP_CH, m0, smem_u32(&bar[ch + RP_STAGES]));
         }
     }
     __syncthreads();  // every warp is done with x: its memory takes the partial sums
@@ -639,11 +659,12 @@ __device__ __forceinline__ void router_prefill_body(const RpMap* map_x, const Rp
 #pragma unroll
         for (int q = 0; q < 8; ++q)
             if (q < RS) s += v[q];
-        const T hv = ft(s + tf(b1[j]));
+        const T hv = ft(s + b1v);
         hs[i * R + j] = tf(hv);
         if (h1 != nullptr && m0 + t < M) h1[(long long)(m0 + t) * R + j] = hv;
     }
     cluster_arrive_relaxed();  // done reading the other blocks' partials
+    if (w2_shared) cp_wait<0>();
     __syncthreads();
     const int NE = NG + EXTRA;
     for (int p = tid; p < ntok * NE; p += RP_THREADS) {
@@ -652,7 +673,7 @@ __device__ __forceinline__ void router_prefill_body(const RpMap* map_x, const Rp
         if (m >= M) continue;
         unsigned char on = 1;
         if (g < NG) {
-            on = w2_shared ? gate_one<true>(hs + i * R, w2s, b2s, offset, R, g) : gate_one(hs + i * R, w2, b2, offset, R, g);
+            on = w2_shared ? gate_one<true>(hs + i * R, w2s, b2s, offset, R, g, PS) : gate_one(hs + i * R, w2, b2, offset, R, g);
             mask[m * NG + g] = on;
         }
         if (ext != nullptr) ext[m * NE + g] = on;

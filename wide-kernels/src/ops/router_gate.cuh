@@ -14,11 +14,13 @@ __device__ __forceinline__ float rt(float v) { return tf(ft(v)); }
 // Second router layer and deterministic gate of one token for group g < NG, on its first
 // layer's output hs[R] (f32 values of the stored h1): logits = h W2^T + b2 viewed [NG, 2] =
 // (execute, skip); the group runs iff skip - execute + offset <= 0. With SH, w2 and b2 are
-// copies in shared memory (plain loads) instead of global memory (__ldg).
+// copies in shared memory (plain loads) instead of global memory (__ldg). PS: elements from
+// group g's execute row to group g + 1's (2 R unpadded; a shared copy may pad the pairs).
 template <bool SH = false>
-__device__ __forceinline__ unsigned char gate_one(const float* hs, const T* __restrict__ w2, const T* __restrict__ b2, float offset, int R, int g) {
+__device__ __forceinline__ unsigned char gate_one(const float* hs, const T* __restrict__ w2, const T* __restrict__ b2, float offset, int R, int g,
+                                                  int PS = 0) {
     float e = 0.f, s = 0.f;
-    const T* we = w2 + (long long)(2 * g) * R;
+    const T* we = w2 + (long long)g * (PS > 0 ? PS : 2 * R);
     const T* wsk = we + R;
     if ((R & 7) == 0) {
         // 16-byte loads (the two rows are contiguous), a few in flight; the same sequential
