@@ -470,9 +470,6 @@ fn dense_masked(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layo
                     KernelArg::I32(s.group as i32),
                     KernelArg::I32((cols / s.group) as i32),
                     KernelArg::I32(mode),
-                    // After a product (modes 0 and 2) the launch just before is the GEMM, which
-                    // does not write the mask; a masked copy (mode 1) may follow the mask's writer.
-                    KernelArg::I32((mode != 1) as i32),
                 ],
             )
         }

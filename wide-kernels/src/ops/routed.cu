@@ -623,30 +623,21 @@ SKINNY_SWIGLU_ENTRY(2, 2)
 //   mode 2: dst = mask ? silu(a) * b : 0    (SwiGLU of two dense products)
 // ---------------------------------------------------------------------------------------
 extern "C" __global__ void apply_group_mask(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ dst,
-                                            const unsigned char* __restrict__ mask, long long M, int N, int G, int NG, int mode,
-                                            int settled) {
+                                            const unsigned char* __restrict__ mask, long long M, int N, int G, int NG, int mode) {
+    pdl_wait();  // the product it masks comes from the launch just before (cuBLAS)
+    pdl_trigger();
     // Grid (ceil(N/8/blockDim), rows): blocks loop over rows; no 64-bit division on the hot path.
     const int n = (blockIdx.x * blockDim.x + threadIdx.x) << 3;
+    if (n >= N) return;
     const int g = n / G;
     // Rows in batches of 4 whose mask bytes are loaded together (one wait instead of four).
-    bool on[4];
-    auto load_on = [&](long long m0) {
+    for (long long m0 = blockIdx.y; m0 < M; m0 += 4LL * gridDim.y) {
+        bool on[4];
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
             const long long m = m0 + u * (long long)gridDim.y;
-            on[u] = n < N && m < M && mask[m * NG + g] != 0;
+            on[u] = m < M && mask[m * NG + g] != 0;
         }
-    };
-    // With `settled` (the caller's promise: the launch just before, the dense product, did not
-    // write the mask) the first batch's mask bytes are read before the wait, so only the stores
-    // follow the product's end.
-    if (settled) load_on(blockIdx.y);
-    pdl_wait();  // the product it masks comes from the launch just before (cuBLAS)
-    pdl_trigger();
-    if (n >= N) return;
-    if (!settled) load_on(blockIdx.y);
-    for (long long m0 = blockIdx.y; m0 < M; m0 += 4LL * gridDim.y) {
-        if (m0 != blockIdx.y) load_on(m0);
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
             const long long m = m0 + u * (long long)gridDim.y;
