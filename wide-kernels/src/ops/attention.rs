@@ -546,7 +546,7 @@ pub fn prefill_source(f16: bool) -> KernelSource {
     KernelSource::new("attn_prefill", PREFILL_SOURCE).define("WIDE_F16", f16 as u32)
 }
 
-const PREFILL_WGMMA_SOURCE: &str = concat!(include_str!("wgmma_common.cuh"), include_str!("attn_wgmma.cu"));
+const PREFILL_WGMMA_SOURCE: &str = concat!(include_str!("mbarrier.cuh"), include_str!("wgmma_common.cuh"), include_str!("attn_wgmma.cu"));
 
 /// The Hopper prefill module for a dtype and a wgmma block shape (sm_90a; head_dim 128).
 pub fn prefill_wgmma_source(f16: bool, tile: PrefillTile) -> KernelSource {

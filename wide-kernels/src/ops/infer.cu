@@ -515,34 +515,11 @@ extern "C" __global__ void __launch_bounds__(128) router_gate(const T* __restric
 #define RP_NCH (RP_KB / RP_CH)
 #define RP_STAGES 3
 #define RP_THREADS (RP_BM * 2)  // one warp a 16-token row
-struct __align__(128) RpMap {
-    unsigned long long v[16];
-};
-__device__ __forceinline__ void rp_mbar_init(unsigned bar, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void rp_expect_tx(unsigned bar, unsigned bytes) {
-    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void rp_mbar_wait(unsigned bar, unsigned parity) {
-    asm volatile(
-        "{\n.reg .pred p;\nRP_WAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-        "@!p bra RP_WAIT;\n}" ::"r"(bar),
-        "r"(parity)
-        : "memory");
-}
-// Box {64 k, rows} at (k0, row0) of a 2-D tensor map, 128B-swizzled at dst, completing on bar.
-__device__ __forceinline__ void rp_tma(unsigned dst, const RpMap* map, int k0, int row0, unsigned bar) {
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
-                 "l"(reinterpret_cast<unsigned long long>(map)), "r"(k0), "r"(row0), "r"(bar)
-                 : "memory");
-}
 __device__ __forceinline__ void ldsm_x4_at(unsigned* r, unsigned addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 template <int R>
-__device__ __forceinline__ void router_prefill_body(const RpMap* map_x, const RpMap* map_w, const T* __restrict__ b1,
+__device__ __forceinline__ void router_prefill_body(const TmaDesc* map_x, const TmaDesc* map_w, const T* __restrict__ b1,
                                                     const T* __restrict__ w2, const T* __restrict__ b2, float offset,
                                                     unsigned char* __restrict__ mask, unsigned char* __restrict__ ext, T* __restrict__ h1,
                                                     int M, int NG, int EXTRA, int w2_shared) {
@@ -568,7 +545,7 @@ __device__ __forceinline__ void router_prefill_body(const RpMap* map_x, const Rp
     const int m0 = blockIdx.y * RP_BM, k0 = (int)rank * RP_KB;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     if (tid == 0) {
-        for (int ch = 0; ch < RP_NCH; ++ch) rp_mbar_init(smem_u32(&bar[ch]), 1);
+        for (int ch = 0; ch < RP_NCH; ++ch) mbar_init(smem_u32(&bar[ch]), 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
@@ -576,15 +553,15 @@ __device__ __forceinline__ void router_prefill_body(const RpMap* map_x, const Rp
     // RP_THREADS % R == 0).
     if (tid == 0)
         for (int ch = 0; ch < RP_NCH; ++ch) {
-            rp_expect_tx(smem_u32(&bar[ch]), (RP_BM + R) * 128);
-            rp_tma(ws + ch * R * 128, map_w, k0 + ch * RP_CH, 0, smem_u32(&bar[ch]));
+            mbar_arrive_expect_tx(smem_u32(&bar[ch]), (RP_BM + R) * 128);
+            tma_load_2d(ws + ch * R * 128, map_w, k0 + ch * RP_CH, 0, smem_u32(&bar[ch]));
         }
     const float b1v = tf(b1[tid % R]);
     pdl_wait();
     pdl_trigger();
     // x: rows past M are zero-filled by the copy engine (and still counted in the bytes).
     if (tid == 0)
-        for (int ch = 0; ch < RP_STAGES; ++ch) rp_tma(xs + ch * XB, map_x, k0 + ch * RP_CH, m0, smem_u32(&bar[ch]));
+        for (int ch = 0; ch < RP_STAGES; ++ch) tma_load_2d(xs + ch * XB, map_x, k0 + ch * RP_CH, m0, smem_u32(&bar[ch]));
     // The gate's weights in flight meanwhile (needed only at the end).
     if (w2_shared) {
         for (int c = tid; c < NG * (R / 4); c += RP_THREADS) {
@@ -604,7 +581,7 @@ __device__ __forceinline__ void router_prefill_body(const RpMap* map_x, const Rp
     const int br = (lane & 7) + ((lane >> 4) << 3), bc = (lane >> 3) & 1;
 #pragma unroll 1
     for (int ch = 0; ch < RP_NCH; ++ch) {
-        rp_mbar_wait(smem_u32(&bar[ch]), 0);
+        mbar_wait(smem_u32(&bar[ch]), 0);
         const unsigned xa = xs + (ch % RP_STAGES) * XB + ar * 128;
         const unsigned wb = ws + ch * R * 128;
 #pragma unroll
@@ -624,7 +601,7 @@ __device__ __forceinline__ void router_prefill_body(const RpMap* map_x, const Rp
         // Every warp is done with this stage: refill it with chunk ch + RP_STAGES.
         if (ch + RP_STAGES < RP_NCH) {
             __syncthreads();
-            if (tid == 0) rp_tma(xs + (ch % RP_STAGES) * XB, map_x, k0 + (ch + RP_STAGES) * RP_CH, m0, smem_u32(&bar[ch + RP_STAGES]));
+            if (tid == 0) tma_load_2d(xs + (ch % RP_STAGES) * XB, map_x, k0 + (ch + RP_STAGES) * RP_CH, m0, smem_u32(&bar[ch + RP_STAGES]));
         }
     }
     __syncthreads();  // every warp is done with x: its memory takes the partial sums
@@ -683,7 +660,7 @@ __device__ __forceinline__ void router_prefill_body(const RpMap* map_x, const Rp
 }
 #define ROUTER_PREFILL(R)                                                                                                       \
     extern "C" __global__ void __launch_bounds__(RP_THREADS, 2) router_prefill_##R(                                             \
-        const __grid_constant__ RpMap map_x, const __grid_constant__ RpMap map_w, const T* __restrict__ b1,                    \
+        const __grid_constant__ TmaDesc map_x, const __grid_constant__ TmaDesc map_w, const T* __restrict__ b1,                    \
         const T* __restrict__ w2, const T* __restrict__ b2, float offset, unsigned char* __restrict__ mask,                     \
         unsigned char* __restrict__ ext, T* __restrict__ h1, int M, int NG, int EXTRA, int w2_shared) {                         \
         router_prefill_body<R>(&map_x, &map_w, b1, w2, b2, offset, mask, ext, h1, M, NG, EXTRA, w2_shared);                     \

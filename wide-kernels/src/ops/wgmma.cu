@@ -140,13 +140,6 @@ __device__ __forceinline__ void tma_load_multicast(unsigned dst, const TmaDesc* 
         "l"(reinterpret_cast<unsigned long long>(map)), "r"(k0), "r"(row0), "r"(bar), "h"((unsigned short)3)
         : "memory");
 }
-// Box {64 k, 64 rows} at (k0, row0) of a 2-D tensor map, written 128B-swizzled at `dst`,
-// completing its bytes on the barrier at `bar`.
-__device__ __forceinline__ void tma_load_2d(unsigned dst, const TmaDesc* map, int k0, int row0, unsigned bar) {
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
-                 "l"(reinterpret_cast<unsigned long long>(map)), "r"(k0), "r"(row0), "r"(bar)
-                 : "memory");
-}
 // The weight tile(s) of the stage at `sa` in two boxes of 64 rows each, by one thread, with the
 // expect_tx arrival on the stage's barrier.
 __device__ __forceinline__ void load_weights_tma(unsigned sa, unsigned fb, const TmaDesc* w, const TmaDesc* w2, int k0, int n0) {

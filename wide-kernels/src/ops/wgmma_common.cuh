@@ -1,5 +1,6 @@
 // Hopper (sm_90a) helpers shared by the wgmma kernels (wgmma.cu, attn_wgmma.cu): element type,
-// cp.async and mbarrier wrappers, the 128-byte-swizzle shared-memory layout and its matrix
+// cp.async and mbarrier-arrival wrappers (mbarrier.cuh, prepended first, has the waits and the
+// tensor copies), the 128-byte-swizzle shared-memory layout and its matrix
 // descriptor, wgmma fences and the m64n128k16 instruction with both operands in shared memory.
 // Prepended to each of those sources. Defines:
 //   WIDE_F16      1 for f16 operands, 0 for bf16 (fp32 accumulation either way)
@@ -38,30 +39,10 @@ __device__ __forceinline__ void cp_async_arrive(unsigned bar) {
 // thread before its later async-proxy reads (wgmma operands).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
-__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
 __device__ __forceinline__ void mbar_arrive(unsigned bar) {
     asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}" ::"r"(bar) : "memory");
 }
-// One arrival that also expects `bytes` of transactions (tensor copies) this phase.
-__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned bar, unsigned bytes) {
-    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}" ::"r"(bar), "r"(bytes) : "memory");
-}
-// A tensor map (CUtensorMap) passed by value as a __grid_constant__ kernel parameter.
-struct __align__(128) TmaDesc {
-    unsigned long long v[16];
-};
 
-// Waits until the barrier's phase of this parity has completed.
-__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
-    asm volatile(
-        "{\n.reg .pred p;\nWIDE_WAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-        "@!p bra WIDE_WAIT;\n}" ::"r"(bar),
-        "r"(parity)
-        : "memory");
-}
 
 // Shared-memory matrix descriptor of a K-major operand in the 128-byte swizzle layout: start
 // address >> 4 (bits 0-13), leading byte offset >> 4 (bits 16-29; unused for swizzled K-major
