@@ -506,8 +506,9 @@ fn router_prefill_enabled(device: usize) -> Result<bool> {
 
 /// The whole router of `x: [M, hidden]` in one launch on a Hopper GPU (`router_prefill_R` in
 /// infer.cu: clusters of hidden / 512 blocks split the first layer's k, their operands loaded by
-/// TMA, so x is read once and W1 once a 128-token tile; the same cluster sums the partials in a fixed order, rounds the hidden
-/// like the unfused first layer and gates): the mask, the extended mask (with `extra > 0`) and,
+/// TMA, so x is read once and W1 once a 128-token tile; the same cluster sums the partials in a
+/// fixed order, rounds the hidden like the unfused first layer and gates): the mask, the
+/// extended mask (with `extra > 0`) and,
 /// with `want_hidden`, the rounded first layer `[M, rank]`. None where it does not apply (not
 /// CUDA bf16/f16, compute capability below 9.0, hidden not a multiple of 512 or above 4096, rank
 /// not 16, 32 or 64, or the gate's weights of another dtype); the caller then runs cuBLAS + the
@@ -533,8 +534,9 @@ pub fn router_prefill(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64, wa
     if !router_prefill_enabled(dev)? {
         return Ok(None);
     }
-    let x = x.contiguous();
-    if x.data_ptr() as usize % 16 != 0 {
+    // The tensor maps need 16-byte-aligned data.
+    let (x, w1) = (x.contiguous(), r.w1.contiguous());
+    if x.data_ptr() as usize % 16 != 0 || w1.data_ptr() as usize % 16 != 0 {
         return Ok(None);
     }
     let elt = x.kind().elt_size_in_bytes() as i64;
@@ -570,7 +572,6 @@ pub fn router_prefill(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64, wa
             None => KernelArg::Ptr(0),
         })
     };
-    let w1 = r.w1.contiguous();
     let args = [
         crate::cuda::tensor_map_2d(&x, f16, ROUTER_PREFILL_BM as u32, 64)?,
         crate::cuda::tensor_map_2d(&w1, f16, rank as u32, 64)?,

@@ -490,7 +490,6 @@ extern "C" __global__ void __launch_bounds__(128) router_gate(const T* __restric
     gate_row(hs, w2, b2, offset, mask, ext, R, NG, EXTRA, m);
 }
 
-
 // The whole router of a prefill (first layer x W1^T + b1 rounded to storage, then gate_one) in
 // one launch. Grid (RS, ceil(M / 128)), clusters of the RS blocks of a token tile (RS = H / 512,
 // 1..8): block (r, t) multiplies the tile's 128 rows of x with W1 over k in [512 r, 512 r + 512)
@@ -537,7 +536,9 @@ __device__ __forceinline__ void router_prefill_body(const TmaDesc* map_x, const 
     const unsigned ws = base + RP_STAGES * XB;        // RP_NCH x [R rows x 128 bytes]
     T* w2s = reinterpret_cast<T*>(gbase + RP_STAGES * XB + RP_NCH * R * 128);  // w2_shared: NG pairs of PS, then b2 [2 NG]
     T* b2s = w2s + NG * PS;
-    float* part = reinterpret_cast<float*>(gbase);  // after the product: [RP_BM][R], then hs
+    // After the product: the partials [RP_BM][R], then hs [tokens of this block][R], over the x
+    // ring and (at rank 64) the start of W1's chunks, all consumed by then.
+    float* part = reinterpret_cast<float*>(gbase);
     float* hs = part + RP_BM * R;
     unsigned rank;
     asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
