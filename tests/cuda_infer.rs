@@ -128,8 +128,9 @@ fn fused_kernels_match_their_references() {
 /// bit for bit the gate kernel's on that hidden, every mask byte written, the same bits on a
 /// second call (a fixed summation order), and the decision of cuBLAS's first layer + the gate
 /// wherever the logit margin exceeds the rounding. Token counts off the 128-token tile, cluster
-/// sizes 1, 3, 4 and 8, ranks 16 / 32 / 64, the gate's weights in shared memory and (many
-/// groups at rank 64) read from global memory.
+/// sizes 1, 3, 4 and 8, ranks 16 / 32 / 64 on both variants (every x chunk resident for grids
+/// of one wave, the 3-stage ring from 2048 tokens at hidden 4096), the gate's weights in shared
+/// memory and (many groups at rank 64) read from global memory.
 #[test]
 fn router_prefill_matches_the_unfused_router() {
     let dev = gpu();
@@ -137,7 +138,7 @@ fn router_prefill_matches_the_unfused_router() {
     tch::manual_seed(5);
     for kind in [Kind::BFloat16, Kind::Half] {
         let o = (kind, dev);
-        for (m, h, rank, ng, extra) in [(1i64, 4096i64, 32i64, 112i64, 0i64), (7, 4096, 32, 8, 4), (129, 2048, 16, 28, 0), (300, 512, 64, 112, 4), (2048, 4096, 32, 112, 0), (2051, 1536, 32, 8, 4), (64, 1024, 64, 1024, 0)] {
+        for (m, h, rank, ng, extra) in [(1i64, 4096i64, 32i64, 112i64, 0i64), (7, 4096, 32, 8, 4), (129, 2048, 16, 28, 0), (300, 512, 64, 112, 4), (2048, 4096, 32, 112, 0), (2051, 1536, 32, 8, 4), (64, 1024, 64, 1024, 0), (2100, 4096, 64, 112, 4), (15000, 512, 16, 8, 0)] {
             let what = format!("{kind:?} M={m} H={h} rank={rank} groups={ng}+{extra}");
             let x = Tensor::randn([m, h], o);
             let w1 = Tensor::randn([rank, h], o) * (1.0 / (h as f64).sqrt());

@@ -485,7 +485,7 @@ pub fn router_gate(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64) -> Re
 /// Token rows of a clustered router tile and the k one of its blocks multiplies (`RP_BM`,
 /// `RP_KB` in infer.cu; a block has RP_BM * 2 threads).
 const ROUTER_PREFILL_BM: i64 = 128;
-/// x chunks of 64 k a block holds at once (`RP_STAGES`).
+/// x chunks of 64 k a block of the ring variant holds at once (`router_prefill_R`).
 const ROUTER_PREFILL_STAGES: i64 = 3;
 const ROUTER_PREFILL_KB: i64 = 512;
 /// Dynamic shared memory a block may use (227 KiB on compute capability 9.0, less the router
@@ -518,12 +518,9 @@ pub fn router_prefill(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64, wa
     let (m, h) = x.size2()?;
     let (rank, h1k) = r.w1.size2()?;
     let rs = h / ROUTER_PREFILL_KB;
-    let entry = match rank {
-        16 => "router_prefill_16",
-        32 => "router_prefill_32",
-        64 => "router_prefill_64",
-        _ => return Ok(None),
-    };
+    if ![16, 32, 64].contains(&rank) {
+        return Ok(None);
+    }
     let same = |t: &Tensor| t.kind() == x.kind() && t.device() == x.device();
     if h1k != h || h % ROUTER_PREFILL_KB != 0 || !(1..=8).contains(&rs) || m < 1 || m > i32::MAX as i64 || !same(r.w1) || !same(r.b1) || !same(r.w2) || !same(r.b2) {
         return Ok(None);
@@ -540,10 +537,23 @@ pub fn router_prefill(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64, wa
         return Ok(None);
     }
     let elt = x.kind().elt_size_in_bytes() as i64;
-    // The x ring and W1's chunks (128-byte rows, 1024-aligned: +1 KiB slack); the gate's
-    // weights beside them (each group's pair of rows padded by 16 bytes) where that keeps two
-    // blocks a multiprocessor.
-    let base = (ROUTER_PREFILL_STAGES * ROUTER_PREFILL_BM + rank * ROUTER_PREFILL_KB / 64) * 128 + 1024;
+    // A grid that fits one wave at one block a multiprocessor keeps every x chunk resident (one
+    // request each, no ring); a larger one takes the 3-stage ring, two blocks a multiprocessor.
+    let tiles = (m + ROUTER_PREFILL_BM - 1) / ROUTER_PREFILL_BM;
+    let resident = tiles * rs <= crate::cuda::multiprocessor_count(dev)? as i64 * 7 / 8;
+    let stages = if resident { ROUTER_PREFILL_KB / 64 } else { ROUTER_PREFILL_STAGES };
+    let entry = match (rank, resident) {
+        (16, false) => "router_prefill_16",
+        (32, false) => "router_prefill_32",
+        (64, false) => "router_prefill_64",
+        (16, true) => "router_prefill_resident_16",
+        (32, true) => "router_prefill_resident_32",
+        _ => "router_prefill_resident_64",
+    };
+    // The x chunks and W1's (128-byte rows, 1024-aligned: +1 KiB slack); the gate's weights
+    // beside them (each group's pair of rows padded by 16 bytes) where that keeps as many blocks
+    // a multiprocessor.
+    let base = (stages * ROUTER_PREFILL_BM + rank * ROUTER_PREFILL_KB / 64) * 128 + 1024;
     let gate_bytes = ng * (2 * rank + 8) * elt + 2 * ng * elt + 16;
     let cap = if base <= TWO_BLOCKS_SMEM { TWO_BLOCKS_SMEM } else { MAX_DYNAMIC_SMEM };
     let aligned = |t: &Tensor| t.data_ptr() as usize % 16 == 0;

@@ -496,8 +496,9 @@ extern "C" __global__ void __launch_bounds__(128) router_gate(const T* __restric
 // on mma.sync, one warp a 16-token row of the tile. Thread 0 requests the operands with the
 // tensor copy engine (TMA, 128-byte swizzle), 8 chunks of 64 k each completing on its own
 // mbarrier: all of W1's slice before the programmatic-launch wait (the weights are settled), x's
-// chunks after it through a ring of RP_STAGES 16 KB stages, the next chunk requested once every
-// warp is done with the stage; the warps compute each chunk as it lands. Each x byte is read once
+// chunks after it through a ring of S 16 KB stages, the next chunk requested once every warp is
+// done with the stage (S = 3, `router_prefill_R`; S = 8, every chunk resident with one request
+// each, `router_prefill_resident_R`, for grids that fit one wave at one block a multiprocessor); the warps compute each chunk as it lands. Each x byte is read once
 // and W1 once a tile. Shared memory (~97 KB at rank 32, the gate's weights included) lets two
 // blocks share a multiprocessor: with every chunk resident (180 KB) at most 15 clusters of 8 ran
 // at once (ncu), so a 2048-token router (16 clusters) took two waves. Each block leaves its f32
@@ -512,12 +513,11 @@ extern "C" __global__ void __launch_bounds__(128) router_gate(const T* __restric
 #define RP_KB 512
 #define RP_CH 64
 #define RP_NCH (RP_KB / RP_CH)
-#define RP_STAGES 3
 #define RP_THREADS (RP_BM * 2)  // one warp a 16-token row
 __device__ __forceinline__ void ldsm_x4_at(unsigned* r, unsigned addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
-template <int R>
+template <int R, int S>
 __device__ __forceinline__ void router_prefill_body(const TmaDesc* map_x, const TmaDesc* map_w, const T* __restrict__ b1,
                                                     const T* __restrict__ w2, const T* __restrict__ b2, float offset,
                                                     unsigned char* __restrict__ mask, unsigned char* __restrict__ ext, T* __restrict__ h1,
@@ -532,9 +532,9 @@ __device__ __forceinline__ void router_prefill_body(const TmaDesc* map_x, const 
     unsigned char* gbase = rp_smem + (base - raw);
     constexpr int XB = RP_BM * 128;                  // bytes of an x chunk
     constexpr int PS = 2 * R + 8;                    // elements of a padded pair of gate rows
-    const unsigned xs = base;                         // RP_STAGES x [128 rows x 128 bytes]
-    const unsigned ws = base + RP_STAGES * XB;        // RP_NCH x [R rows x 128 bytes]
-    T* w2s = reinterpret_cast<T*>(gbase + RP_STAGES * XB + RP_NCH * R * 128);  // w2_shared: NG pairs of PS, then b2 [2 NG]
+    const unsigned xs = base;                         // S x [128 rows x 128 bytes]
+    const unsigned ws = base + S * XB;        // RP_NCH x [R rows x 128 bytes]
+    T* w2s = reinterpret_cast<T*>(gbase + S * XB + RP_NCH * R * 128);  // w2_shared: NG pairs of PS, then b2 [2 NG]
     T* b2s = w2s + NG * PS;
     // After the product: the partials [RP_BM][R], then hs [tokens of this block][R], over the x
     // ring and (at rank 64) the start of W1's chunks, all consumed by then.
@@ -562,7 +562,7 @@ __device__ __forceinline__ void router_prefill_body(const TmaDesc* map_x, const 
     pdl_trigger();
     // x: rows past M are zero-filled by the copy engine (and still counted in the bytes).
     if (tid == 0)
-        for (int ch = 0; ch < RP_STAGES; ++ch) tma_load_2d(xs + ch * XB, map_x, k0 + ch * RP_CH, m0, smem_u32(&bar[ch]));
+        for (int ch = 0; ch < S; ++ch) tma_load_2d(xs + ch * XB, map_x, k0 + ch * RP_CH, m0, smem_u32(&bar[ch]));
     // The gate's weights in flight meanwhile (needed only at the end).
     if (w2_shared) {
         for (int c = tid; c < NG * (R / 4); c += RP_THREADS) {
@@ -583,7 +583,7 @@ __device__ __forceinline__ void router_prefill_body(const TmaDesc* map_x, const 
 #pragma unroll 1
     for (int ch = 0; ch < RP_NCH; ++ch) {
         mbar_wait(smem_u32(&bar[ch]), 0);
-        const unsigned xa = xs + (ch % RP_STAGES) * XB + ar * 128;
+        const unsigned xa = xs + (ch % S) * XB + ar * 128;
         const unsigned wb = ws + ch * R * 128;
 #pragma unroll
         for (int kk = 0; kk < RP_CH / 16; ++kk) {
@@ -599,10 +599,10 @@ __device__ __forceinline__ void router_prefill_body(const TmaDesc* map_x, const 
                 mma16816(acc[2 * nj + 1], a, bb1);
             }
         }
-        // Every warp is done with this stage: refill it with chunk ch + RP_STAGES.
-        if (ch + RP_STAGES < RP_NCH) {
+        // Every warp is done with this stage: refill it with chunk ch + S.
+        if (ch + S < RP_NCH) {
             __syncthreads();
-            if (tid == 0) tma_load_2d(xs + (ch % RP_STAGES) * XB, map_x, k0 + (ch + RP_STAGES) * RP_CH, m0, smem_u32(&bar[ch + RP_STAGES]));
+            if (tid == 0) tma_load_2d(xs + (ch % S) * XB, map_x, k0 + (ch + S) * RP_CH, m0, smem_u32(&bar[ch + S]));
         }
     }
     __syncthreads();  // every warp is done with x: its memory takes the partial sums
@@ -659,13 +659,16 @@ __device__ __forceinline__ void router_prefill_body(const TmaDesc* map_x, const 
     cluster_wait();  // no block leaves while another may still read its partials
 #endif
 }
-#define ROUTER_PREFILL(R)                                                                                                       \
-    extern "C" __global__ void __launch_bounds__(RP_THREADS, 2) router_prefill_##R(                                             \
-        const __grid_constant__ TmaDesc map_x, const __grid_constant__ TmaDesc map_w, const T* __restrict__ b1,                    \
-        const T* __restrict__ w2, const T* __restrict__ b2, float offset, unsigned char* __restrict__ mask,                     \
-        unsigned char* __restrict__ ext, T* __restrict__ h1, int M, int NG, int EXTRA, int w2_shared) {                         \
-        router_prefill_body<R>(&map_x, &map_w, b1, w2, b2, offset, mask, ext, h1, M, NG, EXTRA, w2_shared);                     \
+#define ROUTER_PREFILL_ENTRY(NAME, R, S, MINB)                                                                          \
+    extern "C" __global__ void __launch_bounds__(RP_THREADS, MINB) NAME(                                                   \
+        const __grid_constant__ TmaDesc map_x, const __grid_constant__ TmaDesc map_w, const T* __restrict__ b1,             \
+        const T* __restrict__ w2, const T* __restrict__ b2, float offset, unsigned char* __restrict__ mask,                 \
+        unsigned char* __restrict__ ext, T* __restrict__ h1, int M, int NG, int EXTRA, int w2_shared) {                     \
+        router_prefill_body<R, S>(&map_x, &map_w, b1, w2, b2, offset, mask, ext, h1, M, NG, EXTRA, w2_shared);              \
     }
+#define ROUTER_PREFILL(R)                                      \
+    ROUTER_PREFILL_ENTRY(router_prefill_##R, R, 3, 2)          \
+    ROUTER_PREFILL_ENTRY(router_prefill_resident_##R, R, RP_NCH, 1)
 ROUTER_PREFILL(16)
 ROUTER_PREFILL(32)
 ROUTER_PREFILL(64)
