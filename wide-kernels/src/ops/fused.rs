@@ -36,6 +36,10 @@ fn kernel(f16: bool, entry: &'static str, device: usize) -> Result<CudaKernel> {
         return Ok(*k);
     }
     let k = CudaKernel::get(&source(f16), entry, device)?;
+    // The prefill router's launches ask for up to MAX_DYNAMIC_SMEM: the limit raised as it loads.
+    if entry.starts_with("router_prefill") {
+        k.set_max_dynamic_shared_mem(MAX_DYNAMIC_SMEM as u32)?;
+    }
     K.get_or_init(Default::default).lock().unwrap().insert(key, k);
     Ok(k)
 }
@@ -488,8 +492,8 @@ const ROUTER_PREFILL_BM: i64 = 128;
 /// x chunks of 64 k a block of the ring variant holds at once (`router_prefill_R`).
 const ROUTER_PREFILL_STAGES: i64 = 3;
 const ROUTER_PREFILL_KB: i64 = 512;
-/// Dynamic shared memory a block may use (227 KiB on compute capability 9.0, less the router
-/// kernel's static barriers and the system's reservation, rounded down).
+/// Dynamic shared memory a router block may use: 227 KiB on compute capability 9.0 counts the
+/// kernel's static part too (its barriers), so the limit is set a little under it.
 const MAX_DYNAMIC_SMEM: i64 = 225 * 1024;
 /// Dynamic shared memory under which two blocks fit a multiprocessor.
 const TWO_BLOCKS_SMEM: i64 = 112 * 1024;
@@ -563,18 +567,6 @@ pub fn router_prefill(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64, wa
     let ext = (extra > 0).then(|| Tensor::empty([m, ng + extra], (Kind::Bool, x.device())));
     let hidden = want_hidden.then(|| Tensor::empty([m, rank], (x.kind(), x.device())));
     let k = kernel(f16, entry, dev)?;
-    // The shared-memory limit raised only when a launch needs more than the entry's last one (a
-    // driver call each time otherwise); the limit counts the kernel's static shared memory too,
-    // so it is the launch's own size, not the device maximum.
-    static RAISED: OnceLock<Mutex<HashMap<(bool, &'static str, usize), u32>>> = OnceLock::new();
-    {
-        let mut raised = RAISED.get_or_init(Default::default).lock().unwrap();
-        let have = raised.entry((f16, entry, dev)).or_insert(0);
-        if smem > *have {
-            k.set_max_dynamic_shared_mem(smem)?;
-            *have = smem;
-        }
-    }
     let cfg = LaunchConfig { grid: (rs as u32, ((m + ROUTER_PREFILL_BM - 1) / ROUTER_PREFILL_BM) as u32, 1), block: (2 * ROUTER_PREFILL_BM as u32, 1, 1), shared_mem_bytes: smem };
     let opt = |t: &Option<Tensor>| -> Result<KernelArg> {
         Ok(match t {

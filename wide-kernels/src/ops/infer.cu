@@ -514,9 +514,6 @@ extern "C" __global__ void __launch_bounds__(128) router_gate(const T* __restric
 #define RP_CH 64
 #define RP_NCH (RP_KB / RP_CH)
 #define RP_THREADS (RP_BM * 2)  // one warp a 16-token row
-__device__ __forceinline__ void ldsm_x4_at(unsigned* r, unsigned addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
 template <int R, int S>
 __device__ __forceinline__ void router_prefill_body(const TmaDesc* map_x, const TmaDesc* map_w, const T* __restrict__ b1,
                                                     const T* __restrict__ w2, const T* __restrict__ b2, float offset,

@@ -43,7 +43,6 @@ __device__ __forceinline__ void mbar_arrive(unsigned bar) {
     asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}" ::"r"(bar) : "memory");
 }
 
-
 // Shared-memory matrix descriptor of a K-major operand in the 128-byte swizzle layout: start
 // address >> 4 (bits 0-13), leading byte offset >> 4 (bits 16-29; unused for swizzled K-major
 // operands whose k extent fits the swizzle row, set to 1), stride byte offset >> 4 (bits 32-45:
