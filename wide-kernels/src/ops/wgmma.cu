@@ -65,6 +65,14 @@
 #ifndef TMA_B
 #define TMA_B 0
 #endif
+// PERSIST 1 (with MI 1, CLUSTER 1, TMA_B 1, ASYNC_ARRIVE 1): the entry gemm_mn_wgmma_persist,
+// one block a multiprocessor taking tiles from a global counter (see there).
+#ifndef PERSIST
+#define PERSIST 0
+#endif
+#if PERSIST && (MI != 1 || CLUSTER != 1 || !TMA_B || !ASYNC_ARRIVE)
+#error "PERSIST needs MI 1, CLUSTER 1, TMA_B 1 and ASYNC_ARRIVE 1"
+#endif
 // L2_HINT 1: the gathered x rows are copied with an evict-last L2 policy (each row is read by
 // about (1 - sparsity) * N / G tiles) and the outputs stored with evict-first (written once).
 #ifndef L2_HINT
@@ -477,3 +485,239 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
     cluster_sync();
 #endif
 }
+
+#if PERSIST
+// Persistent variant: the grid has one block a multiprocessor (at most one a tile); block b takes
+// tile b of the banded order first, then the next untaken tile from `sched[0]` (atomicAdd), so a
+// block that drew tiles without active rows takes more. The stage ring runs on across tiles:
+// while the consumers write one tile out, the producer already fills the next tile's stages.
+// Tile hand-over: the producer writes the tile's number, its active row count and its token rows
+// into one of two descriptor slots and arrives on the slot's barrier; the consumers release the
+// slot after the tile's write-out. After a computing tile's k loop the producer hands over one
+// more stage without loading it: the consumers stage the tile's results there (the same swizzled
+// layout as the plain kernel) and write them out from it, then release it like any stage.
+// The last block to finish resets `sched` to zeros for the next launch on the stream (launches
+// sharing `sched` must not overlap).
+
+// Tile t of the banded order (CLUSTER 1; see the plain entry).
+__device__ __forceinline__ void tile_coords(int t, int M, int N, int& mt, int& nt) {
+    const int MU = (M + BM - 1) / BM;
+    const int per_band = BAND * (N / BN);
+    const int band = t / per_band, idx = t % per_band;
+    const int bm = min(BAND, MU - band * BAND);
+    mt = band * BAND + idx % bm;
+    nt = idx / bm;
+}
+__device__ __forceinline__ void producer_bar() { asm volatile("bar.sync 1, 128;" ::: "memory"); }
+__device__ __forceinline__ void consumer_bar() { asm volatile("bar.sync 2, 256;" ::: "memory"); }
+__device__ __forceinline__ void ring_next(int& s, unsigned& ph, int& it) {
+    ++it;
+    if (++s == STAGES) {
+        s = 0;
+        ph ^= 1u;
+    }
+}
+
+// One consumer warpgroup's k loop over a tile (its 64-row sub-tile cw), its last stage released,
+// then its results (the SwiGLU applied) staged in the hand-over stage that follows. Returns the
+// staging stage's index.
+__device__ __forceinline__ int consume_tile(unsigned base, unsigned long long* full_bar, unsigned long long* empty_bar, int cw, int KT, int& s,
+                                            unsigned& ph, int& it) {
+    const int ct = threadIdx.x & 127, warp = ct >> 5, lane = threadIdx.x & 31;
+    float acc[NB * 64];
+#pragma unroll
+    for (int e = 0; e < NB * 64; ++e) acc[e] = 0.f;
+    int prev = 0;
+    for (int kt = 0; kt < KT; ++kt) {
+        mbar_wait(smem_u32(&full_bar[s]), ph);
+        fence_proxy_async();
+        const unsigned sa = base + s * STAGE_BYTES + cw * 64 * 128;
+        const unsigned sb = base + s * STAGE_BYTES + A_BYTES;
+        fence_acc(acc);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) {
+#if FUSED
+            wgmma_m64n256k16(acc, sw128_desc(sa + kk * 32), sw128_desc(sb + kk * 32));
+#else
+            wgmma_m64n128k16(acc, sw128_desc(sa + kk * 32), sw128_desc(sb + kk * 32));
+#endif
+        }
+        wg_commit();
+        fence_acc(acc);
+        wg_wait<1>();
+        fence_acc(acc);
+        __syncwarp();
+        if (kt > 0 && lane == 0) mbar_arrive(smem_u32(&empty_bar[prev]));
+        prev = s;
+        ring_next(s, ph, it);
+    }
+    wg_wait<0>();
+    fence_acc(acc);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(smem_u32(&empty_bar[prev]));
+    // The hand-over stage: free memory once the producer has passed it on.
+    const int st = s;
+    mbar_wait(smem_u32(&full_bar[s]), ph);
+    ring_next(s, ph, it);
+    const unsigned sbase = base + st * STAGE_BYTES;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = cw * 64 + warp * 16 + (lane >> 2) + 8 * h;
+        const unsigned srow = sbase + r * (BN * 2) + (lane & 3) * 4;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
+#if FUSED
+            v0 = silu(v0) * acc[64 + 4 * j + 2 * h];
+            v1 = silu(v1) * acc[64 + 4 * j + 2 * h + 1];
+#endif
+            asm volatile("st.shared.u32 [%0], %1;" ::"r"(srow + ((j ^ (r & 7)) << 4)), "r"(pack2(v0, v1)) : "memory");
+        }
+    }
+    return st;
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+gemm_mn_wgmma_persist(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ w2, const int* __restrict__ perm,
+                      const int* __restrict__ count, T* __restrict__ out, int M, int N, int K, int G,
+                      const __grid_constant__ TmaDesc tmap_w, const __grid_constant__ TmaDesc tmap_w2,
+                      // [2], zeros at launch: tiles taken after the first wave, blocks finished
+                      int* __restrict__ sched, int tiles) {
+    extern __shared__ unsigned char smem_raw[];
+    __shared__ int rows[2][BM];
+    __shared__ int tile_id[2], tile_nact[2];
+    __shared__ __align__(8) unsigned long long full_bar[STAGES], empty_bar[STAGES], tile_full[2], tile_empty[2];
+    const unsigned base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    const int tid = threadIdx.x;
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(smem_u32(&full_bar[s]), 129);  // every producer thread + the expect_tx
+            mbar_init(smem_u32(&empty_bar[s]), 8);   // every consumer warp
+        }
+        for (int i = 0; i < 2; ++i) {
+            mbar_init(smem_u32(&tile_full[i]), 128);
+            mbar_init(smem_u32(&tile_empty[i]), 8);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
+    const int KT = K / BK;
+    int s = 0, it = 0;
+    unsigned ph = 0;
+    if (wg == 0) {
+        const int c = tid & 7, r0 = tid >> 3;
+        for (int j = 0;; ++j) {
+            const int slot = j & 1;
+            if (j >= 2) mbar_wait(smem_u32(&tile_empty[slot]), ((j >> 1) & 1) ^ 1u);
+            if (tid == 0) tile_id[slot] = j == 0 ? (int)blockIdx.x : atomicAdd(&sched[0], 1) + (int)gridDim.x;
+            producer_bar();
+            const int t = tile_id[slot];
+            if (t >= tiles) {
+                mbar_arrive(smem_u32(&tile_full[slot]));
+                break;
+            }
+            int mt, nt;
+            tile_coords(t, M, N, mt, nt);
+            const int m0 = mt * BM, n0 = nt * BN;
+            const int* pg = perm + (long long)(n0 / G) * M;
+            const int nact = min(BM, count[n0 / G] - m0);
+            if (c == 0)
+#pragma unroll
+                for (int i = 0; i < BM / 16; ++i) {
+                    const int r = r0 + 16 * i;
+                    rows[slot][r] = m0 + r < M ? pg[m0 + r] : -1;
+                }
+            if (tid == 0) tile_nact[slot] = nact;
+            mbar_arrive(smem_u32(&tile_full[slot]));
+            if (nact <= 0) continue;
+            const T* asrc[BM / 16];
+            int asz[BM / 16];
+#pragma unroll
+            for (int i = 0; i < BM / 16; ++i) {
+                const int r = r0 + 16 * i;
+                const bool v = r < nact;
+                asz[i] = v ? 16 : 0;
+                asrc[i] = x + (v ? (long long)pg[m0 + r] * K : 0) + c * 8;
+            }
+            for (int kt = 0; kt < KT; ++kt) {
+                if (it >= STAGES) mbar_wait(smem_u32(&empty_bar[s]), ph ^ 1u);
+                const unsigned sa = base + s * STAGE_BYTES;
+                const int k0 = kt * BK;
+                if (tid == 0) load_weights_tma(sa, smem_u32(&full_bar[s]), &tmap_w, &tmap_w2, k0, n0);
+#pragma unroll
+                for (int i = 0; i < BM / 16; ++i) cp_async16_sz(sa + sw128_off(r0 + 16 * i, c), asrc[i] + k0, asz[i]);
+                cp_async_arrive(smem_u32(&full_bar[s]));
+                ring_next(s, ph, it);
+            }
+            // The hand-over stage for the write-out: no copies, every arrival at once.
+            if (it >= STAGES) mbar_wait(smem_u32(&empty_bar[s]), ph ^ 1u);
+            mbar_arrive(smem_u32(&full_bar[s]));
+            if (tid == 0) mbar_arrive(smem_u32(&full_bar[s]));
+            ring_next(s, ph, it);
+        }
+        cp_wait<0>();
+        if (tid == 0) {
+            __threadfence();
+            if (atomicAdd(&sched[1], 1) == (int)gridDim.x - 1) {
+                atomicExch(&sched[0], 0);
+                atomicExch(&sched[1], 0);
+            }
+        }
+    } else {
+        const int cw = wg - 1, ct = tid - 128, lane = tid & 31;
+        for (int j = 0;; ++j) {
+            const int slot = j & 1;
+            mbar_wait(smem_u32(&tile_full[slot]), (j >> 1) & 1);
+            // Block-uniform (broadcast) so that the branches around wgmma look uniform.
+            const int t = __shfl_sync(0xffffffffu, tile_id[slot], 0);
+            if (t >= tiles) break;
+            const int nact = __shfl_sync(0xffffffffu, tile_nact[slot], 0);
+            int mt, nt;
+            tile_coords(t, M, N, mt, nt);
+            const int n0 = nt * BN;
+            int st = -1;
+            if (nact > 0) {
+                if (cw * 64 < nact) {
+                    st = consume_tile(base, full_bar, empty_bar, cw, KT, s, ph, it);
+                } else {
+                    // No active row in this sub-tile: pass the stages along.
+                    for (int kt = 0; kt < KT; ++kt) {
+                        mbar_wait(smem_u32(&full_bar[s]), ph);
+                        __syncwarp();
+                        if (lane == 0) mbar_arrive(smem_u32(&empty_bar[s]));
+                        ring_next(s, ph, it);
+                    }
+                    st = s;
+                    mbar_wait(smem_u32(&full_bar[s]), ph);
+                    ring_next(s, ph, it);
+                }
+                consumer_bar();  // both sub-tiles staged
+            }
+            // The tile's rows out: staged results of the active rows, zeros for the inactive
+            // tokens listed after them.
+            const unsigned sbase = base + (st < 0 ? 0 : st) * STAGE_BYTES;
+            for (int i = ct; i < BM * (BN / 8); i += 256) {
+                const int r = i / (BN / 8), cc = i % (BN / 8);
+                const int tok = rows[slot][r];
+                if (tok < 0) continue;
+                uint4 v = make_uint4(0, 0, 0, 0);
+                if (r < nact)
+                    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                                 : "r"(sbase + r * (BN * 2) + ((cc ^ (r & 7)) << 4)));
+                *reinterpret_cast<uint4*>(out + (long long)tok * N + n0 + cc * 8) = v;
+            }
+            // Release the staging stage (the producer refills it with TMA: order these generic
+            // reads before its async-proxy writes) and the descriptor slot.
+            fence_proxy_async();
+            __syncwarp();
+            if (lane == 0) {
+                if (st >= 0) mbar_arrive(smem_u32(&empty_bar[st]));
+                mbar_arrive(smem_u32(&tile_empty[slot]));
+            }
+        }
+    }
+}
+#endif

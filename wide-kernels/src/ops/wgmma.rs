@@ -63,6 +63,9 @@ pub struct WgmmaConfig {
     pub tma: bool,
     /// L2 policies: the gathered x rows evict-last, the outputs evict-first.
     pub l2_hint: bool,
+    /// Persistent grid (`gemm_mn_wgmma_persist`): one block a multiprocessor taking tiles from a
+    /// global counter, the stage ring running on across tiles; needs mi 1, tma, no cluster.
+    pub persist: bool,
 }
 
 impl WgmmaConfig {
@@ -73,7 +76,7 @@ impl WgmmaConfig {
     /// / 0.447-0.464 / 1.729-1.859 against 0.241-0.242 / 0.479-0.481 / 1.874-1.912, gate+up
     /// 0.444 / 0.869-0.875 / 3.445-3.500 against 0.438-0.453 / 0.889-0.907 / 3.463-3.485.
     pub fn default_for(fused: bool) -> Self {
-        Self { mi: if fused { 1 } else { 2 }, stages: 4, async_arrive: true, cluster: 1, tma: true, l2_hint: false }
+        Self { mi: if fused { 1 } else { 2 }, stages: 4, async_arrive: true, cluster: 1, tma: true, l2_hint: false, persist: false }
     }
     /// Token rows of a tile.
     pub fn bm(&self) -> i64 {
@@ -94,16 +97,26 @@ impl WgmmaConfig {
             && self.smem_bytes(fused) <= 227 * 1024
             && (self.cluster == 1 || (self.cluster == 2 && self.async_arrive))
             && (!self.tma || (self.cluster == 1 && self.async_arrive))
+            && (!self.persist || (self.mi == 1 && self.tma && !self.l2_hint))
+    }
+    /// The kernel's entry point.
+    pub fn entry(&self) -> &'static str {
+        if self.persist {
+            "gemm_mn_wgmma_persist"
+        } else {
+            "gemm_mn_wgmma"
+        }
     }
     pub fn label(&self) -> String {
         format!(
-            "wgmma{}x128x64s{}{}{}{}{}",
+            "wgmma{}x128x64s{}{}{}{}{}{}",
             self.bm(),
             self.stages,
             if self.async_arrive { "" } else { "w" },
             if self.cluster == 2 { "c2" } else { "" },
             if self.tma { "t" } else { "" },
-            if self.l2_hint { "h" } else { "" }
+            if self.l2_hint { "h" } else { "" },
+            if self.persist { "p" } else { "" }
         )
     }
 }
@@ -115,9 +128,14 @@ pub fn sweep(fused: bool) -> Vec<WgmmaConfig> {
     for mi in [1, 2] {
         for (stages, async_arrive, cluster, tma) in [(4, true, 1, true), (4, true, 1, false), (4, false, 1, false), (5, true, 1, true), (6, true, 1, true), (7, true, 1, true), (4, true, 2, false), (5, true, 2, false)] {
             for l2_hint in [false, true] {
-                let c = WgmmaConfig { mi, stages, async_arrive, cluster, tma, l2_hint };
+                let c = WgmmaConfig { mi, stages, async_arrive, cluster, tma, l2_hint, persist: false };
                 if c.valid(fused) && !v.contains(&c) && (!l2_hint || (stages == 4 && tma)) {
                     v.push(c);
+                }
+                // The persistent grid at each depth of the TMA path.
+                let p = WgmmaConfig { persist: true, ..c };
+                if !l2_hint && p.valid(fused) && !v.contains(&p) {
+                    v.push(p);
                 }
             }
         }
@@ -154,7 +172,7 @@ pub fn config_for(s: &GemmShape, sparsity: f64, sms: i64) -> WgmmaConfig {
     }
 }
 
-/// `WIDE_WGMMA` (`mi=1,stages=5,arrive=wait,cluster=2`, `tma=1`, `hint=1`; read once), over the
+/// `WIDE_WGMMA` (`mi=1,stages=5,arrive=wait,cluster=2`, `tma=1`, `hint=1`, `persist=1`; read once), over the
 /// default of this op; an invalid one gives the default.
 fn env_config(fused: bool) -> Option<WgmmaConfig> {
     static V: OnceLock<Option<String>> = OnceLock::new();
@@ -169,6 +187,7 @@ fn env_config(fused: bool) -> Option<WgmmaConfig> {
             Some(("cluster", v)) => c.cluster = v.parse().unwrap_or(c.cluster),
             Some(("tma", v)) => c.tma = v == "1",
             Some(("hint", v)) => c.l2_hint = v == "1",
+            Some(("persist", v)) => c.persist = v == "1",
             _ => {}
         }
     }
@@ -187,6 +206,7 @@ pub fn source(f16: bool, fused: bool, c: WgmmaConfig) -> KernelSource {
         .define("CLUSTER", c.cluster)
         .define("TMA_B", c.tma as u32)
         .define("L2_HINT", c.l2_hint as u32)
+        .define("PERSIST", c.persist as u32)
 }
 
 /// Every variant shipped (the defaults and the sweep), for the compile-everything test.
@@ -218,10 +238,19 @@ fn kernel(f16: bool, fused: bool, c: WgmmaConfig, device: usize) -> Result<CudaK
     if let Some(k) = K.get_or_init(Default::default).lock().unwrap().get(&key) {
         return Ok(*k);
     }
-    let k = CudaKernel::get(&source(f16, fused, c), "gemm_mn_wgmma", device)?;
+    let k = CudaKernel::get(&source(f16, fused, c), c.entry(), device)?;
     k.set_max_dynamic_shared_mem(c.smem_bytes(fused))?;
     K.get_or_init(Default::default).lock().unwrap().insert(key, k);
     Ok(k)
+}
+
+/// The persistent kernel's tile counter pair on this device and libtorch's current stream
+/// (zeroed once; each launch leaves it zeroed, and launches on one stream do not overlap).
+fn tile_counter(device: usize) -> Result<Tensor> {
+    static C: OnceLock<Mutex<HashMap<(usize, usize), Tensor>>> = OnceLock::new();
+    let key = (device, crate::shim::current_stream(device)? as usize);
+    let mut m = C.get_or_init(Default::default).lock().unwrap();
+    Ok(m.entry(key).or_insert_with(|| Tensor::zeros([2], (tch::Kind::Int, tch::Device::Cuda(device)))).shallow_clone())
 }
 
 /// Runs gemm_mn / gemm_mn_swiglu (`w2` = w_up) on the wgmma kernel.
@@ -237,7 +266,8 @@ pub(crate) fn launch(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>,
     let (device, f16, x, w, w2) = cuda_inputs(s, x, w, w2)?;
     ensure!(supported(device), "the wgmma kernel needs a compute capability 9.0 (Hopper) GPU; device {device} is not one");
     let fused = s.op == RoutedOp::MnSwiglu;
-    let c = config_for(s, layout.sparsity_hint().unwrap_or(0.5), crate::cuda::multiprocessor_count(device)? as i64);
+    let sms = crate::cuda::multiprocessor_count(device)? as u64;
+    let c = config_for(s, layout.sparsity_hint().unwrap_or(0.5), sms as i64);
     let k = kernel(f16, fused, c, device)?;
     let (perm, count) = layout.lists()?;
     let out = Tensor::empty([s.m, s.n], (x.kind(), x.device()));
@@ -246,7 +276,9 @@ pub(crate) fn launch(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>,
     let units = (s.m as u64).div_ceil(c.bm() as u64).div_ceil(c.cluster as u64);
     let blocks = units * c.cluster as u64 * (s.n / WGMMA_BN) as u64;
     ensure!(blocks <= i32::MAX as u64 && 16 * s.n / WGMMA_BN <= i32::MAX as i64, "too many tiles (M {} x N {}) for one wgmma launch", s.m, s.n);
-    let cfg = LaunchConfig { grid: (blocks as u32, 1, 1), block: (THREADS, 1, 1), shared_mem_bytes: c.smem_bytes(fused) };
+    // The persistent grid: one block a multiprocessor (at most one a tile).
+    let grid = if c.persist { blocks.min(sms) } else { blocks };
+    let cfg = LaunchConfig { grid: (grid as u32, 1, 1), block: (THREADS, 1, 1), shared_mem_bytes: c.smem_bytes(fused) };
     let w_up = w2.as_ref().unwrap_or(&w);
     // Clusters (half a tile, 64 rows x 64 k, a block) and the TMA path (two such boxes a tile)
     // load the weight tiles with TMA.
@@ -255,7 +287,7 @@ pub(crate) fn launch(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>,
     } else {
         (KernelArg::TensorMap([0; 16]), KernelArg::TensorMap([0; 16]))
     };
-    let args = [
+    let mut args = vec![
         KernelArg::tensor(&x)?,
         KernelArg::tensor(&w)?,
         KernelArg::tensor(w_up)?,
@@ -269,10 +301,16 @@ pub(crate) fn launch(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>,
         map_w,
         map_up,
     ];
+    if c.persist {
+        args.push(KernelArg::tensor(&tile_counter(device)?)?);
+        args.push(KernelArg::I32(blocks as i32));
+    }
     // SAFETY: the arguments follow gemm_mn_wgmma's signature; x is [M, K], w and w_up [N, K]
     // (contiguous, 16-byte aligned), perm [N / G, M] and count [N / G] come from this layout,
     // out is [M, N]; the grid has one block for each of ceil(M / bm) x N / 128 tiles (rounded
-    // up to whole clusters); the tensor maps describe w and w_up.
+    // up to whole clusters; the persistent entry: at most one a multiprocessor, with its zeroed
+    // counter pair, which every launch leaves zeroed, and the tile count); the tensor maps
+    // describe w and w_up.
     unsafe { k.launch(cfg, &args)? };
     Ok(out)
 }
@@ -312,15 +350,21 @@ mod tests {
         assert_eq!(WgmmaConfig::default_for(true).smem_bytes(true), 4 * (16384 + 32768) + 1024);
         assert_eq!(WgmmaConfig::default_for(false).bm(), 256);
         // Fused with 256-token tiles would need 256 accumulators a thread.
-        assert!(!WgmmaConfig { mi: 2, stages: 3, async_arrive: true, cluster: 1, tma: false, l2_hint: false }.valid(true));
-        assert!(!WgmmaConfig { mi: 1, stages: 2, async_arrive: true, cluster: 1, tma: false, l2_hint: false }.valid(false));
-        assert!(!WgmmaConfig { mi: 2, stages: 5, async_arrive: true, cluster: 1, tma: false, l2_hint: false }.valid(false), "240 KiB");
-        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 2, tma: false, l2_hint: false }.valid(false), "clusters need the async arrive");
-        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 1, tma: true, l2_hint: false }.valid(false), "TMA weights need the async arrive");
-        assert!(!WgmmaConfig { mi: 1, stages: 4, async_arrive: true, cluster: 2, tma: true, l2_hint: false }.valid(true), "TMA weights are the cluster-free path");
+        assert!(!WgmmaConfig { mi: 2, stages: 3, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false }.valid(true));
+        assert!(!WgmmaConfig { mi: 1, stages: 2, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false }.valid(false));
+        assert!(!WgmmaConfig { mi: 2, stages: 5, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false }.valid(false), "240 KiB");
+        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 2, tma: false, l2_hint: false, persist: false }.valid(false), "clusters need the async arrive");
+        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 1, tma: true, l2_hint: false, persist: false }.valid(false), "TMA weights need the async arrive");
+        assert!(!WgmmaConfig { mi: 1, stages: 4, async_arrive: true, cluster: 2, tma: true, l2_hint: false, persist: false }.valid(true), "TMA weights are the cluster-free path");
         assert!(sweep(false).iter().any(|c| !c.tma && c.cluster == 1) && sweep(true).iter().any(|c| !c.tma && c.cluster == 1), "the cp.async weight path stays in the sweep");
         assert!(WgmmaConfig::default_for(true).tma && WgmmaConfig::default_for(false).tma);
         assert!(sweep(false).iter().any(|c| c.cluster == 2) && sweep(true).iter().any(|c| c.cluster == 2));
+        // The persistent grid: 128-token tiles on the TMA path only, in both sweeps.
+        let p = WgmmaConfig { persist: true, ..WgmmaConfig::default_for(true) };
+        assert!(p.valid(true) && p.entry() == "gemm_mn_wgmma_persist" && p.label().ends_with('p'));
+        assert!(!WgmmaConfig { persist: true, ..WgmmaConfig::default_for(false) }.valid(false), "256-token tiles");
+        assert!(!WgmmaConfig { persist: true, tma: false, ..WgmmaConfig::default_for(true) }.valid(true), "cp.async weights");
+        assert!(sweep(false).iter().any(|c| c.persist) && sweep(true).iter().any(|c| c.persist));
     }
 
     #[test]
