@@ -70,10 +70,6 @@
 #ifndef PERSIST
 #define PERSIST 0
 #endif
-// Measurement knob: 0 drops the consumers' proxy fence after each stage's barrier.
-#ifndef CFENCE
-#define CFENCE 1
-#endif
 #if PERSIST && (MI != 1 || CLUSTER != 1 || !TMA_B || !ASYNC_ARRIVE)
 #error "PERSIST needs MI 1, CLUSTER 1, TMA_B 1 and ASYNC_ARRIVE 1"
 #endif
@@ -212,7 +208,7 @@ __device__ __forceinline__ void consume(unsigned base, const unsigned long long*
     unsigned ph = 0;
     for (int kt = 0; kt < KT; ++kt) {
         mbar_wait(smem_u32(&full_bar[s]), ph);
-#if ASYNC_ARRIVE && CFENCE
+#if ASYNC_ARRIVE
         fence_proxy_async();
 #endif
         const unsigned sa = base + s * STAGE_BYTES + cw * 64 * 128;
@@ -534,9 +530,7 @@ __device__ __forceinline__ int consume_tile(unsigned base, unsigned long long* f
     int prev = 0;
     for (int kt = 0; kt < KT; ++kt) {
         mbar_wait(smem_u32(&full_bar[s]), ph);
-#if CFENCE
         fence_proxy_async();
-#endif
         const unsigned sa = base + s * STAGE_BYTES + cw * 64 * 128;
         const unsigned sb = base + s * STAGE_BYTES + A_BYTES;
         fence_acc(acc);

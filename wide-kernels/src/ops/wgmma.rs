@@ -207,7 +207,6 @@ pub fn source(f16: bool, fused: bool, c: WgmmaConfig) -> KernelSource {
         .define("TMA_B", c.tma as u32)
         .define("L2_HINT", c.l2_hint as u32)
         .define("PERSIST", c.persist as u32)
-        .define("CFENCE", std::env::var("WIDE_WGMMA_CFENCE").map(|v| v != "0").unwrap_or(true) as u32)
 }
 
 /// Every variant shipped (the defaults and the sweep), for the compile-everything test.
