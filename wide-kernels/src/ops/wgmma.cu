@@ -81,17 +81,6 @@
 #if TMA_B && (CLUSTER != 1 || !ASYNC_ARRIVE)
 #error "TMA_B needs CLUSTER 1 and ASYNC_ARRIVE"
 #endif
-// GATHER 1 (with TMA_B, not PERSIST): the x rows come by TMA too, one 128-byte box (64 k x 1
-// row) a gathered row and k step, issued by the producer's first warp; rows past the active ones
-// read row M, outside the map, which fills zeros. The 128-byte swizzle follows the destination
-// address, so a one-row box at row r of a 1024-aligned stage lands in the layout the plain
-// copies write.
-#ifndef GATHER
-#define GATHER 0
-#endif
-#if GATHER && (!TMA_B || PERSIST)
-#error "GATHER needs TMA_B and not PERSIST"
-#endif
 // The weight tiles come by TMA (one producer thread, an expect_tx arrival on the stage barrier).
 #define B_BY_TMA (CLUSTER == 2 || TMA_B)
 
@@ -159,18 +148,15 @@ __device__ __forceinline__ void tma_load_multicast(unsigned dst, const TmaDesc* 
         "l"(reinterpret_cast<unsigned long long>(map)), "r"(k0), "r"(row0), "r"(bar), "h"((unsigned short)3)
         : "memory");
 }
-// The weight tile(s) of the stage at `sa` in two boxes of 64 rows each, completing on `fb`.
-__device__ __forceinline__ void weights_tma(unsigned sa, unsigned fb, const TmaDesc* w, const TmaDesc* w2, int k0, int n0) {
+// The weight tile(s) of the stage at `sa` in two boxes of 64 rows each, by one thread, with the
+// expect_tx arrival on the stage's barrier.
+__device__ __forceinline__ void load_weights_tma(unsigned sa, unsigned fb, const TmaDesc* w, const TmaDesc* w2, int k0, int n0) {
+    mbar_arrive_expect_tx(fb, NB * B_BYTES);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         tma_load_2d(sa + A_BYTES + h * (B_BYTES / 2), w, k0, n0 + 64 * h, fb);
         if (FUSED) tma_load_2d(sa + A_BYTES + B_BYTES + h * (B_BYTES / 2), w2, k0, n0 + 64 * h, fb);
     }
-}
-// The same by one thread, with the expect_tx arrival on the stage's barrier.
-__device__ __forceinline__ void load_weights_tma(unsigned sa, unsigned fb, const TmaDesc* w, const TmaDesc* w2, int k0, int n0) {
-    mbar_arrive_expect_tx(fb, NB * B_BYTES);
-    weights_tma(sa, fb, w, w2, k0, n0);
 }
 
 // A consumer warp's release of a stage: to its own block's producer and, with clusters, to the
@@ -297,9 +283,7 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
                                                                       int M, int N, int K, int G,
                                                                       // CLUSTER 2 or TMA_B: maps of w and w2, boxes of 64 k x 64 rows
                                                                       const __grid_constant__ TmaDesc tmap_w,
-                                                                      const __grid_constant__ TmaDesc tmap_w2,
-                                                                      // GATHER: map of x, boxes of 64 k x 1 row
-                                                                      const __grid_constant__ TmaDesc tmap_x) {
+                                                                      const __grid_constant__ TmaDesc tmap_w2) {
     extern __shared__ unsigned char smem_raw[];
     __shared__ int rows[BM];
     __shared__ __align__(8) unsigned long long full_bar[STAGES], empty_bar[STAGES];
@@ -336,7 +320,7 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
     const bool run = cnt - mu * CLUSTER * BM > 0;
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(smem_u32(&full_bar[s]), GATHER ? 1 : 128 + B_BY_TMA);  // every producer thread (+ the expect_tx); GATHER: the expect_tx
+            mbar_init(smem_u32(&full_bar[s]), 128 + B_BY_TMA);  // every producer thread (+ the expect_tx)
             mbar_init(smem_u32(&empty_bar[s]), 8 * CLUSTER);          // every consumer warp of the cluster
         }
         // The initialised barriers visible to the async proxy (the tensor copies complete on
@@ -357,34 +341,6 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
     if (run) {
         const int KT = K / BK;
         if (wg == 0) {
-#if GATHER
-            // Lane l of the first warp: rows l + 32 i (row M, zeros, past the active ones).
-            if (tid < 32) {
-                int arow[BM / 32];
-#pragma unroll
-                for (int i = 0; i < BM / 32; ++i) {
-                    const int r = tid + 32 * i;
-                    arow[i] = r < nact ? pg[m0 + r] : M;
-                }
-                int s = 0;
-                unsigned ph = 0;
-                for (int kt = 0; kt < KT; ++kt) {
-                    if (kt >= STAGES) mbar_wait(smem_u32(&empty_bar[s]), ph ^ 1u);
-                    const unsigned sa = base + s * STAGE_BYTES, fb = smem_u32(&full_bar[s]);
-                    const int k0 = kt * BK;
-                    if (tid == 0) {
-                        mbar_arrive_expect_tx(fb, A_BYTES + NB * B_BYTES);
-                        weights_tma(sa, fb, &tmap_w, &tmap_w2, k0, n0);
-                    }
-#pragma unroll
-                    for (int i = 0; i < BM / 32; ++i) tma_load_2d(sa + (tid + 32 * i) * 128, &tmap_x, k0, arow[i], fb);
-                    if (++s == STAGES) {
-                        s = 0;
-                        ph ^= 1u;
-                    }
-                }
-            }
-#else
             // Producer: thread t copies chunk c = t % 8 of rows t / 8 + 16 i.
             const int c = tid & 7, r0 = tid >> 3;
 #if TMA_B
@@ -466,7 +422,6 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
             cp_wait<0>();
             fence_proxy_async();
             for (int j = max(KT - LAG, 0); j < KT; ++j) mbar_arrive(smem_u32(&full_bar[j % STAGES]));
-#endif
 #endif
             stage_barriers();
         } else {

@@ -66,9 +66,6 @@ pub struct WgmmaConfig {
     /// Persistent grid (`gemm_mn_wgmma_persist`): one block a multiprocessor taking tiles from a
     /// global counter, the stage ring running on across tiles; needs mi 1, tma, no cluster.
     pub persist: bool,
-    /// The gathered x rows by TMA as well (one 64 k x 1 row box a row and k step) instead of
-    /// 128 threads' cp.async; needs tma, not persist.
-    pub gather: bool,
 }
 
 impl WgmmaConfig {
@@ -79,7 +76,7 @@ impl WgmmaConfig {
     /// / 0.447-0.464 / 1.729-1.859 against 0.241-0.242 / 0.479-0.481 / 1.874-1.912, gate+up
     /// 0.444 / 0.869-0.875 / 3.445-3.500 against 0.438-0.453 / 0.889-0.907 / 3.463-3.485.
     pub fn default_for(fused: bool) -> Self {
-        Self { mi: if fused { 1 } else { 2 }, stages: 4, async_arrive: true, cluster: 1, tma: true, l2_hint: false, persist: false, gather: false }
+        Self { mi: if fused { 1 } else { 2 }, stages: 4, async_arrive: true, cluster: 1, tma: true, l2_hint: false, persist: false }
     }
     /// Token rows of a tile.
     pub fn bm(&self) -> i64 {
@@ -101,7 +98,6 @@ impl WgmmaConfig {
             && (self.cluster == 1 || (self.cluster == 2 && self.async_arrive))
             && (!self.tma || (self.cluster == 1 && self.async_arrive))
             && (!self.persist || (self.mi == 1 && self.tma && !self.l2_hint))
-            && (!self.gather || (self.tma && !self.persist && !self.l2_hint))
     }
     /// The kernel's entry point.
     pub fn entry(&self) -> &'static str {
@@ -113,15 +109,14 @@ impl WgmmaConfig {
     }
     pub fn label(&self) -> String {
         format!(
-            "wgmma{}x128x64s{}{}{}{}{}{}{}",
+            "wgmma{}x128x64s{}{}{}{}{}{}",
             self.bm(),
             self.stages,
             if self.async_arrive { "" } else { "w" },
             if self.cluster == 2 { "c2" } else { "" },
             if self.tma { "t" } else { "" },
             if self.l2_hint { "h" } else { "" },
-            if self.persist { "p" } else { "" },
-            if self.gather { "g" } else { "" }
+            if self.persist { "p" } else { "" }
         )
     }
 }
@@ -133,7 +128,7 @@ pub fn sweep(fused: bool) -> Vec<WgmmaConfig> {
     for mi in [1, 2] {
         for (stages, async_arrive, cluster, tma) in [(4, true, 1, true), (4, true, 1, false), (4, false, 1, false), (5, true, 1, true), (6, true, 1, true), (7, true, 1, true), (4, true, 2, false), (5, true, 2, false)] {
             for l2_hint in [false, true] {
-                let c = WgmmaConfig { mi, stages, async_arrive, cluster, tma, l2_hint, persist: false, gather: false };
+                let c = WgmmaConfig { mi, stages, async_arrive, cluster, tma, l2_hint, persist: false };
                 if c.valid(fused) && !v.contains(&c) && (!l2_hint || (stages == 4 && tma)) {
                     v.push(c);
                 }
@@ -141,11 +136,6 @@ pub fn sweep(fused: bool) -> Vec<WgmmaConfig> {
                 let p = WgmmaConfig { persist: true, ..c };
                 if !l2_hint && p.valid(fused) && !v.contains(&p) {
                     v.push(p);
-                }
-                // The x rows by TMA.
-                let g = WgmmaConfig { gather: true, ..c };
-                if !l2_hint && g.valid(fused) && !v.contains(&g) {
-                    v.push(g);
                 }
             }
         }
@@ -182,7 +172,7 @@ pub fn config_for(s: &GemmShape, sparsity: f64, sms: i64) -> WgmmaConfig {
     }
 }
 
-/// `WIDE_WGMMA` (`mi=1,stages=5,arrive=wait,cluster=2`, `tma=1`, `hint=1`, `persist=1`, `gather=1`; read once), over the
+/// `WIDE_WGMMA` (`mi=1,stages=5,arrive=wait,cluster=2`, `tma=1`, `hint=1`, `persist=1`; read once), over the
 /// default of this op; an invalid one gives the default.
 fn env_config(fused: bool) -> Option<WgmmaConfig> {
     static V: OnceLock<Option<String>> = OnceLock::new();
@@ -198,7 +188,6 @@ fn env_config(fused: bool) -> Option<WgmmaConfig> {
             Some(("tma", v)) => c.tma = v == "1",
             Some(("hint", v)) => c.l2_hint = v == "1",
             Some(("persist", v)) => c.persist = v == "1",
-            Some(("gather", v)) => c.gather = v == "1",
             _ => {}
         }
     }
@@ -218,7 +207,6 @@ pub fn source(f16: bool, fused: bool, c: WgmmaConfig) -> KernelSource {
         .define("TMA_B", c.tma as u32)
         .define("L2_HINT", c.l2_hint as u32)
         .define("PERSIST", c.persist as u32)
-        .define("GATHER", c.gather as u32)
 }
 
 /// Every variant shipped (the defaults and the sweep), for the compile-everything test.
@@ -316,9 +304,6 @@ pub(crate) fn launch(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>,
     if c.persist {
         args.push(KernelArg::tensor(&tile_counter(device)?)?);
         args.push(KernelArg::I32(blocks as i32));
-    } else {
-        // The x map (rows of 64 k a box) for the TMA row gather; zeros otherwise.
-        args.push(if c.gather { crate::cuda::tensor_map_2d(&x, f16, 1, 64)? } else { KernelArg::TensorMap([0; 16]) });
     }
     // SAFETY: the arguments follow gemm_mn_wgmma's signature; x is [M, K], w and w_up [N, K]
     // (contiguous, 16-byte aligned), perm [N / G, M] and count [N / G] come from this layout,
@@ -365,12 +350,12 @@ mod tests {
         assert_eq!(WgmmaConfig::default_for(true).smem_bytes(true), 4 * (16384 + 32768) + 1024);
         assert_eq!(WgmmaConfig::default_for(false).bm(), 256);
         // Fused with 256-token tiles would need 256 accumulators a thread.
-        assert!(!WgmmaConfig { mi: 2, stages: 3, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false, gather: false }.valid(true));
-        assert!(!WgmmaConfig { mi: 1, stages: 2, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false, gather: false }.valid(false));
-        assert!(!WgmmaConfig { mi: 2, stages: 5, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false, gather: false }.valid(false), "240 KiB");
-        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 2, tma: false, l2_hint: false, persist: false, gather: false }.valid(false), "clusters need the async arrive");
-        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 1, tma: true, l2_hint: false, persist: false, gather: false }.valid(false), "TMA weights need the async arrive");
-        assert!(!WgmmaConfig { mi: 1, stages: 4, async_arrive: true, cluster: 2, tma: true, l2_hint: false, persist: false, gather: false }.valid(true), "TMA weights are the cluster-free path");
+        assert!(!WgmmaConfig { mi: 2, stages: 3, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false }.valid(true));
+        assert!(!WgmmaConfig { mi: 1, stages: 2, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false }.valid(false));
+        assert!(!WgmmaConfig { mi: 2, stages: 5, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false }.valid(false), "240 KiB");
+        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 2, tma: false, l2_hint: false, persist: false }.valid(false), "clusters need the async arrive");
+        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 1, tma: true, l2_hint: false, persist: false }.valid(false), "TMA weights need the async arrive");
+        assert!(!WgmmaConfig { mi: 1, stages: 4, async_arrive: true, cluster: 2, tma: true, l2_hint: false, persist: false }.valid(true), "TMA weights are the cluster-free path");
         assert!(sweep(false).iter().any(|c| !c.tma && c.cluster == 1) && sweep(true).iter().any(|c| !c.tma && c.cluster == 1), "the cp.async weight path stays in the sweep");
         assert!(WgmmaConfig::default_for(true).tma && WgmmaConfig::default_for(false).tma);
         assert!(sweep(false).iter().any(|c| c.cluster == 2) && sweep(true).iter().any(|c| c.cluster == 2));
@@ -380,11 +365,6 @@ mod tests {
         assert!(!WgmmaConfig { persist: true, ..WgmmaConfig::default_for(false) }.valid(false), "256-token tiles");
         assert!(!WgmmaConfig { persist: true, tma: false, ..WgmmaConfig::default_for(true) }.valid(true), "cp.async weights");
         assert!(sweep(false).iter().any(|c| c.persist) && sweep(true).iter().any(|c| c.persist));
-        // The TMA row gather: on the TMA weight path, not persistent.
-        let g = WgmmaConfig { gather: true, ..WgmmaConfig::default_for(false) };
-        assert!(g.valid(false) && g.label().ends_with('g'));
-        assert!(!WgmmaConfig { gather: true, tma: false, ..WgmmaConfig::default_for(false) }.valid(false));
-        assert!(!WgmmaConfig { gather: true, persist: true, ..WgmmaConfig::default_for(true) }.valid(true));
     }
 
     #[test]
