@@ -11,6 +11,7 @@
 mod common;
 
 use tch::{Device, Kind, Tensor};
+use wide_kernels::ops::wgmma::WgmmaConfig;
 use wide_kernels::ops::dispatch::{feasible_tiles, skinny_feasible, wgmma_feasible, GemmPath, GemmShape, RoutedOp, TILES};
 use wide_kernels::ops::gemm::{gemm_k_reference, gemm_mn_reference, routed_gemm};
 use wide_kernels::ops::layout::{route_layout, route_layout_reference};
@@ -306,6 +307,43 @@ fn gemm_mn_wgmma_matches_reference() {
         }
         run_mn_case(Kind::BFloat16, 300, 2048, 512, 256, 0.6, fused);
     }
+    // The persistent grid (a sweep configuration): 128-token tiles, the fused kernel's 4 stages and
+    // the plain kernel's 7; grids of more tiles than multiprocessors, fewer, all-zero tiles, k
+    // loops of one to three steps, two launches in a row on one counter.
+    let fused_p = WgmmaConfig { persist: true, ..WgmmaConfig::default_for(true) };
+    let plain_p = WgmmaConfig { mi: 1, stages: 7, persist: true, ..WgmmaConfig::default_for(false) };
+    for (cfg, fused) in [(fused_p, true), (plain_p, false)] {
+        for (kind, m, n, k, g, p) in [
+            (Kind::BFloat16, 2500, 14336, 4096, 128, 0.5),
+            (Kind::BFloat16, 257, 14336, 4096, 128, 0.0),
+            (Kind::BFloat16, 300, 14336, 1024, 128, 1.0),
+            (Kind::Half, 777, 14336, 4096, 128, 0.5),
+            (Kind::BFloat16, 515, 1024, 64, 128, 0.5),
+            (Kind::BFloat16, 515, 1024, 192, 128, 0.5),
+            (Kind::BFloat16, 300, 2048, 512, 256, 0.6),
+        ] {
+            run_wgmma_config_case(cfg, kind, m, n, k, g, p, fused);
+        }
+    }
+}
+
+/// One product on the wgmma kernel in a given configuration against the f32 reference, twice.
+#[allow(clippy::too_many_arguments)]
+fn run_wgmma_config_case(cfg: WgmmaConfig, kind: Kind, m: i64, n: i64, k: i64, g: i64, p_active: f64, fused: bool) {
+    let dev = gpu();
+    let x = Tensor::randn([m, k], (kind, dev));
+    let w = Tensor::randn([n, k], (kind, dev)) * 0.05;
+    let w2 = Tensor::randn([n, k], (kind, dev)) * 0.05;
+    let msk = mask(m, n / g, p_active);
+    let l = route_layout(&msk).unwrap();
+    let up = if fused { Some(&w2) } else { None };
+    let r = gemm_mn_reference(&x.to_kind(Kind::Float), &w.to_kind(Kind::Float), up.map(|u| u.to_kind(Kind::Float)).as_ref(), &msk, g);
+    let off = msk.logical_not().unsqueeze(-1).expand([m, n / g, g], false).reshape([m, n]);
+    for call in 0..2 {
+        poison(m, n, kind);
+        let y = wide_kernels::ops::wgmma::gemm_mn_with(cfg, &x, &w, up, &l, g).unwrap();
+        check(&y, &r, Some(&off), &format!("{} {kind:?} M={m} N={n} K={k} G={g} active={p_active} fused={fused} call {call}", cfg.label()));
+    }
 }
 
 #[test]
@@ -385,6 +423,11 @@ fn sanitizer_small_all_ops() {
     run_mn_case(Kind::Half, 200, 512, 192, 128, 0.5, true);
     // Its 128-token, 7-stage tile (100 computing tiles at 512 tokens; see wgmma::config_for).
     run_mn_case(Kind::BFloat16, 512, 12800, 128, 128, 0.5, false);
+    if wide_kernels::ops::wgmma::supported(0) {
+        // The persistent grid: more tiles than a block takes first, zero-only tiles among them.
+        run_wgmma_config_case(WgmmaConfig { persist: true, ..WgmmaConfig::default_for(true) }, Kind::BFloat16, 700, 4096, 128, 128, 0.5, true);
+        run_wgmma_config_case(WgmmaConfig { mi: 1, stages: 7, persist: true, ..WgmmaConfig::default_for(false) }, Kind::Half, 700, 4096, 192, 128, 0.5, false);
+    }
     run_k_case(Kind::Half, 65, 256, 512, 32, 0.5);
     run_fold_case(Kind::BFloat16, 512, 1024, 64, 512, 32, 12, 4, 0.5);
     run_decode_case(Kind::BFloat16, 2, 8, 2, 300, 128, 2, &[1, 300], 0.5);

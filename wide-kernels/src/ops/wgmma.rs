@@ -255,6 +255,22 @@ fn tile_counter(device: usize) -> Result<Tensor> {
 
 /// Runs gemm_mn / gemm_mn_swiglu (`w2` = w_up) on the wgmma kernel.
 pub(crate) fn launch(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: &RouteLayout) -> Result<Tensor> {
+    launch_config(s, x, w, w2, layout, None)
+}
+
+/// gemm_mn (`w_up` None) or gemm_mn_swiglu on the wgmma kernel in one given configuration (for
+/// tests and sweeps; the routed ops pick theirs with [`config_for`]). `group` channels a group,
+/// the layout's groups over the output width.
+pub fn gemm_mn_with(config: WgmmaConfig, x: &Tensor, w: &Tensor, w_up: Option<&Tensor>, layout: &RouteLayout, group: i64) -> Result<Tensor> {
+    let op = if w_up.is_some() { RoutedOp::MnSwiglu } else { RoutedOp::Mn };
+    ensure!(config.valid(op == RoutedOp::MnSwiglu), "wgmma configuration {} cannot run {op:?}", config.label());
+    let (xs, ws) = (x.size(), w.size());
+    ensure!(xs.len() == 2 && ws.len() == 2 && xs[1] == ws[1], "gemm_mn_with: x {xs:?} and w {ws:?} must be [M, K] and [N, K]");
+    let s = GemmShape { op, m: xs[0], n: ws[0], k: xs[1], group };
+    launch_config(&s, x, w, w_up, layout, Some(config))
+}
+
+fn launch_config(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: &RouteLayout, config: Option<WgmmaConfig>) -> Result<Tensor> {
     ensure!(
         wgmma_feasible(s),
         "the wgmma kernel cannot run {:?} with N {} K {} group {} (needs gemm_mn, 128 | group, 64 | K)",
@@ -267,7 +283,10 @@ pub(crate) fn launch(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>,
     ensure!(supported(device), "the wgmma kernel needs a compute capability 9.0 (Hopper) GPU; device {device} is not one");
     let fused = s.op == RoutedOp::MnSwiglu;
     let sms = crate::cuda::multiprocessor_count(device)? as u64;
-    let c = config_for(s, layout.sparsity_hint().unwrap_or(0.5), sms as i64);
+    let c = match config {
+        Some(c) => c,
+        None => config_for(s, layout.sparsity_hint().unwrap_or(0.5), sms as i64),
+    };
     let k = kernel(f16, fused, c, device)?;
     let (perm, count) = layout.lists()?;
     let out = Tensor::empty([s.m, s.n], (x.kind(), x.device()));
