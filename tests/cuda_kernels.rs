@@ -67,17 +67,35 @@ fn paths_for(s: &GemmShape) -> Vec<GemmPath> {
     p
 }
 
-fn run_mn_case(kind: Kind, m: i64, n: i64, k: i64, g: i64, p_active: f64, fused: bool) {
+/// A gemm_mn case: x `[m, k]`, w and w_up `[n, k]`, a mask with `p_active` of its groups on, its
+/// layout, the f32 reference and the mask of skipped outputs.
+struct MnCase {
+    x: Tensor,
+    w: Tensor,
+    w2: Tensor,
+    msk: Tensor,
+    l: wide_kernels::RouteLayout,
+    r: Tensor,
+    off: Tensor,
+}
+
+fn mn_case(kind: Kind, m: i64, n: i64, k: i64, g: i64, p_active: f64, fused: bool) -> MnCase {
     let dev = gpu();
     let x = Tensor::randn([m, k], (kind, dev));
     let w = Tensor::randn([n, k], (kind, dev)) * 0.05;
     let w2 = Tensor::randn([n, k], (kind, dev)) * 0.05;
     let msk = mask(m, n / g, p_active);
     let l = route_layout(&msk).unwrap();
+    let up = if fused { Some(w2.to_kind(Kind::Float)) } else { None };
+    let r = gemm_mn_reference(&x.to_kind(Kind::Float), &w.to_kind(Kind::Float), up.as_ref(), &msk, g);
+    let off = msk.logical_not().unsqueeze(-1).expand([m, n / g, g], false).reshape([m, n]);
+    MnCase { x, w, w2, msk, l, r, off }
+}
+
+fn run_mn_case(kind: Kind, m: i64, n: i64, k: i64, g: i64, p_active: f64, fused: bool) {
+    let MnCase { x, w, w2, msk, l, r, off } = mn_case(kind, m, n, k, g, p_active, fused);
     let op = if fused { RoutedOp::MnSwiglu } else { RoutedOp::Mn };
     let up = if fused { Some(&w2) } else { None };
-    let r = gemm_mn_reference(&x.to_kind(Kind::Float), &w.to_kind(Kind::Float), up.map(|u| u.to_kind(Kind::Float)).as_ref(), &msk, g);
-    let off = msk.logical_not().unsqueeze(-1).expand([m, n / g, g], false).reshape([m, n]);
     let s = GemmShape { op, m, n, k, group: g };
     for p in paths_for(&s) {
         poison(m, n, kind);
@@ -330,15 +348,8 @@ fn gemm_mn_wgmma_matches_reference() {
 /// One product on the wgmma kernel in a given configuration against the f32 reference, twice.
 #[allow(clippy::too_many_arguments)]
 fn run_wgmma_config_case(cfg: WgmmaConfig, kind: Kind, m: i64, n: i64, k: i64, g: i64, p_active: f64, fused: bool) {
-    let dev = gpu();
-    let x = Tensor::randn([m, k], (kind, dev));
-    let w = Tensor::randn([n, k], (kind, dev)) * 0.05;
-    let w2 = Tensor::randn([n, k], (kind, dev)) * 0.05;
-    let msk = mask(m, n / g, p_active);
-    let l = route_layout(&msk).unwrap();
+    let MnCase { x, w, w2, l, r, off, .. } = mn_case(kind, m, n, k, g, p_active, fused);
     let up = if fused { Some(&w2) } else { None };
-    let r = gemm_mn_reference(&x.to_kind(Kind::Float), &w.to_kind(Kind::Float), up.map(|u| u.to_kind(Kind::Float)).as_ref(), &msk, g);
-    let off = msk.logical_not().unsqueeze(-1).expand([m, n / g, g], false).reshape([m, n]);
     for call in 0..2 {
         poison(m, n, kind);
         let y = wide_kernels::ops::wgmma::gemm_mn_with(cfg, &x, &w, up, &l, g).unwrap();

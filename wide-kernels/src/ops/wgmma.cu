@@ -184,6 +184,43 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], unsigned long 
 }
 #endif
 
+// Row r0 + 16 i of the tile (chunk c a k step): its source (row 0 of x when inactive, a valid
+// address that the zero-byte copy does not read) and its copy size (16 or 0 bytes: zero-filled),
+// both fixed for the k loop, so each copy is one address add.
+__device__ __forceinline__ void row_sources(const T* x, const int* pg, int m0, int nact, int K, int r0, int c, const T* (&asrc)[BM / 16],
+                                            int (&asz)[BM / 16]) {
+#pragma unroll
+    for (int i = 0; i < BM / 16; ++i) {
+        const int r = r0 + 16 * i;
+        const bool v = r < nact;
+        asz[i] = v ? 16 : 0;
+        asrc[i] = x + (v ? (long long)pg[m0 + r] * K : 0) + c * 8;
+    }
+}
+
+// A consumer thread's accumulators of one 64-row sub-tile (rows from `row0`; the SwiGLU applied)
+// into the staging area at `sbase`. Fragment: register 4j + e holds row 16 warp + lane / 4 (+8
+// for e >= 2), column 8 j + 2 (lane % 4) + (e % 2). Staged as [BM rows][BN columns] of T, 256
+// bytes a row, 16-byte chunk j of row r at chunk j ^ (r % 8): a warp's eight rows of one chunk
+// then fall on 32 different banks.
+__device__ __forceinline__ void stage_subtile(unsigned sbase, const float (&acc)[NB * 64], int row0) {
+    const int warp = (threadIdx.x & 127) >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = row0 + warp * 16 + (lane >> 2) + 8 * h;
+        const unsigned srow = sbase + r * (BN * 2) + (lane & 3) * 4;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
+#if FUSED
+            v0 = silu(v0) * acc[64 + 4 * j + 2 * h];
+            v1 = silu(v1) * acc[64 + 4 * j + 2 * h + 1];
+#endif
+            asm volatile("st.shared.u32 [%0], %1;" ::"r"(srow + ((j ^ (r & 7)) << 4)), "r"(pack2(v0, v1)) : "memory");
+        }
+    }
+}
+
 // The two block barriers around the staging of a computing block's results (the consumers
 // write the stage memory between them); the producer and a consumer without active rows pass
 // them too.
@@ -197,7 +234,7 @@ __device__ __forceinline__ void stage_barriers() {
 // block barriers every thread of a computing block passes (see `stage_barriers`).
 template <int NS>
 __device__ __forceinline__ void consume(unsigned base, const unsigned long long* full_bar, const unsigned long long* empty_bar, int cw, int KT) {
-    const int ct = threadIdx.x & 127, warp = ct >> 5, lane = threadIdx.x & 31;
+    const int lane = threadIdx.x & 31;
     // Sub-tile i's accumulators: the gate (or only) tile in 0-63, the up tile in 64-127.
     float acc[NS][NB * 64];
 #pragma unroll
@@ -250,26 +287,8 @@ __device__ __forceinline__ void consume(unsigned base, const unsigned long long*
     // barrier (the producer's copies completed before the last stage was consumed), so the
     // stage memory is free for the staged results.
     __syncthreads();
-    // Accumulator fragment: register 4j + e holds row 16 warp + lane / 4 (+8 for e >= 2),
-    // column 8 j + 2 (lane % 4) + (e % 2). Staged as [BM rows][BN columns] of T, 256 bytes a
-    // row, 16-byte chunk j of row r at chunk j ^ (r % 8): a warp's eight rows of one chunk then
-    // fall on 32 different banks.
 #pragma unroll
-    for (int i = 0; i < NS; ++i)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = (cw + 2 * i) * 64 + warp * 16 + (lane >> 2) + 8 * h;
-            const unsigned srow = base + r * (BN * 2) + (lane & 3) * 4;
-#pragma unroll
-            for (int j = 0; j < 16; ++j) {
-                float v0 = acc[i][4 * j + 2 * h], v1 = acc[i][4 * j + 2 * h + 1];
-#if FUSED
-                v0 = silu(v0) * acc[i][64 + 4 * j + 2 * h];
-                v1 = silu(v1) * acc[i][64 + 4 * j + 2 * h + 1];
-#endif
-                asm volatile("st.shared.u32 [%0], %1;" ::"r"(srow + ((j ^ (r & 7)) << 4)), "r"(pack2(v0, v1)) : "memory");
-            }
-        }
+    for (int i = 0; i < NS; ++i) stage_subtile(base, acc[i], (cw + 2 * i) * 64);
     __syncthreads();
 }
 
@@ -349,18 +368,9 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
             if (tid == 0)
                 for (int kt = 0; kt < min(STAGES, KT); ++kt) load_weights_tma(base + kt * STAGE_BYTES, smem_u32(&full_bar[kt]), &tmap_w, &tmap_w2, kt * BK, n0);
 #endif
-            // Row r0 + 16 i: its source (row 0 of x when inactive, a valid address that the
-            // zero-byte copy does not read) and its copy size (16 or 0 bytes: zero-filled), both
-            // fixed for the k loop, so each copy is one address add.
             const T* asrc[BM / 16];
             int asz[BM / 16];
-#pragma unroll
-            for (int i = 0; i < BM / 16; ++i) {
-                const int r = r0 + 16 * i;
-                const bool v = r < nact;
-                asz[i] = v ? 16 : 0;
-                asrc[i] = x + (v ? (long long)pg[m0 + r] * K : 0) + c * 8;
-            }
+            row_sources(x, pg, m0, nact, K, r0, c, asrc, asz);
 #if !B_BY_TMA
             const T* bsrc = w + (long long)(n0 + r0) * K + c * 8;
             const T* bsrc2 = w2 + (long long)(n0 + r0) * K + c * 8;
@@ -523,7 +533,7 @@ __device__ __forceinline__ void ring_next(int& s, unsigned& ph, int& it) {
 // staging stage's index.
 __device__ __forceinline__ int consume_tile(unsigned base, unsigned long long* full_bar, unsigned long long* empty_bar, int cw, int KT, int& s,
                                             unsigned& ph, int& it) {
-    const int ct = threadIdx.x & 127, warp = ct >> 5, lane = threadIdx.x & 31;
+    const int lane = threadIdx.x & 31;
     float acc[NB * 64];
 #pragma unroll
     for (int e = 0; e < NB * 64; ++e) acc[e] = 0.f;
@@ -561,20 +571,7 @@ __device__ __forceinline__ int consume_tile(unsigned base, unsigned long long* f
     mbar_wait(smem_u32(&full_bar[s]), ph);
     ring_next(s, ph, it);
     const unsigned sbase = base + st * STAGE_BYTES;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int r = cw * 64 + warp * 16 + (lane >> 2) + 8 * h;
-        const unsigned srow = sbase + r * (BN * 2) + (lane & 3) * 4;
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-            float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
-#if FUSED
-            v0 = silu(v0) * acc[64 + 4 * j + 2 * h];
-            v1 = silu(v1) * acc[64 + 4 * j + 2 * h + 1];
-#endif
-            asm volatile("st.shared.u32 [%0], %1;" ::"r"(srow + ((j ^ (r & 7)) << 4)), "r"(pack2(v0, v1)) : "memory");
-        }
-    }
+    stage_subtile(sbase, acc, cw * 64);
     return st;
 }
 
@@ -634,13 +631,7 @@ gemm_mn_wgmma_persist(const T* __restrict__ x, const T* __restrict__ w, const T*
             if (nact <= 0) continue;
             const T* asrc[BM / 16];
             int asz[BM / 16];
-#pragma unroll
-            for (int i = 0; i < BM / 16; ++i) {
-                const int r = r0 + 16 * i;
-                const bool v = r < nact;
-                asz[i] = v ? 16 : 0;
-                asrc[i] = x + (v ? (long long)pg[m0 + r] * K : 0) + c * 8;
-            }
+            row_sources(x, pg, m0, nact, K, r0, c, asrc, asz);
             for (int kt = 0; kt < KT; ++kt) {
                 if (it >= STAGES) mbar_wait(smem_u32(&empty_bar[s]), ph ^ 1u);
                 const unsigned sa = base + s * STAGE_BYTES;
