@@ -266,6 +266,15 @@ pub fn gemm_mn_with(config: WgmmaConfig, x: &Tensor, w: &Tensor, w_up: Option<&T
     ensure!(config.valid(op == RoutedOp::MnSwiglu), "wgmma configuration {} cannot run {op:?}", config.label());
     let (xs, ws) = (x.size(), w.size());
     ensure!(xs.len() == 2 && ws.len() == 2 && xs[1] == ws[1], "gemm_mn_with: x {xs:?} and w {ws:?} must be [M, K] and [N, K]");
+    ensure!(group > 0 && ws[0] % group == 0, "gemm_mn_with: group {group} must divide the {} output channels", ws[0]);
+    ensure!(
+        layout.tokens() == xs[0] && layout.groups() == ws[0] / group,
+        "gemm_mn_with: the layout is for a mask [{}, {}] but x has {} tokens and w {} groups of {group}",
+        layout.tokens(),
+        layout.groups(),
+        xs[0],
+        ws[0] / group
+    );
     let s = GemmShape { op, m: xs[0], n: ws[0], k: xs[1], group };
     launch_config(&s, x, w, w_up, layout, Some(config))
 }
@@ -384,6 +393,22 @@ mod tests {
         assert!(!WgmmaConfig { persist: true, ..WgmmaConfig::default_for(false) }.valid(false), "256-token tiles");
         assert!(!WgmmaConfig { persist: true, tma: false, ..WgmmaConfig::default_for(true) }.valid(true), "cp.async weights");
         assert!(sweep(false).iter().any(|c| c.persist) && sweep(true).iter().any(|c| c.persist));
+    }
+
+    #[test]
+    fn gemm_mn_with_rejects_bad_inputs() {
+        use tch::{Device, Kind};
+        let x = Tensor::zeros([8, 128], (Kind::BFloat16, Device::Cpu));
+        let w = Tensor::zeros([256, 128], (Kind::BFloat16, Device::Cpu));
+        let lay = crate::ops::layout::route_layout(&Tensor::ones([8, 2], (Kind::Bool, Device::Cpu))).unwrap();
+        let err = |c: WgmmaConfig, l: &RouteLayout, g: i64| gemm_mn_with(c, &x, &w, None, l, g).unwrap_err().to_string();
+        let persist_plain = WgmmaConfig { persist: true, ..WgmmaConfig::default_for(false) };
+        assert!(err(persist_plain, &lay, 128).contains("cannot run"), "{}", err(persist_plain, &lay, 128));
+        let ok = WgmmaConfig { mi: 1, persist: true, ..WgmmaConfig::default_for(false) };
+        assert!(err(ok, &lay, 100).contains("must divide"), "{}", err(ok, &lay, 100));
+        let other = crate::ops::layout::route_layout(&Tensor::ones([8, 4], (Kind::Bool, Device::Cpu))).unwrap();
+        assert!(err(ok, &other, 128).contains("the layout is for a mask [8, 4]"), "{}", err(ok, &other, 128));
+        assert!(err(ok, &lay, 128).contains("CUDA"), "{}", err(ok, &lay, 128));
     }
 
     #[test]
