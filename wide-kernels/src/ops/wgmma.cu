@@ -221,6 +221,32 @@ __device__ __forceinline__ void stage_subtile(unsigned sbase, const float (&acc)
     }
 }
 
+// A tile's rows out, 16 bytes a thread (threads `first`, `first + stride`, ...), a row's 256
+// bytes by 16 consecutive threads: the results staged at `sbase` for the active rows (r < nact),
+// zeros for the inactive tokens listed after them; rows[r] < 0 (past M) are skipped.
+__device__ __forceinline__ void write_rows(T* out, const int* rows, int nact, unsigned sbase, int N, int n0, int first, int stride) {
+#if L2_HINT
+    const unsigned long long opol = l2_policy_evict_first();
+#endif
+    for (int i = first; i < BM * (BN / 8); i += stride) {
+        const int r = i / (BN / 8), c = i % (BN / 8);
+        const int tok = rows[r];
+        if (tok < 0) continue;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (r < nact)
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                         : "r"(sbase + r * (BN * 2) + ((c ^ (r & 7)) << 4)));
+#if L2_HINT
+        asm volatile("st.global.L1::no_allocate.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(out + (long long)tok * N + n0 + c * 8),
+                     "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "l"(opol)
+                     : "memory");
+#else
+        *reinterpret_cast<uint4*>(out + (long long)tok * N + n0 + c * 8) = v;
+#endif
+    }
+}
+
 // The two block barriers around the staging of a computing block's results (the consumers
 // write the stage memory between them); the producer and a consumer without active rows pass
 // them too.
@@ -467,29 +493,8 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
         }
     }
     if (!run) __syncthreads();  // the rows filled above
-    // The tile's rows out, 16 bytes a thread, a row's 256 bytes by 16 consecutive threads: the
-    // staged results of the active rows, zeros for the inactive tokens listed after them (all
-    // rows when the tile has no active one; nothing was staged then).
-#if L2_HINT
-    const unsigned long long opol = l2_policy_evict_first();
-#endif
-    for (int i = tid; i < BM * (BN / 8); i += THREADS) {
-        const int r = i / (BN / 8), c = i % (BN / 8);
-        const int tok = rows[r];
-        if (tok < 0) continue;
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (r < nact)
-            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                         : "r"(base + r * (BN * 2) + ((c ^ (r & 7)) << 4)));
-#if L2_HINT
-        asm volatile("st.global.L1::no_allocate.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(out + (long long)tok * N + n0 + c * 8),
-                     "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "l"(opol)
-                     : "memory");
-#else
-        *reinterpret_cast<uint4*>(out + (long long)tok * N + n0 + c * 8) = v;
-#endif
-    }
+    // All rows when the tile has no active one (nothing was staged then).
+    write_rows(out, rows, nact, base, N, n0, tid, THREADS);
 #if CLUSTER == 2
     // The other block may still arrive on this block's barriers: leave together.
     cluster_sync();
@@ -686,20 +691,7 @@ gemm_mn_wgmma_persist(const T* __restrict__ x, const T* __restrict__ w, const T*
                 }
                 consumer_bar();  // both sub-tiles staged
             }
-            // The tile's rows out: staged results of the active rows, zeros for the inactive
-            // tokens listed after them.
-            const unsigned sbase = base + (st < 0 ? 0 : st) * STAGE_BYTES;
-            for (int i = ct; i < BM * (BN / 8); i += 256) {
-                const int r = i / (BN / 8), cc = i % (BN / 8);
-                const int tok = rows[slot][r];
-                if (tok < 0) continue;
-                uint4 v = make_uint4(0, 0, 0, 0);
-                if (r < nact)
-                    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                                 : "r"(sbase + r * (BN * 2) + ((cc ^ (r & 7)) << 4)));
-                *reinterpret_cast<uint4*>(out + (long long)tok * N + n0 + cc * 8) = v;
-            }
+            write_rows(out, rows[slot], nact, base + (st < 0 ? 0 : st) * STAGE_BYTES, N, n0, ct, 256);
             // Release the staging stage (the producer refills it with TMA: order these generic
             // reads before its async-proxy writes) and the descriptor slot.
             fence_proxy_async();
