@@ -405,6 +405,11 @@ struct KernelsArgs {
     /// L2 modes, comma separated: cold (flushed between timed runs), warm.
     #[arg(long, value_delimiter = ',', default_value = "cold,warm")]
     l2: Vec<String>,
+    /// Masks of the projections: random (each token keeps each group with probability 1 - s),
+    /// or prefix (every group keeps the same first (1 - s) M tokens: contiguous gathered rows,
+    /// a diagnostic of what the gather costs). Attention ops always draw random masks.
+    #[arg(long, default_value = "random")]
+    mask_pattern: String,
     #[arg(long, default_value = "cuda")]
     device: String,
     #[arg(long, default_value = "bf16")]
@@ -668,6 +673,7 @@ fn run(cli: Cli) -> Result<()> {
                 groups: a.groups,
                 sparsity: a.sparsity,
                 l2: a.l2,
+                mask_pattern: a.mask_pattern.parse()?,
                 warmup: a.warmup,
                 iters: a.iters,
                 device,

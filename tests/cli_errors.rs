@@ -137,6 +137,12 @@ fn bench_kernels_names_a_bad_l2_mode() {
 }
 
 #[test]
+fn bench_kernels_names_a_bad_mask_pattern() {
+    let out = run_wide(&["bench", "kernels", "--ops", "up", "--mask-pattern", "striped", "--device", "cpu"]);
+    assert_clear_error(&out, "unknown mask pattern `striped`: use random or prefix");
+}
+
+#[test]
 fn bench_e2e_names_an_op_it_cannot_repeat() {
     // Checked before the model is built.
     let out = run_wide(&["bench", "e2e", "--device", "cpu", "--repeat-ops", "qkv,router"]);

@@ -345,6 +345,54 @@ fn gemm_mn_wgmma_matches_reference() {
     }
 }
 
+/// Contiguous tiles (`row_tma`: x rows by TMA where a tile's listed tokens are consecutive)
+/// against the f32 reference, with the cp.async gather on the same inputs beside it: every
+/// group all-on (every tile contiguous, the last one running past M), the same first tokens in
+/// every group (contiguous tiles, then a partial one whose rows past the active ones are tokens
+/// the group skips), trailing groups all-on over a random mask (the fused Q|K|V's shape:
+/// contiguous and gathered tiles in one grid). Outputs poisoned before every call. Hopper only.
+#[test]
+fn gemm_mn_wgmma_contiguous_tiles_match_reference() {
+    let dev = gpu();
+    if !wide_kernels::ops::wgmma::supported(0) {
+        eprintln!("skipped: the wgmma kernel needs a compute capability 9.0 GPU");
+        return;
+    }
+    tch::manual_seed(19);
+    for fused in [false, true] {
+        let d = WgmmaConfig::default_for(fused);
+        assert!(d.row_tma_on(), "contiguous tiles by TMA are the default");
+        // The plain kernel's deep 128-token tile too (the fused kernel has one tile).
+        let mut cfgs = vec![d, WgmmaConfig { row_tma: false, ..d }];
+        if !fused {
+            cfgs.push(WgmmaConfig { mi: 1, stages: 7, ..d });
+        }
+        for (kind, m, n, k, g) in [(Kind::BFloat16, 700, 4096, 1024, 128), (Kind::Half, 333, 2048, 192, 256), (Kind::BFloat16, 2048, 14336, 4096, 128)] {
+            let ng = n / g;
+            let all = Tensor::ones([m, ng], (Kind::Bool, dev));
+            let prefix = Tensor::arange(m, (Kind::Int64, dev)).lt(m * 3 / 5).unsqueeze(1).expand([m, ng], false).contiguous();
+            let mixed = mask(m, ng, 0.5);
+            let _ = mixed.narrow(1, ng - ng / 4, ng / 4).fill_(1);
+            for (name, msk) in [("all on", &all), ("prefix", &prefix), ("trailing groups on", &mixed)] {
+                let x = Tensor::randn([m, k], (kind, dev));
+                let w = Tensor::randn([n, k], (kind, dev)) * 0.05;
+                let w2 = Tensor::randn([n, k], (kind, dev)) * 0.05;
+                let up = if fused { Some(&w2) } else { None };
+                let r = gemm_mn_reference(&x.to_kind(Kind::Float), &w.to_kind(Kind::Float), up.map(|u| u.to_kind(Kind::Float)).as_ref(), msk, g);
+                let off = msk.logical_not().unsqueeze(-1).expand([m, ng, g], false).reshape([m, n]);
+                let l = route_layout(msk).unwrap();
+                for &cfg in &cfgs {
+                    for call in 0..2 {
+                        poison(m, n, kind);
+                        let y = wide_kernels::ops::wgmma::gemm_mn_with(cfg, &x, &w, up, &l, g).unwrap();
+                        check(&y, &r, Some(&off), &format!("{} {kind:?} M={m} N={n} K={k} G={g} {name} fused={fused} call {call}", cfg.label()));
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// One product on the wgmma kernel in a given configuration against the f32 reference, twice.
 #[allow(clippy::too_many_arguments)]
 fn run_wgmma_config_case(cfg: WgmmaConfig, kind: Kind, m: i64, n: i64, k: i64, g: i64, p_active: f64, fused: bool) {
@@ -432,6 +480,9 @@ fn sanitizer_small_all_ops() {
     // The wgmma kernel (Hopper): k loops of 2 and 3 steps, a partial token tile.
     run_mn_case(Kind::BFloat16, 200, 512, 128, 128, 0.5, false);
     run_mn_case(Kind::Half, 200, 512, 192, 128, 0.5, true);
+    // Its contiguous tiles (every group on): x rows by TMA, the last tile past M.
+    run_mn_case(Kind::BFloat16, 300, 512, 128, 128, 1.0, false);
+    run_mn_case(Kind::Half, 300, 512, 192, 128, 1.0, true);
     // Its 128-token, 7-stage tile (100 computing tiles at 512 tokens; see wgmma::config_for).
     run_mn_case(Kind::BFloat16, 512, 12800, 128, 128, 0.5, false);
     if wide_kernels::ops::wgmma::supported(0) {

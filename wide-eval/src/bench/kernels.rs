@@ -3,7 +3,8 @@
 //! 14336->4096), over M, group size and sparsity, with cold L2 (a buffer of at least twice the
 //! L2 size is written between timed runs) and warm.
 //!
-//! Every timed iteration draws a fresh random mask (outside the timed region) and times, with
+//! Every timed iteration draws a fresh mask (random; `--mask-pattern prefix` keeps the same first
+//! tokens in every group, a diagnostic of the row gather) outside the timed region and times, with
 //! CUDA events: dense = the cuBLAS product(s) alone (plus SiLU-multiply for gate+up); routed =
 //! building the routing layout + the routed kernel (GEMV for M <= 16, else the autotuned best
 //! of the mma.sync tiles and, on Hopper, the wgmma kernel); dispatch = layout + whatever the policy picks. Outputs are checked against the f32
@@ -33,6 +34,8 @@ pub struct KernelBenchConfig {
     pub sparsity: Vec<f64>,
     /// Any of `cold`, `warm`.
     pub l2: Vec<String>,
+    /// How the projections' masks are drawn.
+    pub mask_pattern: MaskPattern,
     pub warmup: usize,
     pub iters: usize,
     pub device: Device,
@@ -40,6 +43,47 @@ pub struct KernelBenchConfig {
     pub out: Option<PathBuf>,
     pub commit: String,
     pub seed: i64,
+}
+
+/// How `bench kernels` draws a projection's mask `[M, groups]` at skip rate s.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MaskPattern {
+    /// Each (token, group) kept with probability 1 - s, independently: what the targets use.
+    Random,
+    /// Every group keeps the same first ceil((1 - s) M) tokens: each group's gathered rows are
+    /// consecutive tokens, so the routed kernels' row gather reads contiguous memory (a
+    /// diagnostic of the gather's cost, not a routing anyone would learn).
+    Prefix,
+}
+
+impl std::str::FromStr for MaskPattern {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "random" => Ok(Self::Random),
+            "prefix" => Ok(Self::Prefix),
+            o => bail!("unknown mask pattern `{o}`: use random or prefix"),
+        }
+    }
+}
+
+impl MaskPattern {
+    /// A fresh `[m, ng]` boolean mask at skip rate `s`.
+    fn draw(self, m: i64, ng: i64, s: f64, device: Device) -> Tensor {
+        match self {
+            Self::Random => Tensor::rand([m, ng], (Kind::Float, device)).ge(s),
+            Self::Prefix => {
+                let keep = ((1.0 - s) * m as f64).ceil() as i64;
+                Tensor::arange(m, (Kind::Int64, device)).lt(keep).unsqueeze(1).expand([m, ng], false).contiguous()
+            }
+        }
+    }
+    fn label(self) -> &'static str {
+        match self {
+            Self::Random => "random",
+            Self::Prefix => "prefix",
+        }
+    }
 }
 
 struct OpSpec {
@@ -139,7 +183,7 @@ pub fn run(cfg: &KernelBenchConfig) -> Result<serde_json::Value> {
                 }
                 let ng = routed_dim / g;
                 for &s in &cfg.sparsity {
-                    let new_mask = || Tensor::rand([m, ng], (Kind::Float, device)).ge(s);
+                    let new_mask = || cfg.mask_pattern.draw(m, ng, s, device);
                     // Check first: dispatch and the routed kernel against the f32 reference.
                     // Inputs of gemm_k ops are zero at skipped slices, as in the model.
                     let input = |msk: &Tensor| -> Tensor {
@@ -261,7 +305,8 @@ pub fn run(cfg: &KernelBenchConfig) -> Result<serde_json::Value> {
         "provenance": prov,
         "settings": {"dtype": format!("{:?}", kind), "warmup": cfg.warmup, "iters": cfg.iters, "l2_bytes": l2,
                      "flush_bytes": flush.numel() * 4,
-                     "timing": "median of CUDA-event-timed iterations; fresh random mask each iteration; routed and dispatch include building the routing layout"},
+                     "timing": "median of CUDA-event-timed iterations; fresh random mask each iteration; routed and dispatch include building the routing layout",
+                     "mask_pattern": cfg.mask_pattern.label()},
         "ceilings": ceil,
         "records": records,
         "autotune": tuned,
@@ -576,4 +621,26 @@ fn bench_attn_prefill(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Ten
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mask_patterns() {
+        let (m, ng) = (10, 3);
+        let p = MaskPattern::Prefix.draw(m, ng, 0.5, Device::Cpu);
+        assert_eq!(p.size(), [m, ng]);
+        // The same first ceil(0.5 * 10) = 5 tokens in every group.
+        let rows: Vec<i64> = Vec::try_from(p.to_kind(Kind::Int64).sum_dim_intlist([1i64].as_slice(), false, Kind::Int64)).unwrap();
+        assert_eq!(rows, [3, 3, 3, 3, 3, 0, 0, 0, 0, 0]);
+        let p = MaskPattern::Prefix.draw(m, ng, 0.75, Device::Cpu);
+        assert_eq!(p.sum(Kind::Int64).int64_value(&[]), 3 * 3, "ceil(0.25 * 10) = 3 tokens");
+        let r = MaskPattern::Random.draw(1000, 8, 0.25, Device::Cpu);
+        let kept = r.to_kind(Kind::Float).mean(Kind::Float).double_value(&[]);
+        assert!((kept - 0.75).abs() < 0.03, "{kept}");
+        assert_eq!("prefix".parse::<MaskPattern>().unwrap(), MaskPattern::Prefix);
+        assert!("striped".parse::<MaskPattern>().unwrap_err().to_string().contains("use random or prefix"));
+    }
 }

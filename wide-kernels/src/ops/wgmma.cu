@@ -15,6 +15,9 @@
 //                 (needs ASYNC_ARRIVE 1)
 //   TMA_B         1 (with CLUSTER 1 and ASYNC_ARRIVE 1): one producer thread loads the weight
 //                 tile(s) with TMA instead of 128 threads' cp.async
+//   ROW_TMA       1 (with TMA_B, plain entry): a tile whose listed rows are consecutive tokens
+//                 (every row of an always-on group, a mask that keeps a contiguous run) loads
+//                 them with TMA too (a tensor map over x), the others keep the cp.async gather
 //
 // Same contract as gemm_mn_tiled in routed.cu: tile (mt, nt) works on list entries
 // [mt*BM, mt*BM+BM) of group g = nt*BN/G (BN | G): entries below count[g] are active tokens,
@@ -81,6 +84,12 @@
 #if TMA_B && (CLUSTER != 1 || !ASYNC_ARRIVE)
 #error "TMA_B needs CLUSTER 1 and ASYNC_ARRIVE"
 #endif
+#ifndef ROW_TMA
+#define ROW_TMA 0
+#endif
+#if ROW_TMA && (!TMA_B || PERSIST)
+#error "ROW_TMA needs TMA_B and the plain entry"
+#endif
 // The weight tiles come by TMA (one producer thread, an expect_tx arrival on the stage barrier).
 #define B_BY_TMA (CLUSTER == 2 || TMA_B)
 
@@ -126,6 +135,13 @@ __device__ __forceinline__ unsigned cluster_rank() {
 }
 __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// True in every producer thread iff `p` holds in all 128 (named barrier 1, the producer
+// warpgroup's own).
+__device__ __forceinline__ bool producer_all(bool p) {
+    unsigned r;
+    asm volatile("{\n.reg .pred a, b;\nsetp.ne.u32 a, %1, 0;\nbar.red.and.pred b, 1, 128, a;\nselp.u32 %0, 1, 0, b;\n}" : "=r"(r) : "r"((unsigned)p) : "memory");
+    return r != 0;
 }
 // The same shared-memory offset in block `rank` of the cluster.
 __device__ __forceinline__ unsigned map_rank(unsigned addr, unsigned rank) {
@@ -318,6 +334,19 @@ __device__ __forceinline__ void consume(unsigned base, const unsigned long long*
     __syncthreads();
 }
 
+// Units of CLUSTER consecutive token tiles (one cluster) in banded order (the tile order above):
+// block b's unit mu and N-tile nt.
+__device__ __forceinline__ void tile_banded(int b, int M, int N, int& mu, int& nt) {
+    const int MU = ((M + BM - 1) / BM + CLUSTER - 1) / CLUSTER;
+    const int BU = BAND / CLUSTER;
+    const int per_band = BU * (N / BN);
+    const int unit = b / CLUSTER;
+    const int band = unit / per_band, idx = unit % per_band;
+    const int bm = min(BU, MU - band * BU);  // units in this band
+    mu = band * BU + idx % bm;
+    nt = idx / bm;
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 #if CLUSTER == 2
 __cluster_dims__(2, 1, 1)
@@ -328,7 +357,9 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
                                                                       int M, int N, int K, int G,
                                                                       // CLUSTER 2 or TMA_B: maps of w and w2, boxes of 64 k x 64 rows
                                                                       const __grid_constant__ TmaDesc tmap_w,
-                                                                      const __grid_constant__ TmaDesc tmap_w2) {
+                                                                      const __grid_constant__ TmaDesc tmap_w2,
+                                                                      // ROW_TMA: the map of x, boxes of 64 k x 64 rows
+                                                                      const __grid_constant__ TmaDesc tmap_x) {
     extern __shared__ unsigned char smem_raw[];
     __shared__ int rows[BM];
     __shared__ __align__(8) unsigned long long full_bar[STAGES], empty_bar[STAGES];
@@ -340,17 +371,8 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
     // unit takes its rank-th token tile.
     int mt, nt, mu;
     const int rank = CLUSTER == 1 ? 0 : (int)cluster_rank();
-    {
-        const int MU = ((M + BM - 1) / BM + CLUSTER - 1) / CLUSTER;
-        const int BU = BAND / CLUSTER;
-        const int per_band = BU * (N / BN);
-        const int unit = blockIdx.x / CLUSTER;
-        const int band = unit / per_band, idx = unit % per_band;
-        const int bm = min(BU, MU - band * BU);  // units in this band
-        mu = band * BU + idx % bm;
-        nt = idx / bm;
-        mt = mu * CLUSTER + rank;
-    }
+    tile_banded(blockIdx.x, M, N, mu, nt);
+    mt = mu * CLUSTER + rank;
     const int m0 = mt * BM;
     const int n0 = nt * BN;
     const int g = n0 / G;
@@ -397,6 +419,18 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
             const T* asrc[BM / 16];
             int asz[BM / 16];
             row_sources(x, pg, m0, nact, K, r0, c, asrc, asz);
+#if ROW_TMA
+            // Consecutive tokens from the tile's first listed one (rows past the active ones
+            // then load tokens this group skips, or zeros past M: computed, never written).
+            const int row0 = pg[m0];
+            bool seq = true;
+#pragma unroll
+            for (int i = 0; i < BM / 16; ++i) {
+                const int r = r0 + 16 * i;
+                if (r < nact) seq &= pg[m0 + r] == row0 + r;
+            }
+            const bool rowtma = producer_all(seq);
+#endif
 #if !B_BY_TMA
             const T* bsrc = w + (long long)(n0 + r0) * K + c * 8;
             const T* bsrc2 = w2 + (long long)(n0 + r0) * K + c * 8;
@@ -410,6 +444,16 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
                 if (kt >= STAGES) mbar_wait(smem_u32(&empty_bar[s]), ph ^ 1u);
                 const unsigned sa = base + s * STAGE_BYTES;
                 const int k0 = kt * BK;
+#if ROW_TMA
+                if (rowtma) {
+                    if (tid == 0) {
+                        const unsigned fb = smem_u32(&full_bar[s]);
+                        mbar_expect_tx(fb, A_BYTES);  // before this thread's arrival below
+#pragma unroll
+                        for (int h = 0; h < BM / 64; ++h) tma_load_2d(sa + h * 64 * 128, &tmap_x, k0, row0 + 64 * h, fb);
+                    }
+                } else
+#endif
 #pragma unroll
                 for (int i = 0; i < BM / 16; ++i) {
 #if L2_HINT
@@ -437,7 +481,12 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
                 }
 #endif
 #if ASYNC_ARRIVE
-                cp_async_arrive(smem_u32(&full_bar[s]));
+#if ROW_TMA
+                if (rowtma)
+                    mbar_arrive(smem_u32(&full_bar[s]));
+                else
+#endif
+                    cp_async_arrive(smem_u32(&full_bar[s]));
 #else
                 cp_commit();
                 if (kt >= LAG) {
@@ -514,15 +563,6 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
 // The last block to finish resets `sched` to zeros for the next launch on the stream (launches
 // sharing `sched` must not overlap).
 
-// Tile t of the banded order (CLUSTER 1; see the plain entry).
-__device__ __forceinline__ void tile_coords(int t, int M, int N, int& mt, int& nt) {
-    const int MU = (M + BM - 1) / BM;
-    const int per_band = BAND * (N / BN);
-    const int band = t / per_band, idx = t % per_band;
-    const int bm = min(BAND, MU - band * BAND);
-    mt = band * BAND + idx % bm;
-    nt = idx / bm;
-}
 __device__ __forceinline__ void producer_bar() { asm volatile("bar.sync 1, 128;" ::: "memory"); }
 __device__ __forceinline__ void consumer_bar() { asm volatile("bar.sync 2, 256;" ::: "memory"); }
 __device__ __forceinline__ void ring_next(int& s, unsigned& ph, int& it) {
@@ -584,6 +624,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 gemm_mn_wgmma_persist(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ w2, const int* __restrict__ perm,
                       const int* __restrict__ count, T* __restrict__ out, int M, int N, int K, int G,
                       const __grid_constant__ TmaDesc tmap_w, const __grid_constant__ TmaDesc tmap_w2,
+                      const __grid_constant__ TmaDesc tmap_x,  // unused (the plain entry's ROW_TMA map)
                       // [2], zeros at launch: tiles taken after the first wave, blocks finished
                       int* __restrict__ sched, int tiles) {
     extern __shared__ unsigned char smem_raw[];
@@ -621,7 +662,7 @@ gemm_mn_wgmma_persist(const T* __restrict__ x, const T* __restrict__ w, const T*
                 break;
             }
             int mt, nt;
-            tile_coords(t, M, N, mt, nt);
+            tile_banded(t, M, N, mt, nt);
             const int m0 = mt * BM, n0 = nt * BN;
             const int* pg = perm + (long long)(n0 / G) * M;
             const int nact = min(BM, count[n0 / G] - m0);
@@ -671,7 +712,7 @@ gemm_mn_wgmma_persist(const T* __restrict__ x, const T* __restrict__ w, const T*
             if (t >= tiles) break;
             const int nact = __shfl_sync(0xffffffffu, tile_nact[slot], 0);
             int mt, nt;
-            tile_coords(t, M, N, mt, nt);
+            tile_banded(t, M, N, mt, nt);
             const int n0 = nt * BN;
             int st = -1;
             if (nact > 0) {

@@ -66,6 +66,10 @@ pub struct WgmmaConfig {
     /// Persistent grid (`gemm_mn_wgmma_persist`): one block a multiprocessor taking tiles from a
     /// global counter, the stage ring running on across tiles; needs mi 1, tma, no cluster.
     pub persist: bool,
+    /// A tile whose listed rows are consecutive tokens (an always-on group's, a contiguous run
+    /// of a mask) loads them with TMA as well; the others keep the cp.async gather. Takes effect
+    /// with `tma` on the plain entry ([`WgmmaConfig::row_tma_on`]).
+    pub row_tma: bool,
 }
 
 impl WgmmaConfig {
@@ -75,8 +79,12 @@ impl WgmmaConfig {
     /// 0.5, cold, two interleaved runs each, routed ms at M = 2048 / 4096 / 16384: up 0.238-0.239
     /// / 0.447-0.464 / 1.729-1.859 against 0.241-0.242 / 0.479-0.481 / 1.874-1.912, gate+up
     /// 0.444 / 0.869-0.875 / 3.445-3.500 against 0.438-0.453 / 0.889-0.907 / 3.463-3.485.
+    /// Contiguous tiles take x by TMA as well (`row_tma`): with every group keeping the same
+    /// first half of the tokens (`bench kernels --mask-pattern prefix`, one call, H200, cold),
+    /// routed ms up 0.204 / 0.356 at 2048 / 4096 tokens against 0.205 / 0.358 with the cp.async
+    /// gather, gate+up 0.367 / 0.736 against 0.369 / 0.749, Q 0.065 / 0.112 against 0.071 / 0.113.
     pub fn default_for(fused: bool) -> Self {
-        Self { mi: if fused { 1 } else { 2 }, stages: 4, async_arrive: true, cluster: 1, tma: true, l2_hint: false, persist: false }
+        Self { mi: if fused { 1 } else { 2 }, stages: 4, async_arrive: true, cluster: 1, tma: true, l2_hint: false, persist: false, row_tma: true }
     }
     /// Token rows of a tile.
     pub fn bm(&self) -> i64 {
@@ -99,6 +107,10 @@ impl WgmmaConfig {
             && (!self.tma || (self.cluster == 1 && self.async_arrive))
             && (!self.persist || (self.mi == 1 && self.tma && !self.l2_hint))
     }
+    /// Does this configuration load contiguous tiles' x rows by TMA (`ROW_TMA`)?
+    pub fn row_tma_on(&self) -> bool {
+        self.row_tma && self.tma && !self.persist
+    }
     /// The kernel's entry point.
     pub fn entry(&self) -> &'static str {
         if self.persist {
@@ -109,14 +121,15 @@ impl WgmmaConfig {
     }
     pub fn label(&self) -> String {
         format!(
-            "wgmma{}x128x64s{}{}{}{}{}{}",
+            "wgmma{}x128x64s{}{}{}{}{}{}{}",
             self.bm(),
             self.stages,
             if self.async_arrive { "" } else { "w" },
             if self.cluster == 2 { "c2" } else { "" },
             if self.tma { "t" } else { "" },
             if self.l2_hint { "h" } else { "" },
-            if self.persist { "p" } else { "" }
+            if self.persist { "p" } else { "" },
+            if self.row_tma_on() { "r" } else { "" }
         )
     }
 }
@@ -128,7 +141,7 @@ pub fn sweep(fused: bool) -> Vec<WgmmaConfig> {
     for mi in [1, 2] {
         for (stages, async_arrive, cluster, tma) in [(4, true, 1, true), (4, true, 1, false), (4, false, 1, false), (5, true, 1, true), (6, true, 1, true), (7, true, 1, true), (4, true, 2, false), (5, true, 2, false)] {
             for l2_hint in [false, true] {
-                let c = WgmmaConfig { mi, stages, async_arrive, cluster, tma, l2_hint, persist: false };
+                let c = WgmmaConfig { mi, stages, async_arrive, cluster, tma, l2_hint, persist: false, row_tma: true };
                 if c.valid(fused) && !v.contains(&c) && (!l2_hint || (stages == 4 && tma)) {
                     v.push(c);
                 }
@@ -136,6 +149,11 @@ pub fn sweep(fused: bool) -> Vec<WgmmaConfig> {
                 let p = WgmmaConfig { persist: true, ..c };
                 if !l2_hint && p.valid(fused) && !v.contains(&p) {
                     v.push(p);
+                }
+                // The cp.async gather on contiguous tiles too, on the default and the deep tile.
+                let r = WgmmaConfig { row_tma: false, ..c };
+                if !l2_hint && c.row_tma_on() && (stages == 4 || stages == 7) && r.valid(fused) && !v.contains(&r) {
+                    v.push(r);
                 }
             }
         }
@@ -172,7 +190,7 @@ pub fn config_for(s: &GemmShape, sparsity: f64, sms: i64) -> WgmmaConfig {
     }
 }
 
-/// `WIDE_WGMMA` (`mi=1,stages=5,arrive=wait,cluster=2`, `tma=1`, `hint=1`, `persist=1`; read once), over the
+/// `WIDE_WGMMA` (`mi=1,stages=5,arrive=wait,cluster=2`, `tma=1`, `hint=1`, `persist=1`, `rowtma=1`; read once), over the
 /// default of this op; an invalid one gives the default.
 fn env_config(fused: bool) -> Option<WgmmaConfig> {
     static V: OnceLock<Option<String>> = OnceLock::new();
@@ -188,6 +206,7 @@ fn env_config(fused: bool) -> Option<WgmmaConfig> {
             Some(("tma", v)) => c.tma = v == "1",
             Some(("hint", v)) => c.l2_hint = v == "1",
             Some(("persist", v)) => c.persist = v == "1",
+            Some(("rowtma", v)) => c.row_tma = v == "1",
             _ => {}
         }
     }
@@ -207,6 +226,7 @@ pub fn source(f16: bool, fused: bool, c: WgmmaConfig) -> KernelSource {
         .define("TMA_B", c.tma as u32)
         .define("L2_HINT", c.l2_hint as u32)
         .define("PERSIST", c.persist as u32)
+        .define("ROW_TMA", c.row_tma_on() as u32)
 }
 
 /// Every variant shipped (the defaults and the sweep), for the compile-everything test.
@@ -315,6 +335,8 @@ fn launch_config(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, lay
     } else {
         (KernelArg::TensorMap([0; 16]), KernelArg::TensorMap([0; 16]))
     };
+    // Contiguous tiles (ROW_TMA) load x by TMA too, in the weights' boxes.
+    let map_x = if c.row_tma_on() { crate::cuda::tensor_map_2d(&x, f16, 64, 64)? } else { KernelArg::TensorMap([0; 16]) };
     let mut args = vec![
         KernelArg::tensor(&x)?,
         KernelArg::tensor(&w)?,
@@ -328,6 +350,7 @@ fn launch_config(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, lay
         KernelArg::I32(s.group as i32),
         map_w,
         map_up,
+        map_x,
     ];
     if c.persist {
         args.push(KernelArg::tensor(&tile_counter(device)?)?);
@@ -338,7 +361,8 @@ fn launch_config(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, lay
     // out is [M, N]; the grid has one block for each of ceil(M / bm) x N / 128 tiles (rounded
     // up to whole clusters; the persistent entry: at most one a multiprocessor, with its zeroed
     // counter pair, which every launch leaves zeroed, and the tile count); the tensor maps
-    // describe w and w_up.
+    // describe w and w_up, and x where the configuration reads it by TMA (a zero map otherwise,
+    // unread).
     unsafe { k.launch(cfg, &args)? };
     Ok(out)
 }
@@ -378,12 +402,12 @@ mod tests {
         assert_eq!(WgmmaConfig::default_for(true).smem_bytes(true), 4 * (16384 + 32768) + 1024);
         assert_eq!(WgmmaConfig::default_for(false).bm(), 256);
         // Fused with 256-token tiles would need 256 accumulators a thread.
-        assert!(!WgmmaConfig { mi: 2, stages: 3, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false }.valid(true));
-        assert!(!WgmmaConfig { mi: 1, stages: 2, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false }.valid(false));
-        assert!(!WgmmaConfig { mi: 2, stages: 5, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false }.valid(false), "240 KiB");
-        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 2, tma: false, l2_hint: false, persist: false }.valid(false), "clusters need the async arrive");
-        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 1, tma: true, l2_hint: false, persist: false }.valid(false), "TMA weights need the async arrive");
-        assert!(!WgmmaConfig { mi: 1, stages: 4, async_arrive: true, cluster: 2, tma: true, l2_hint: false, persist: false }.valid(true), "TMA weights are the cluster-free path");
+        assert!(!WgmmaConfig { mi: 2, stages: 3, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false, row_tma: false }.valid(true));
+        assert!(!WgmmaConfig { mi: 1, stages: 2, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false, row_tma: false }.valid(false));
+        assert!(!WgmmaConfig { mi: 2, stages: 5, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false, row_tma: false }.valid(false), "240 KiB");
+        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 2, tma: false, l2_hint: false, persist: false, row_tma: false }.valid(false), "clusters need the async arrive");
+        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 1, tma: true, l2_hint: false, persist: false, row_tma: false }.valid(false), "TMA weights need the async arrive");
+        assert!(!WgmmaConfig { mi: 1, stages: 4, async_arrive: true, cluster: 2, tma: true, l2_hint: false, persist: false, row_tma: false }.valid(true), "TMA weights are the cluster-free path");
         assert!(sweep(false).iter().any(|c| !c.tma && c.cluster == 1) && sweep(true).iter().any(|c| !c.tma && c.cluster == 1), "the cp.async weight path stays in the sweep");
         assert!(WgmmaConfig::default_for(true).tma && WgmmaConfig::default_for(false).tma);
         assert!(sweep(false).iter().any(|c| c.cluster == 2) && sweep(true).iter().any(|c| c.cluster == 2));
