@@ -328,21 +328,6 @@ fn gemm_mn_wgmma_matches_reference() {
     // The persistent grid (a sweep configuration): 128-token tiles, the fused kernel's 4 stages and
     // the plain kernel's 7; grids of more tiles than multiprocessors, fewer, all-zero tiles, k
     // loops of one to three steps, two launches in a row on one counter.
-    // The token rows as the wgmma N side (plain, a sweep configuration): tiles with more than 128
-    // active rows (m64n256), with at most 128 (m64n128), all-zero tiles, contiguous tiles.
-    let tokens_n = WgmmaConfig { tokens_n: true, ..WgmmaConfig::default_for(false) };
-    for (kind, m, n, k, g, p) in [
-        (Kind::BFloat16, 2500, 14336, 4096, 128, 0.5),
-        (Kind::BFloat16, 200, 4096, 1024, 128, 0.5),
-        (Kind::BFloat16, 257, 14336, 1024, 128, 0.0),
-        (Kind::BFloat16, 300, 14336, 1024, 128, 1.0),
-        (Kind::Half, 777, 14336, 4096, 128, 0.5),
-        (Kind::BFloat16, 515, 1024, 64, 128, 0.5),
-        (Kind::BFloat16, 515, 1024, 192, 128, 0.5),
-        (Kind::BFloat16, 300, 2048, 512, 256, 0.6),
-    ] {
-        run_wgmma_config_case(tokens_n, kind, m, n, k, g, p, false);
-    }
     let fused_p = WgmmaConfig { persist: true, ..WgmmaConfig::default_for(true) };
     let plain_p = WgmmaConfig { mi: 1, stages: 7, persist: true, ..WgmmaConfig::default_for(false) };
     for (cfg, fused) in [(fused_p, true), (plain_p, false)] {
@@ -498,12 +483,6 @@ fn sanitizer_small_all_ops() {
     // Its contiguous tiles (every group on): x rows by TMA, the last tile past M.
     run_mn_case(Kind::BFloat16, 300, 512, 128, 128, 1.0, false);
     run_mn_case(Kind::Half, 300, 512, 192, 128, 1.0, true);
-    if wide_kernels::ops::wgmma::supported(0) {
-        // The token rows as the wgmma N side: tiles of more and of fewer than 128 active rows.
-        let tn = WgmmaConfig { tokens_n: true, ..WgmmaConfig::default_for(false) };
-        run_wgmma_config_case(tn, Kind::BFloat16, 600, 1024, 128, 128, 0.5, false);
-        run_wgmma_config_case(tn, Kind::Half, 300, 1024, 192, 128, 1.0, false);
-    }
     // Its 128-token, 7-stage tile (100 computing tiles at 512 tokens; see wgmma::config_for).
     run_mn_case(Kind::BFloat16, 512, 12800, 128, 128, 0.5, false);
     if wide_kernels::ops::wgmma::supported(0) {

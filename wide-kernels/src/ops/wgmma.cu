@@ -18,11 +18,6 @@
 //   ROW_TMA       1 (with TMA_B, plain entry): a tile whose listed rows are consecutive tokens
 //                 (every row of an always-on group, a mask that keeps a contiguous run) loads
 //                 them with TMA too (a tensor map over x), the others keep the cp.async gather
-//   TOKENS_N      1 (plain product, MI 2, plain entry): consumer cw computes the tile's weight
-//                 rows 64 cw .. 64 cw + 63 (the wgmma M side) against all of its 256 token rows
-//                 (the N side): one m64n256k16 a k step instead of two m64n128k16 over its two
-//                 64-token sub-tiles (m64n128k16 over the first 128 tokens when no more are
-//                 active); the results are staged transposed (stmatrix .trans)
 //
 // Same contract as gemm_mn_tiled in routed.cu: tile (mt, nt) works on list entries
 // [mt*BM, mt*BM+BM) of group g = nt*BN/G (BN | G): entries below count[g] are active tokens,
@@ -91,12 +86,6 @@
 #endif
 #ifndef ROW_TMA
 #define ROW_TMA 0
-#endif
-#ifndef TOKENS_N
-#define TOKENS_N 0
-#endif
-#if TOKENS_N && (FUSED || MI != 2 || PERSIST)
-#error "TOKENS_N is for the plain product with MI 2 on the plain entry"
 #endif
 #if ROW_TMA && (!TMA_B || PERSIST)
 #error "ROW_TMA needs TMA_B and the plain entry"
@@ -195,12 +184,12 @@ __device__ __forceinline__ void release_stage(unsigned bar) {
 #endif
 }
 
-#if FUSED || TOKENS_N
-// D[64 x 256] (f32) += A[64 x 16] * B[16 x 256]. Fused: the gate and up weight tiles lie next
+#if FUSED
+// D[64 x 256] (f32) += A[64 x 16] * B[16 x 256]: the fused op's gate and up weight tiles lie next
 // to each other in shared memory (the same swizzled layout continued over 256 rows), so one
-// instruction covers both and reads the A tile once instead of twice; accumulator columns
+// instruction covers both and reads the A tile once instead of twice. Accumulator columns
 // 0-127 (registers 0-63) are the gate tile's, 128-255 (64-127) the up tile's, each in the
-// m64n128 register layout. TOKENS_N: A = 64 weight rows, B = the 256 token rows.
+// m64n128 register layout.
 __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], unsigned long long da, unsigned long long db) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
@@ -357,73 +346,6 @@ __device__ __forceinline__ void tile_banded(int b, int M, int N, int& mu, int& n
     mu = band * BU + idx % bm;
     nt = idx / bm;
 }
-
-#if TOKENS_N
-// A consumer thread's accumulators (weight rows 64 cw + 16 warp + lane / 4 (+8), token columns
-// 8 j + 2 (lane % 4) + (0, 1): register 4 j + e as in stage_subtile) into the staging area at
-// `sbase` as [token][BN channels] rows with the same chunk swizzle, four 8 x 8 matrices a
-// stmatrix .trans: matrix i of the x4 is token block j + i / 2, channel half i % 2, and lane
-// 8 i + k gives the address of its token row 8 (j + i / 2) + k.
-template <int NTOK>
-__device__ __forceinline__ void stage_tn(unsigned sbase, const float (&acc)[NTOK / 2], int cw) {
-    const int warp = (threadIdx.x & 127) >> 5, lane = threadIdx.x & 31;
-    const int mi = lane >> 3, k = lane & 7;
-#pragma unroll
-    for (int j = 0; j < NTOK / 8; j += 2) {
-        const int t = 8 * (j + (mi >> 1)) + k;
-        const int chunk = 8 * cw + 2 * warp + (mi & 1);
-        const unsigned addr = sbase + t * (BN * 2) + ((chunk ^ (t & 7)) << 4);
-        asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(pack2(acc[4 * j], acc[4 * j + 1])),
-                     "r"(pack2(acc[4 * j + 2], acc[4 * j + 3])), "r"(pack2(acc[4 * j + 4], acc[4 * j + 5])), "r"(pack2(acc[4 * j + 6], acc[4 * j + 7]))
-                     : "memory");
-    }
-}
-
-// consume() with the roles swapped (TOKENS_N): this warpgroup's 64 weight rows against the
-// tile's first NTOK token rows, then its results staged (between the same two block barriers).
-template <int NTOK>
-__device__ __forceinline__ void consume_tn(unsigned base, const unsigned long long* full_bar, const unsigned long long* empty_bar, int cw, int KT) {
-    const int lane = threadIdx.x & 31;
-    float acc[NTOK / 2];
-#pragma unroll
-    for (int e = 0; e < NTOK / 2; ++e) acc[e] = 0.f;
-    int s = 0, prev = STAGES - 1;
-    unsigned ph = 0;
-    for (int kt = 0; kt < KT; ++kt) {
-        mbar_wait(smem_u32(&full_bar[s]), ph);
-#if ASYNC_ARRIVE
-        fence_proxy_async();
-#endif
-        const unsigned sx = base + s * STAGE_BYTES;                        // the token rows (N)
-        const unsigned sw = base + s * STAGE_BYTES + A_BYTES + cw * 64 * 128;  // 64 weight rows (M)
-        fence_acc(acc);
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk) {
-            if constexpr (NTOK == 256)
-                wgmma_m64n256k16(acc, sw128_desc(sw + kk * 32), sw128_desc(sx + kk * 32));
-            else
-                wgmma_m64n128k16(acc, sw128_desc(sw + kk * 32), sw128_desc(sx + kk * 32));
-        }
-        wg_commit();
-        fence_acc(acc);
-        wg_wait<1>();
-        fence_acc(acc);
-        __syncwarp();
-        if (kt > 0 && lane == 0) release_stage(smem_u32(&empty_bar[prev]));
-        prev = s;
-        if (++s == STAGES) {
-            s = 0;
-            ph ^= 1u;
-        }
-    }
-    wg_wait<0>();
-    fence_acc(acc);
-    __syncthreads();  // as in consume(): the stage memory is free for the staged results
-    stage_tn<NTOK>(base, acc, cw);
-    __syncthreads();
-}
-#endif
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 #if CLUSTER == 2
@@ -589,13 +511,6 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
             stage_barriers();
         } else {
             const int cw = wg - 1;
-#if TOKENS_N
-            // Both consumers work on every computing tile (half of its weight rows each).
-            if (nact > 128)
-                consume_tn<256>(base, full_bar, empty_bar, cw, KT);
-            else
-                consume_tn<128>(base, full_bar, empty_bar, cw, KT);
-#else
             const int lane = tid & 31;
             // Sub-tiles of this warpgroup that hold active rows.
             int ns = 0;
@@ -624,7 +539,6 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
             else {
                 consume<1>(base, full_bar, empty_bar, cw, KT);
             }
-#endif
         }
     }
     if (!run) __syncthreads();  // the rows filled above

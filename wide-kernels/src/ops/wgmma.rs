@@ -70,10 +70,6 @@ pub struct WgmmaConfig {
     /// of a mask) loads them with TMA as well; the others keep the cp.async gather. Takes effect
     /// with `tma` on the plain entry ([`WgmmaConfig::row_tma_on`]).
     pub row_tma: bool,
-    /// Plain product with mi 2: each consumer computes half of the tile's 128 weight rows (the
-    /// wgmma M side) against all of its 256 token rows (N), one m64n256k16 a k step instead of
-    /// two m64n128k16 (`TOKENS_N`).
-    pub tokens_n: bool,
 }
 
 impl WgmmaConfig {
@@ -88,7 +84,7 @@ impl WgmmaConfig {
     /// routed ms up 0.204 / 0.356 at 2048 / 4096 tokens against 0.205 / 0.358 with the cp.async
     /// gather, gate+up 0.367 / 0.736 against 0.369 / 0.749, Q 0.065 / 0.112 against 0.071 / 0.113.
     pub fn default_for(fused: bool) -> Self {
-        Self { mi: if fused { 1 } else { 2 }, stages: 4, async_arrive: true, cluster: 1, tma: true, l2_hint: false, persist: false, row_tma: true, tokens_n: false }
+        Self { mi: if fused { 1 } else { 2 }, stages: 4, async_arrive: true, cluster: 1, tma: true, l2_hint: false, persist: false, row_tma: true }
     }
     /// Token rows of a tile.
     pub fn bm(&self) -> i64 {
@@ -110,7 +106,6 @@ impl WgmmaConfig {
             && (self.cluster == 1 || (self.cluster == 2 && self.async_arrive))
             && (!self.tma || (self.cluster == 1 && self.async_arrive))
             && (!self.persist || (self.mi == 1 && self.tma && !self.l2_hint))
-            && (!self.tokens_n || (!fused && self.mi == 2 && !self.persist))
     }
     /// Does this configuration load contiguous tiles' x rows by TMA (`ROW_TMA`)?
     pub fn row_tma_on(&self) -> bool {
@@ -126,7 +121,7 @@ impl WgmmaConfig {
     }
     pub fn label(&self) -> String {
         format!(
-            "wgmma{}x128x64s{}{}{}{}{}{}{}{}",
+            "wgmma{}x128x64s{}{}{}{}{}{}{}",
             self.bm(),
             self.stages,
             if self.async_arrive { "" } else { "w" },
@@ -134,8 +129,7 @@ impl WgmmaConfig {
             if self.tma { "t" } else { "" },
             if self.l2_hint { "h" } else { "" },
             if self.persist { "p" } else { "" },
-            if self.row_tma_on() { "r" } else { "" },
-            if self.tokens_n { "n" } else { "" }
+            if self.row_tma_on() { "r" } else { "" }
         )
     }
 }
@@ -147,7 +141,7 @@ pub fn sweep(fused: bool) -> Vec<WgmmaConfig> {
     for mi in [1, 2] {
         for (stages, async_arrive, cluster, tma) in [(4, true, 1, true), (4, true, 1, false), (4, false, 1, false), (5, true, 1, true), (6, true, 1, true), (7, true, 1, true), (4, true, 2, false), (5, true, 2, false)] {
             for l2_hint in [false, true] {
-                let c = WgmmaConfig { mi, stages, async_arrive, cluster, tma, l2_hint, persist: false, row_tma: true, tokens_n: false };
+                let c = WgmmaConfig { mi, stages, async_arrive, cluster, tma, l2_hint, persist: false, row_tma: true };
                 if c.valid(fused) && !v.contains(&c) && (!l2_hint || (stages == 4 && tma)) {
                     v.push(c);
                 }
@@ -160,11 +154,6 @@ pub fn sweep(fused: bool) -> Vec<WgmmaConfig> {
                 let r = WgmmaConfig { row_tma: false, ..c };
                 if !l2_hint && c.row_tma_on() && (stages == 4 || stages == 7) && r.valid(fused) && !v.contains(&r) {
                     v.push(r);
-                }
-                // The token rows as the wgmma N side (plain, 256-token tiles).
-                let t = WgmmaConfig { tokens_n: true, ..c };
-                if !l2_hint && tma && t.valid(fused) && !v.contains(&t) {
-                    v.push(t);
                 }
             }
         }
@@ -201,7 +190,7 @@ pub fn config_for(s: &GemmShape, sparsity: f64, sms: i64) -> WgmmaConfig {
     }
 }
 
-/// `WIDE_WGMMA` (`mi=1,stages=5,arrive=wait,cluster=2`, `tma=1`, `hint=1`, `persist=1`, `rowtma=1`, `tokn=1`; read once), over the
+/// `WIDE_WGMMA` (`mi=1,stages=5,arrive=wait,cluster=2`, `tma=1`, `hint=1`, `persist=1`, `rowtma=1`; read once), over the
 /// default of this op; an invalid one gives the default.
 fn env_config(fused: bool) -> Option<WgmmaConfig> {
     static V: OnceLock<Option<String>> = OnceLock::new();
@@ -218,7 +207,6 @@ fn env_config(fused: bool) -> Option<WgmmaConfig> {
             Some(("hint", v)) => c.l2_hint = v == "1",
             Some(("persist", v)) => c.persist = v == "1",
             Some(("rowtma", v)) => c.row_tma = v == "1",
-            Some(("tokn", v)) => c.tokens_n = v == "1",
             _ => {}
         }
     }
@@ -239,7 +227,6 @@ pub fn source(f16: bool, fused: bool, c: WgmmaConfig) -> KernelSource {
         .define("L2_HINT", c.l2_hint as u32)
         .define("PERSIST", c.persist as u32)
         .define("ROW_TMA", c.row_tma_on() as u32)
-        .define("TOKENS_N", c.tokens_n as u32)
 }
 
 /// Every variant shipped (the defaults and the sweep), for the compile-everything test.
@@ -415,12 +402,12 @@ mod tests {
         assert_eq!(WgmmaConfig::default_for(true).smem_bytes(true), 4 * (16384 + 32768) + 1024);
         assert_eq!(WgmmaConfig::default_for(false).bm(), 256);
         // Fused with 256-token tiles would need 256 accumulators a thread.
-        assert!(!WgmmaConfig { mi: 2, stages: 3, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false, row_tma: false, tokens_n: false }.valid(true));
-        assert!(!WgmmaConfig { mi: 1, stages: 2, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false, row_tma: false, tokens_n: false }.valid(false));
-        assert!(!WgmmaConfig { mi: 2, stages: 5, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false, row_tma: false, tokens_n: false }.valid(false), "240 KiB");
-        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 2, tma: false, l2_hint: false, persist: false, row_tma: false, tokens_n: false }.valid(false), "clusters need the async arrive");
-        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 1, tma: true, l2_hint: false, persist: false, row_tma: false, tokens_n: false }.valid(false), "TMA weights need the async arrive");
-        assert!(!WgmmaConfig { mi: 1, stages: 4, async_arrive: true, cluster: 2, tma: true, l2_hint: false, persist: false, row_tma: false, tokens_n: false }.valid(true), "TMA weights are the cluster-free path");
+        assert!(!WgmmaConfig { mi: 2, stages: 3, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false, row_tma: false }.valid(true));
+        assert!(!WgmmaConfig { mi: 1, stages: 2, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false, row_tma: false }.valid(false));
+        assert!(!WgmmaConfig { mi: 2, stages: 5, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false, row_tma: false }.valid(false), "240 KiB");
+        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 2, tma: false, l2_hint: false, persist: false, row_tma: false }.valid(false), "clusters need the async arrive");
+        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 1, tma: true, l2_hint: false, persist: false, row_tma: false }.valid(false), "TMA weights need the async arrive");
+        assert!(!WgmmaConfig { mi: 1, stages: 4, async_arrive: true, cluster: 2, tma: true, l2_hint: false, persist: false, row_tma: false }.valid(true), "TMA weights are the cluster-free path");
         assert!(sweep(false).iter().any(|c| !c.tma && c.cluster == 1) && sweep(true).iter().any(|c| !c.tma && c.cluster == 1), "the cp.async weight path stays in the sweep");
         assert!(WgmmaConfig::default_for(true).tma && WgmmaConfig::default_for(false).tma);
         assert!(sweep(false).iter().any(|c| c.cluster == 2) && sweep(true).iter().any(|c| c.cluster == 2));
