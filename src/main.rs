@@ -406,8 +406,10 @@ struct KernelsArgs {
     #[arg(long, value_delimiter = ',', default_value = "cold,warm")]
     l2: Vec<String>,
     /// Masks of the projections: random (each token keeps each group with probability 1 - s),
-    /// or prefix (every group keeps the same first (1 - s) M tokens: contiguous gathered rows,
-    /// a diagnostic of what the gather costs). Attention ops always draw random masks.
+    /// prefix (every group keeps the same first (1 - s) M tokens: contiguous gathered rows),
+    /// random-even (exactly (1 - s) M random tokens a group) or prefix-uneven (each group its
+    /// first c tokens, c a random mask's count): diagnostics of what the row gather and uneven
+    /// counts cost. Attention ops always draw random masks.
     #[arg(long, default_value = "random")]
     mask_pattern: String,
     #[arg(long, default_value = "cuda")]

@@ -139,7 +139,7 @@ fn bench_kernels_names_a_bad_l2_mode() {
 #[test]
 fn bench_kernels_names_a_bad_mask_pattern() {
     let out = run_wide(&["bench", "kernels", "--ops", "up", "--mask-pattern", "striped", "--device", "cpu"]);
-    assert_clear_error(&out, "unknown mask pattern `striped`: use random or prefix");
+    assert_clear_error(&out, "unknown mask pattern `striped`: use random, prefix, random-even or prefix-uneven");
 }
 
 #[test]

@@ -54,6 +54,12 @@ pub enum MaskPattern {
     /// consecutive tokens, so the routed kernels' row gather reads contiguous memory (a
     /// diagnostic of the gather's cost, not a routing anyone would learn).
     Prefix,
+    /// Each group keeps exactly ceil((1 - s) M) tokens drawn at random: random rows, equal
+    /// counts (no group has a partial last tile where (1 - s) M fills whole tiles).
+    RandomEven,
+    /// Each group keeps its first c tokens, c the count a random mask gives that group:
+    /// consecutive rows, the random masks' uneven counts.
+    PrefixUneven,
 }
 
 impl std::str::FromStr for MaskPattern {
@@ -62,7 +68,9 @@ impl std::str::FromStr for MaskPattern {
         match s {
             "random" => Ok(Self::Random),
             "prefix" => Ok(Self::Prefix),
-            o => bail!("unknown mask pattern `{o}`: use random or prefix"),
+            "random-even" => Ok(Self::RandomEven),
+            "prefix-uneven" => Ok(Self::PrefixUneven),
+            o => bail!("unknown mask pattern `{o}`: use random, prefix, random-even or prefix-uneven"),
         }
     }
 }
@@ -70,11 +78,20 @@ impl std::str::FromStr for MaskPattern {
 impl MaskPattern {
     /// A fresh `[m, ng]` boolean mask at skip rate `s`.
     fn draw(self, m: i64, ng: i64, s: f64, device: Device) -> Tensor {
+        // ceil((1 - s) m), without rounding error lifting an exact count (0.3 * 50) to the next.
+        let keep = ((1.0 - s) * m as f64 - 1e-9).ceil() as i64;
+        let tokens = || Tensor::arange(m, (Kind::Int64, device)).unsqueeze(1);
         match self {
             Self::Random => Tensor::rand([m, ng], (Kind::Float, device)).ge(s),
-            Self::Prefix => {
-                let keep = ((1.0 - s) * m as f64).ceil() as i64;
-                Tensor::arange(m, (Kind::Int64, device)).lt(keep).unsqueeze(1).expand([m, ng], false).contiguous()
+            Self::Prefix => tokens().lt(keep).expand([m, ng], false).contiguous(),
+            Self::RandomEven => {
+                // Each column's rank among m random draws: below `keep` for exactly `keep` tokens.
+                let rank = Tensor::rand([m, ng], (Kind::Float, device)).argsort(0, false).argsort(0, false);
+                rank.lt(keep)
+            }
+            Self::PrefixUneven => {
+                let counts = Tensor::rand([m, ng], (Kind::Float, device)).ge(s).sum_dim_intlist([0i64].as_slice(), true, Kind::Int64);
+                tokens().lt_tensor(&counts)
             }
         }
     }
@@ -82,6 +99,8 @@ impl MaskPattern {
         match self {
             Self::Random => "random",
             Self::Prefix => "prefix",
+            Self::RandomEven => "random-even",
+            Self::PrefixUneven => "prefix-uneven",
         }
     }
 }
@@ -640,7 +659,20 @@ mod tests {
         let r = MaskPattern::Random.draw(1000, 8, 0.25, Device::Cpu);
         let kept = r.to_kind(Kind::Float).mean(Kind::Float).double_value(&[]);
         assert!((kept - 0.75).abs() < 0.03, "{kept}");
+        // Exactly ceil(0.3 * 50) = 15 random tokens a group.
+        let e = MaskPattern::RandomEven.draw(50, 6, 0.7, Device::Cpu);
+        let per_group: Vec<i64> = Vec::try_from(e.to_kind(Kind::Int64).sum_dim_intlist([0i64].as_slice(), false, Kind::Int64)).unwrap();
+        assert_eq!(per_group, [15; 6]);
+        assert_ne!(e.narrow(1, 0, 1), e.narrow(1, 1, 1), "groups draw their own tokens");
+        // A prefix of each group's own (random) count.
+        let u = MaskPattern::PrefixUneven.draw(400, 5, 0.5, Device::Cpu).to_kind(Kind::Int64);
+        let counts: Vec<i64> = Vec::try_from(u.sum_dim_intlist([0i64].as_slice(), false, Kind::Int64)).unwrap();
+        for (g, &c) in counts.iter().enumerate() {
+            assert!((140..260).contains(&c), "group {g}: {c}");
+            assert_eq!(u.narrow(1, g as i64, 1).narrow(0, 0, c).sum(Kind::Int64).int64_value(&[]), c, "the first {c} tokens");
+        }
         assert_eq!("prefix".parse::<MaskPattern>().unwrap(), MaskPattern::Prefix);
-        assert!("striped".parse::<MaskPattern>().unwrap_err().to_string().contains("use random or prefix"));
+        assert_eq!("random-even".parse::<MaskPattern>().unwrap(), MaskPattern::RandomEven);
+        assert!("striped".parse::<MaskPattern>().unwrap_err().to_string().contains("use random, prefix"));
     }
 }
