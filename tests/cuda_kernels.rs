@@ -328,22 +328,6 @@ fn gemm_mn_wgmma_matches_reference() {
     // The persistent grid (a sweep configuration): 128-token tiles, the fused kernel's 4 stages and
     // the plain kernel's 7; grids of more tiles than multiprocessors, fewer, all-zero tiles, k
     // loops of one to three steps, two launches in a row on one counter.
-    // Partial tiles split along k (the default: 4 slices) against whole (1) and other slice
-    // counts: 16 and 64 k steps, groups with and without a partial tile, the deep tile, f16;
-    // with 3 k steps nothing splits (too few steps a slice).
-    for fused in [false, true] {
-        let d = WgmmaConfig::default_for(fused);
-        assert_eq!(d.split_on(), 4);
-        for split in [1, 2, 4, 8] {
-            let c = WgmmaConfig { split, ..d };
-            run_wgmma_config_case(c, Kind::BFloat16, 1000, 14336, 1024, 128, 0.5, fused);
-            run_wgmma_config_case(c, Kind::Half, 333, 4096, 4096, 128, 0.7, fused);
-        }
-        run_wgmma_config_case(d, Kind::BFloat16, 515, 1024, 192, 128, 0.5, fused);
-        if !fused {
-            run_wgmma_config_case(WgmmaConfig { mi: 1, stages: 7, ..d }, Kind::BFloat16, 700, 4096, 1024, 512, 0.5, false);
-        }
-    }
     let fused_p = WgmmaConfig { persist: true, ..WgmmaConfig::default_for(true) };
     let plain_p = WgmmaConfig { mi: 1, stages: 7, persist: true, ..WgmmaConfig::default_for(false) };
     for (cfg, fused) in [(fused_p, true), (plain_p, false)] {
@@ -499,11 +483,6 @@ fn sanitizer_small_all_ops() {
     // Its contiguous tiles (every group on): x rows by TMA, the last tile past M.
     run_mn_case(Kind::BFloat16, 300, 512, 128, 128, 1.0, false);
     run_mn_case(Kind::Half, 300, 512, 192, 128, 1.0, true);
-    // Its partial tiles split along k (8 k steps: slices of 2), two launches on one counter.
-    for _ in 0..2 {
-        run_mn_case(Kind::BFloat16, 300, 512, 512, 128, 0.5, false);
-        run_mn_case(Kind::BFloat16, 300, 512, 512, 128, 0.5, true);
-    }
     // Its 128-token, 7-stage tile (100 computing tiles at 512 tokens; see wgmma::config_for).
     run_mn_case(Kind::BFloat16, 512, 12800, 128, 128, 0.5, false);
     if wide_kernels::ops::wgmma::supported(0) {

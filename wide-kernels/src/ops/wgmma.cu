@@ -18,13 +18,6 @@
 //   ROW_TMA       1 (with TMA_B, plain entry): a tile whose listed rows are consecutive tokens
 //                 (every row of an always-on group, a mask that keeps a contiguous run) loads
 //                 them with TMA too (a tensor map over x), the others keep the cp.async gather
-//   SPLIT         1, or S > 1 (CLUSTER 1, plain entry): a group's partial tile (its last active
-//                 rows, fewer than BM) is split along k over S blocks: the block of its banded
-//                 place takes slice 0, S - 1 blocks after the banded grid (per N-tile) take the
-//                 others; each writes its f32 partial sums to its own slot of `part`, and the
-//                 last to arrive (counter in `arrivals`, reset by it) sums the slots in slice order
-//                 and writes the tile. A partial tile runs its whole k loop for a few rows: at 50%
-//                 about half the groups have one, and whole tiles of it made an extra wave
 //
 // Same contract as gemm_mn_tiled in routed.cu: tile (mt, nt) works on list entries
 // [mt*BM, mt*BM+BM) of group g = nt*BN/G (BN | G): entries below count[g] are active tokens,
@@ -93,12 +86,6 @@
 #endif
 #ifndef ROW_TMA
 #define ROW_TMA 0
-#endif
-#ifndef SPLIT
-#define SPLIT 1
-#endif
-#if SPLIT > 1 && (CLUSTER != 1 || PERSIST)
-#error "SPLIT needs CLUSTER 1 and the plain entry"
 #endif
 #if ROW_TMA && (!TMA_B || PERSIST)
 #error "ROW_TMA needs TMA_B and the plain entry"
@@ -276,62 +263,6 @@ __device__ __forceinline__ void write_rows(T* out, const int* rows, int nact, un
     }
 }
 
-#if SPLIT > 1
-// A consumer thread's accumulators of one 64-row sub-tile (rows from `row0`) as f32 into the
-// slot [BM][NB * BN] (gate columns, then up columns when fused), in the fragment layout of
-// stage_subtile; then a fence, so the last block of the tile sees them.
-__device__ __forceinline__ void write_part(float* __restrict__ slot, const float (&acc)[NB * 64], int row0) {
-    const int warp = (threadIdx.x & 127) >> 5, lane = threadIdx.x & 31;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        float* rowp = slot + (long long)(row0 + warp * 16 + (lane >> 2) + 8 * h) * (NB * BN) + 2 * (lane & 3);
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-            *reinterpret_cast<float2*>(rowp + 8 * j) = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-#if FUSED
-            *reinterpret_cast<float2*>(rowp + BN + 8 * j) = make_float2(acc[64 + 4 * j + 2 * h], acc[64 + 4 * j + 2 * h + 1]);
-#endif
-        }
-    }
-    __threadfence();
-}
-
-// The last block of a split tile: rows r < nact the sum of the SPLIT slots (slice order; f32,
-// the SwiGLU applied), the inactive listed tokens after them zeros, 16 bytes a thread as in
-// write_rows. The slots are read from L2 (other blocks wrote them).
-__device__ __forceinline__ void sum_parts(T* out, const int* rows, int nact, const float* __restrict__ slots, int N, int n0, int first, int stride) {
-    for (int i = first; i < BM * (BN / 8); i += stride) {
-        const int r = i / (BN / 8), c = i % (BN / 8);
-        const int tok = rows[r];
-        if (tok < 0) continue;
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (r < nact) {
-            float a[8], b[8];
-#pragma unroll
-            for (int e = 0; e < 8; ++e) a[e] = b[e] = 0.f;
-#pragma unroll
-            for (int sl = 0; sl < SPLIT; ++sl) {
-                const float* p = slots + ((long long)sl * BM + r) * (NB * BN) + 8 * c;
-                const float4 p0 = __ldcg(reinterpret_cast<const float4*>(p)), p1 = __ldcg(reinterpret_cast<const float4*>(p + 4));
-                a[0] += p0.x; a[1] += p0.y; a[2] += p0.z; a[3] += p0.w;
-                a[4] += p1.x; a[5] += p1.y; a[6] += p1.z; a[7] += p1.w;
-#if FUSED
-                const float4 q0 = __ldcg(reinterpret_cast<const float4*>(p + BN)), q1 = __ldcg(reinterpret_cast<const float4*>(p + BN + 4));
-                b[0] += q0.x; b[1] += q0.y; b[2] += q0.z; b[3] += q0.w;
-                b[4] += q1.x; b[5] += q1.y; b[6] += q1.z; b[7] += q1.w;
-#endif
-            }
-#if FUSED
-#pragma unroll
-            for (int e = 0; e < 8; ++e) a[e] = silu(a[e]) * b[e];
-#endif
-            v = make_uint4(pack2(a[0], a[1]), pack2(a[2], a[3]), pack2(a[4], a[5]), pack2(a[6], a[7]));
-        }
-        *reinterpret_cast<uint4*>(out + (long long)tok * N + n0 + c * 8) = v;
-    }
-}
-#endif
-
 // The two block barriers around the staging of a computing block's results (the consumers
 // write the stage memory between them); the producer and a consumer without active rows pass
 // them too.
@@ -344,8 +275,7 @@ __device__ __forceinline__ void stage_barriers() {
 // then its results (with the SwiGLU applied) into the staging area at `base`, between the two
 // block barriers every thread of a computing block passes (see `stage_barriers`).
 template <int NS>
-__device__ __forceinline__ void consume(unsigned base, const unsigned long long* full_bar, const unsigned long long* empty_bar, int cw, int KT,
-                                        bool split, float* slot) {
+__device__ __forceinline__ void consume(unsigned base, const unsigned long long* full_bar, const unsigned long long* empty_bar, int cw, int KT) {
     const int lane = threadIdx.x & 31;
     // Sub-tile i's accumulators: the gate (or only) tile in 0-63, the up tile in 64-127.
     float acc[NS][NB * 64];
@@ -399,16 +329,8 @@ __device__ __forceinline__ void consume(unsigned base, const unsigned long long*
     // barrier (the producer's copies completed before the last stage was consumed), so the
     // stage memory is free for the staged results.
     __syncthreads();
-#if SPLIT > 1
-    if (split) {
 #pragma unroll
-        for (int i = 0; i < NS; ++i) write_part(slot, acc[i], (cw + 2 * i) * 64);
-    } else
-#endif
-    {
-#pragma unroll
-        for (int i = 0; i < NS; ++i) stage_subtile(base, acc[i], (cw + 2 * i) * 64);
-    }
+    for (int i = 0; i < NS; ++i) stage_subtile(base, acc[i], (cw + 2 * i) * 64);
     __syncthreads();
 }
 
@@ -437,10 +359,7 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
                                                                       const __grid_constant__ TmaDesc tmap_w,
                                                                       const __grid_constant__ TmaDesc tmap_w2,
                                                                       // ROW_TMA: the map of x, boxes of 64 k x 64 rows
-                                                                      const __grid_constant__ TmaDesc tmap_x,
-                                                                      // SPLIT > 1: [N / BN][SPLIT][BM][NB * BN] f32 slots and
-                                                                      // [N / BN] arrival counters (zeros between launches)
-                                                                      float* __restrict__ part, int* __restrict__ arrivals) {
+                                                                      const __grid_constant__ TmaDesc tmap_x) {
     extern __shared__ unsigned char smem_raw[];
     __shared__ int rows[BM];
     __shared__ __align__(8) unsigned long long full_bar[STAGES], empty_bar[STAGES];
@@ -452,22 +371,7 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
     // unit takes its rank-th token tile.
     int mt, nt, mu;
     const int rank = CLUSTER == 1 ? 0 : (int)cluster_rank();
-    const int KT = K / BK;
-#if SPLIT > 1
-    const bool can_split = KT % SPLIT == 0 && KT >= 2 * SPLIT;
-    int slice = 0;
-    const int banded = (M + BM - 1) / BM * (N / BN);
-    if ((int)blockIdx.x >= banded) {
-        // Slice 1 + e % (SPLIT - 1) of N-tile e / (SPLIT - 1)'s partial tile, if it has one.
-        const int e = blockIdx.x - banded;
-        nt = e / (SPLIT - 1);
-        slice = 1 + e % (SPLIT - 1);
-        const int c = __ldg(count + nt * BN / G);
-        if (!can_split || c % BM == 0) return;  // the whole block: nothing started yet
-        mu = c / BM;
-    } else
-#endif
-        tile_banded(blockIdx.x, M, N, mu, nt);
+    tile_banded(blockIdx.x, M, N, mu, nt);
     mt = mu * CLUSTER + rank;
     const int m0 = mt * BM;
     const int n0 = nt * BN;
@@ -481,16 +385,6 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
     // The blocks of a cluster run the k loop together (each loads half of the shared weight
     // tiles) if any of them has an active row; a block without one computes nothing.
     const bool run = cnt - mu * CLUSTER * BM > 0;
-    // A partial tile split along k: this block's k steps [kt0, kt0 + nk).
-#if SPLIT > 1
-    const bool split = can_split && nact > 0 && nact < BM;
-    const int nk = split ? KT / SPLIT : KT, kt0 = split ? slice * nk : 0;
-    float* const slot = part + ((long long)nt * SPLIT + slice) * BM * (NB * BN);
-#else
-    const bool split = false;
-    const int nk = KT, kt0 = 0;
-    float* const slot = nullptr;
-#endif
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(smem_u32(&full_bar[s]), 128 + B_BY_TMA);  // every producer thread (+ the expect_tx)
@@ -512,6 +406,7 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
     // first copies wait for nothing but those loads.
     for (int i = tid - 128; i >= 0 && i < BM; i += THREADS - 128) rows[i] = (m0 + i < M) ? pg[m0 + i] : -1;
     if (run) {
+        const int KT = K / BK;
         if (wg == 0) {
             // Producer: thread t copies chunk c = t % 8 of rows t / 8 + 16 i.
             const int c = tid & 7, r0 = tid >> 3;
@@ -519,7 +414,7 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
             // The weight tiles of the first stages depend on nothing: requested before the x
             // rows' addresses are known.
             if (tid == 0)
-                for (int kt = 0; kt < min(STAGES, nk); ++kt) load_weights_tma(base + kt * STAGE_BYTES, smem_u32(&full_bar[kt]), &tmap_w, &tmap_w2, (kt0 + kt) * BK, n0);
+                for (int kt = 0; kt < min(STAGES, KT); ++kt) load_weights_tma(base + kt * STAGE_BYTES, smem_u32(&full_bar[kt]), &tmap_w, &tmap_w2, kt * BK, n0);
 #endif
             const T* asrc[BM / 16];
             int asz[BM / 16];
@@ -545,10 +440,10 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
 #endif
             int s = 0;
             unsigned ph = 0;  // (kt / STAGES) & 1
-            for (int kt = 0; kt < nk; ++kt) {
+            for (int kt = 0; kt < KT; ++kt) {
                 if (kt >= STAGES) mbar_wait(smem_u32(&empty_bar[s]), ph ^ 1u);
                 const unsigned sa = base + s * STAGE_BYTES;
-                const int k0 = (kt0 + kt) * BK;
+                const int k0 = kt * BK;
 #if ROW_TMA
                 if (rowtma) {
                     if (tid == 0) {
@@ -611,7 +506,7 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
 #else
             cp_wait<0>();
             fence_proxy_async();
-            for (int j = max(nk - LAG, 0); j < nk; ++j) mbar_arrive(smem_u32(&full_bar[j % STAGES]));
+            for (int j = max(KT - LAG, 0); j < KT; ++j) mbar_arrive(smem_u32(&full_bar[j % STAGES]));
 #endif
             stage_barriers();
         } else {
@@ -625,7 +520,7 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
                 // No active row: only pass the stages along.
                 int s = 0;
                 unsigned ph = 0;
-                for (int kt = 0; kt < nk; ++kt) {
+                for (int kt = 0; kt < KT; ++kt) {
                     mbar_wait(smem_u32(&full_bar[s]), ph);
                     __syncwarp();
                     if (lane == 0) release_stage(smem_u32(&empty_bar[s]));
@@ -638,35 +533,15 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
             }
 #if MI >= 2
             else if (ns == 2) {
-                consume<2>(base, full_bar, empty_bar, cw, nk, split, slot);
+                consume<2>(base, full_bar, empty_bar, cw, KT);
             }
 #endif
             else {
-                consume<1>(base, full_bar, empty_bar, cw, nk, split, slot);
+                consume<1>(base, full_bar, empty_bar, cw, KT);
             }
         }
     }
     if (!run) __syncthreads();  // the rows filled above
-#if SPLIT > 1
-    if (split) {
-        // Every slice's partial sums are out (fenced before the barrier above): count in; the
-        // last block writes the tile.
-        __shared__ int last;
-        if (tid == 0) {
-            last = atomicAdd(arrivals + nt, 1) == SPLIT - 1;
-            if (last) atomicExch(arrivals + nt, 0);
-        }
-        __syncthreads();
-        if (last) {
-            __threadfence();
-            sum_parts(out, rows, nact, part + (long long)nt * SPLIT * BM * (NB * BN), N, n0, tid, THREADS);
-        }
-        return;
-    }
-#else
-    (void)split;
-    (void)slot;
-#endif
     // All rows when the tile has no active one (nothing was staged then).
     write_rows(out, rows, nact, base, N, n0, tid, THREADS);
 #if CLUSTER == 2

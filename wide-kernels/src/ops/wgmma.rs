@@ -70,11 +70,6 @@ pub struct WgmmaConfig {
     /// of a mask) loads them with TMA as well; the others keep the cp.async gather. Takes effect
     /// with `tma` on the plain entry ([`WgmmaConfig::row_tma_on`]).
     pub row_tma: bool,
-    /// k slices of a group's partial tile (its last active rows, fewer than a tile's): 1, or 2,
-    /// 4, 8 blocks, each summing its share of k into f32 slots that the last one adds up
-    /// (`SPLIT`; takes effect without clusters on the plain entry, [`WgmmaConfig::split_on`];
-    /// where K / 64 divides into at least two steps a slice, else the tile runs whole).
-    pub split: u32,
 }
 
 impl WgmmaConfig {
@@ -89,7 +84,7 @@ impl WgmmaConfig {
     /// routed ms up 0.204 / 0.356 at 2048 / 4096 tokens against 0.205 / 0.358 with the cp.async
     /// gather, gate+up 0.367 / 0.736 against 0.369 / 0.749, Q 0.065 / 0.112 against 0.071 / 0.113.
     pub fn default_for(fused: bool) -> Self {
-        Self { mi: if fused { 1 } else { 2 }, stages: 4, async_arrive: true, cluster: 1, tma: true, l2_hint: false, persist: false, row_tma: true, split: 4 }
+        Self { mi: if fused { 1 } else { 2 }, stages: 4, async_arrive: true, cluster: 1, tma: true, l2_hint: false, persist: false, row_tma: true }
     }
     /// Token rows of a tile.
     pub fn bm(&self) -> i64 {
@@ -111,20 +106,10 @@ impl WgmmaConfig {
             && (self.cluster == 1 || (self.cluster == 2 && self.async_arrive))
             && (!self.tma || (self.cluster == 1 && self.async_arrive))
             && (!self.persist || (self.mi == 1 && self.tma && !self.l2_hint))
-            && [1, 2, 4, 8].contains(&self.split)
     }
     /// Does this configuration load contiguous tiles' x rows by TMA (`ROW_TMA`)?
     pub fn row_tma_on(&self) -> bool {
         self.row_tma && self.tma && !self.persist
-    }
-    /// The k slices of partial tiles this configuration runs (`split` on the plain entry
-    /// without clusters, else 1).
-    pub fn split_on(&self) -> u32 {
-        if self.persist || self.cluster != 1 {
-            1
-        } else {
-            self.split
-        }
     }
     /// The kernel's entry point.
     pub fn entry(&self) -> &'static str {
@@ -136,7 +121,7 @@ impl WgmmaConfig {
     }
     pub fn label(&self) -> String {
         format!(
-            "wgmma{}x128x64s{}{}{}{}{}{}{}{}",
+            "wgmma{}x128x64s{}{}{}{}{}{}{}",
             self.bm(),
             self.stages,
             if self.async_arrive { "" } else { "w" },
@@ -144,8 +129,7 @@ impl WgmmaConfig {
             if self.tma { "t" } else { "" },
             if self.l2_hint { "h" } else { "" },
             if self.persist { "p" } else { "" },
-            if self.row_tma_on() { "r" } else { "" },
-            if self.split_on() > 1 { format!("k{}", self.split_on()) } else { String::new() }
+            if self.row_tma_on() { "r" } else { "" }
         )
     }
 }
@@ -157,21 +141,19 @@ pub fn sweep(fused: bool) -> Vec<WgmmaConfig> {
     for mi in [1, 2] {
         for (stages, async_arrive, cluster, tma) in [(4, true, 1, true), (4, true, 1, false), (4, false, 1, false), (5, true, 1, true), (6, true, 1, true), (7, true, 1, true), (4, true, 2, false), (5, true, 2, false)] {
             for l2_hint in [false, true] {
-                let c = WgmmaConfig { mi, stages, async_arrive, cluster, tma, l2_hint, persist: false, row_tma: true, split: if cluster == 1 { 4 } else { 1 } };
+                let c = WgmmaConfig { mi, stages, async_arrive, cluster, tma, l2_hint, persist: false, row_tma: true };
                 if c.valid(fused) && !v.contains(&c) && (!l2_hint || (stages == 4 && tma)) {
                     v.push(c);
                 }
                 // The persistent grid at each depth of the TMA path.
-                let p = WgmmaConfig { persist: true, split: 1, ..c };
+                let p = WgmmaConfig { persist: true, ..c };
                 if !l2_hint && p.valid(fused) && !v.contains(&p) {
                     v.push(p);
                 }
-                // The cp.async gather on contiguous tiles too, and partial tiles whole, on the
-                // default and the deep tile.
-                for r in [WgmmaConfig { row_tma: false, ..c }, WgmmaConfig { split: 1, ..c }] {
-                    if !l2_hint && c.row_tma_on() && c.split_on() > 1 && (stages == 4 || stages == 7) && r.valid(fused) && !v.contains(&r) {
-                        v.push(r);
-                    }
+                // The cp.async gather on contiguous tiles too, on the default and the deep tile.
+                let r = WgmmaConfig { row_tma: false, ..c };
+                if !l2_hint && c.row_tma_on() && (stages == 4 || stages == 7) && r.valid(fused) && !v.contains(&r) {
+                    v.push(r);
                 }
             }
         }
@@ -208,7 +190,7 @@ pub fn config_for(s: &GemmShape, sparsity: f64, sms: i64) -> WgmmaConfig {
     }
 }
 
-/// `WIDE_WGMMA` (`mi=1,stages=5,arrive=wait,cluster=2`, `tma=1`, `hint=1`, `persist=1`, `rowtma=1`, `split=1`; read once), over the
+/// `WIDE_WGMMA` (`mi=1,stages=5,arrive=wait,cluster=2`, `tma=1`, `hint=1`, `persist=1`, `rowtma=1`; read once), over the
 /// default of this op; an invalid one gives the default.
 fn env_config(fused: bool) -> Option<WgmmaConfig> {
     static V: OnceLock<Option<String>> = OnceLock::new();
@@ -225,7 +207,6 @@ fn env_config(fused: bool) -> Option<WgmmaConfig> {
             Some(("hint", v)) => c.l2_hint = v == "1",
             Some(("persist", v)) => c.persist = v == "1",
             Some(("rowtma", v)) => c.row_tma = v == "1",
-            Some(("split", v)) => c.split = v.parse().unwrap_or(c.split),
             _ => {}
         }
     }
@@ -246,7 +227,6 @@ pub fn source(f16: bool, fused: bool, c: WgmmaConfig) -> KernelSource {
         .define("L2_HINT", c.l2_hint as u32)
         .define("PERSIST", c.persist as u32)
         .define("ROW_TMA", c.row_tma_on() as u32)
-        .define("SPLIT", c.split_on())
 }
 
 /// Every variant shipped (the defaults and the sweep), for the compile-everything test.
@@ -291,24 +271,6 @@ fn tile_counter(device: usize) -> Result<Tensor> {
     let key = (device, crate::shim::current_stream(device)? as usize);
     let mut m = C.get_or_init(Default::default).lock().unwrap();
     Ok(m.entry(key).or_insert_with(|| Tensor::zeros([2], (tch::Kind::Int, tch::Device::Cuda(device)))).shallow_clone())
-}
-
-/// The split partial tiles' f32 slots (at least `slots` floats) and arrival counters (at least
-/// `ntiles`, zeroed once; each launch leaves them zero) on this device and libtorch's current
-/// stream, grown when a launch needs more (launches on one stream do not overlap).
-fn split_buffers(device: usize, slots: i64, ntiles: i64) -> Result<(Tensor, Tensor)> {
-    static B: OnceLock<Mutex<HashMap<(usize, usize), (Tensor, Tensor)>>> = OnceLock::new();
-    let key = (device, crate::shim::current_stream(device)? as usize);
-    let mut m = B.get_or_init(Default::default).lock().unwrap();
-    let dev = tch::Device::Cuda(device);
-    let e = m.entry(key).or_insert_with(|| (Tensor::empty([0], (tch::Kind::Float, dev)), Tensor::zeros([0], (tch::Kind::Int, dev))));
-    if e.0.numel() < slots as usize {
-        e.0 = Tensor::empty([slots], (tch::Kind::Float, dev));
-    }
-    if e.1.numel() < ntiles as usize {
-        e.1 = Tensor::zeros([ntiles], (tch::Kind::Int, dev));
-    }
-    Ok((e.0.shallow_clone(), e.1.shallow_clone()))
 }
 
 /// Runs gemm_mn / gemm_mn_swiglu (`w2` = w_up) on the wgmma kernel.
@@ -362,12 +324,8 @@ fn launch_config(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, lay
     let units = (s.m as u64).div_ceil(c.bm() as u64).div_ceil(c.cluster as u64);
     let blocks = units * c.cluster as u64 * (s.n / WGMMA_BN) as u64;
     ensure!(blocks <= i32::MAX as u64 && 16 * s.n / WGMMA_BN <= i32::MAX as i64, "too many tiles (M {} x N {}) for one wgmma launch", s.m, s.n);
-    // The persistent grid: one block a multiprocessor (at most one a tile). Split partial tiles:
-    // split - 1 more blocks an N-tile after the banded grid.
-    let ntiles = s.n / WGMMA_BN;
-    let split = c.split_on() as u64;
-    let grid = if c.persist { blocks.min(sms) } else { blocks + (split - 1) * ntiles as u64 };
-    ensure!(grid <= i32::MAX as u64, "too many tiles (M {} x N {}) for one wgmma launch", s.m, s.n);
+    // The persistent grid: one block a multiprocessor (at most one a tile).
+    let grid = if c.persist { blocks.min(sms) } else { blocks };
     let cfg = LaunchConfig { grid: (grid as u32, 1, 1), block: (THREADS, 1, 1), shared_mem_bytes: c.smem_bytes(fused) };
     let w_up = w2.as_ref().unwrap_or(&w);
     // Clusters (half a tile, 64 rows x 64 k, a block) and the TMA path (two such boxes a tile)
@@ -394,16 +352,6 @@ fn launch_config(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, lay
         map_up,
         map_x,
     ];
-    if !c.persist {
-        // One f32 slot of bm x 128 (x 2 fused) a slice and N-tile, a counter an N-tile.
-        if split > 1 {
-            let (slots, arrivals) = split_buffers(device, ntiles * split as i64 * c.bm() * WGMMA_BN * if fused { 2 } else { 1 }, ntiles)?;
-            args.push(KernelArg::tensor(&slots)?);
-            args.push(KernelArg::tensor(&arrivals)?);
-        } else {
-            args.extend([KernelArg::Ptr(0), KernelArg::Ptr(0)]);
-        }
-    }
     if c.persist {
         args.push(KernelArg::tensor(&tile_counter(device)?)?);
         args.push(KernelArg::I32(blocks as i32));
@@ -414,9 +362,7 @@ fn launch_config(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, lay
     // up to whole clusters; the persistent entry: at most one a multiprocessor, with its zeroed
     // counter pair, which every launch leaves zeroed, and the tile count); the tensor maps
     // describe w and w_up, and x where the configuration reads it by TMA (a zero map otherwise,
-    // unread); with split partial tiles the grid has split - 1 more blocks an N-tile, the slots
-    // hold N / 128 x split x bm x 128 (x 2 fused) floats and the counters N / 128 zeros, which
-    // every launch leaves zero.
+    // unread).
     unsafe { k.launch(cfg, &args)? };
     Ok(out)
 }
@@ -456,12 +402,12 @@ mod tests {
         assert_eq!(WgmmaConfig::default_for(true).smem_bytes(true), 4 * (16384 + 32768) + 1024);
         assert_eq!(WgmmaConfig::default_for(false).bm(), 256);
         // Fused with 256-token tiles would need 256 accumulators a thread.
-        assert!(!WgmmaConfig { mi: 2, stages: 3, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false, row_tma: false, split: 1 }.valid(true));
-        assert!(!WgmmaConfig { mi: 1, stages: 2, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false, row_tma: false, split: 1 }.valid(false));
-        assert!(!WgmmaConfig { mi: 2, stages: 5, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false, row_tma: false, split: 1 }.valid(false), "240 KiB");
-        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 2, tma: false, l2_hint: false, persist: false, row_tma: false, split: 1 }.valid(false), "clusters need the async arrive");
-        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 1, tma: true, l2_hint: false, persist: false, row_tma: false, split: 1 }.valid(false), "TMA weights need the async arrive");
-        assert!(!WgmmaConfig { mi: 1, stages: 4, async_arrive: true, cluster: 2, tma: true, l2_hint: false, persist: false, row_tma: false, split: 1 }.valid(true), "TMA weights are the cluster-free path");
+        assert!(!WgmmaConfig { mi: 2, stages: 3, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false, row_tma: false }.valid(true));
+        assert!(!WgmmaConfig { mi: 1, stages: 2, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false, row_tma: false }.valid(false));
+        assert!(!WgmmaConfig { mi: 2, stages: 5, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false, row_tma: false }.valid(false), "240 KiB");
+        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 2, tma: false, l2_hint: false, persist: false, row_tma: false }.valid(false), "clusters need the async arrive");
+        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 1, tma: true, l2_hint: false, persist: false, row_tma: false }.valid(false), "TMA weights need the async arrive");
+        assert!(!WgmmaConfig { mi: 1, stages: 4, async_arrive: true, cluster: 2, tma: true, l2_hint: false, persist: false, row_tma: false }.valid(true), "TMA weights are the cluster-free path");
         assert!(sweep(false).iter().any(|c| !c.tma && c.cluster == 1) && sweep(true).iter().any(|c| !c.tma && c.cluster == 1), "the cp.async weight path stays in the sweep");
         assert!(WgmmaConfig::default_for(true).tma && WgmmaConfig::default_for(false).tma);
         assert!(sweep(false).iter().any(|c| c.cluster == 2) && sweep(true).iter().any(|c| c.cluster == 2));
