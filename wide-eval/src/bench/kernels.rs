@@ -3,8 +3,8 @@
 //! 14336->4096), over M, group size and sparsity, with cold L2 (a buffer of at least twice the
 //! L2 size is written between timed runs) and warm.
 //!
-//! Every timed iteration draws a fresh mask (random; `--mask-pattern prefix` keeps the same first
-//! tokens in every group, a diagnostic of the row gather) outside the timed region and times, with
+//! Every timed iteration draws a fresh mask (random by default; the other `MaskPattern`s are
+//! diagnostics of the row gather and of uneven group counts) outside the timed region and times, with
 //! CUDA events: dense = the cuBLAS product(s) alone (plus SiLU-multiply for gate+up); routed =
 //! building the routing layout + the routed kernel (GEMV for M <= 16, else the autotuned best
 //! of the mma.sync tiles and, on Hopper, the wgmma kernel); dispatch = layout + whatever the policy picks. Outputs are checked against the f32
@@ -324,7 +324,7 @@ pub fn run(cfg: &KernelBenchConfig) -> Result<serde_json::Value> {
         "provenance": prov,
         "settings": {"dtype": format!("{:?}", kind), "warmup": cfg.warmup, "iters": cfg.iters, "l2_bytes": l2,
                      "flush_bytes": flush.numel() * 4,
-                     "timing": "median of CUDA-event-timed iterations; fresh random mask each iteration; routed and dispatch include building the routing layout",
+                     "timing": "median of CUDA-event-timed iterations; a fresh mask (mask_pattern) each iteration; routed and dispatch include building the routing layout",
                      "mask_pattern": cfg.mask_pattern.label()},
         "ceilings": ceil,
         "records": records,
