@@ -4,7 +4,8 @@
 //! Per group of G output channels the work is a dense product of the group's active token rows
 //! of x (gathered through the layout's `perm`) with the group's G contiguous weight rows. One
 //! block computes a (128 * mi)-token x 128-channel tile: a producer warpgroup gathers x rows with
-//! 16-byte `cp.async` and one of its threads loads the weight tile(s) with TMA, both into the
+//! 16-byte `cp.async` (or, where the tile's listed tokens are consecutive, loads them with TMA)
+//! and one of its threads loads the weight tile(s) with TMA, both into the
 //! 128-byte-swizzled K-major shared layout (k steps of 64, a multi-stage mbarrier pipeline; the
 //! sweep keeps the all-cp.async and cluster-multicast variants), two consumer warpgroups run
 //! m64n128k16 `wgmma` on them and scatter the results to the token rows; the inactive tokens
@@ -190,7 +191,7 @@ pub fn config_for(s: &GemmShape, sparsity: f64, sms: i64) -> WgmmaConfig {
     }
 }
 
-/// `WIDE_WGMMA` (`mi=1,stages=5,arrive=wait,cluster=2`, `tma=1`, `hint=1`, `persist=1`, `rowtma=1`; read once), over the
+/// `WIDE_WGMMA` (`mi=1,stages=5,arrive=wait,cluster=2`, `tma=1`, `hint=1`, `persist=1`, `rowtma=0`; read once), over the
 /// default of this op; an invalid one gives the default.
 fn env_config(fused: bool) -> Option<WgmmaConfig> {
     static V: OnceLock<Option<String>> = OnceLock::new();
