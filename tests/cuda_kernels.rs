@@ -393,6 +393,64 @@ fn gemm_mn_wgmma_contiguous_tiles_match_reference() {
     }
 }
 
+/// A mask whose group j keeps exactly `counts[j % counts.len()]` tokens, drawn at random.
+fn mask_with_counts(m: i64, ng: i64, counts: &[i64]) -> Tensor {
+    let dev = gpu();
+    let cols: Vec<Tensor> = (0..ng)
+        .map(|j| {
+            let c = counts[j as usize % counts.len()].min(m);
+            let keep = Tensor::randperm(m, (Kind::Int64, dev)).narrow(0, 0, c);
+            Tensor::zeros([m], (Kind::Bool, dev)).index_fill(0, &keep, 1)
+        })
+        .collect();
+    Tensor::stack(&cols, 1)
+}
+
+/// Groups whose last tile keeps a few rows, in tile orders of several bands (the band the host
+/// picks, and bands of 1, 3, 7 and 17 token tiles: a partial last band, bands that do not
+/// divide the token tiles), against the f32 reference: group counts whose last tile keeps 1,
+/// 17, 63, 64 or 65 rows, none, or a whole tile, k loops of an odd and an even number of steps,
+/// the fused and plain kernels and the plain kernel's 128-token tile. Outputs poisoned before
+/// every call. Hopper only.
+#[test]
+fn gemm_mn_wgmma_tiny_tiles_match_reference() {
+    let dev = gpu();
+    if !wide_kernels::ops::wgmma::supported(0) {
+        eprintln!("skipped: the wgmma kernel needs a compute capability 9.0 GPU");
+        return;
+    }
+    tch::manual_seed(23);
+    for fused in [false, true] {
+        let d = WgmmaConfig::default_for(fused);
+        let mut bases = vec![d];
+        if !fused {
+            bases.push(WgmmaConfig { mi: 1, stages: 7, ..d });
+        }
+        for base in bases {
+            let bm = base.bm();
+            let counts = [bm + 1, 2 * bm + 17, bm + 63, 64, 2 * bm + 65, 0, 3 * bm, 1];
+            for (kind, m, n, k, g) in [(Kind::BFloat16, 900, 2048, 192, 128), (Kind::Half, 1000, 14336, 4096, 128), (Kind::BFloat16, 777, 4096, 1024, 512)] {
+                let ng = n / g;
+                let msk = mask_with_counts(m, ng, &counts);
+                let x = Tensor::randn([m, k], (kind, dev));
+                let w = Tensor::randn([n, k], (kind, dev)) * 0.05;
+                let w2 = Tensor::randn([n, k], (kind, dev)) * 0.05;
+                let up = if fused { Some(&w2) } else { None };
+                let r = gemm_mn_reference(&x.to_kind(Kind::Float), &w.to_kind(Kind::Float), up.map(|u| u.to_kind(Kind::Float)).as_ref(), &msk, g);
+                let off = msk.logical_not().unsqueeze(-1).expand([m, ng, g], false).reshape([m, n]);
+                let l = route_layout(&msk).unwrap().with_sparsity_hint(0.5);
+                for band in [None, Some(1), Some(3), Some(7), Some(17)] {
+                    for call in 0..2 {
+                        poison(m, n, kind);
+                        let y = wide_kernels::ops::wgmma::gemm_mn_banded(base, band, &x, &w, up, &l, g).unwrap();
+                        check(&y, &r, Some(&off), &format!("{} band {band:?} {kind:?} M={m} N={n} K={k} G={g} fused={fused} call {call}", base.label()));
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// One product on the wgmma kernel in a given configuration against the f32 reference, twice.
 #[allow(clippy::too_many_arguments)]
 fn run_wgmma_config_case(cfg: WgmmaConfig, kind: Kind, m: i64, n: i64, k: i64, g: i64, p_active: f64, fused: bool) {
@@ -489,6 +547,15 @@ fn sanitizer_small_all_ops() {
         // The persistent grid: more tiles than a block takes first, zero-only tiles among them.
         run_wgmma_config_case(WgmmaConfig { persist: true, ..WgmmaConfig::default_for(true) }, Kind::BFloat16, 700, 4096, 128, 128, 0.5, true);
         run_wgmma_config_case(WgmmaConfig { mi: 1, stages: 7, persist: true, ..WgmmaConfig::default_for(false) }, Kind::Half, 700, 4096, 192, 128, 0.5, false);
+        // Tiles of a few rows in bands of 3 token tiles (a partial last band), an odd k loop.
+        let msk = mask_with_counts(600, 4, &[257, 17, 64, 0]);
+        let l = route_layout(&msk).unwrap();
+        for fused in [false, true] {
+            let x = Tensor::randn([600, 192], (Kind::BFloat16, gpu()));
+            let w = Tensor::randn([512, 192], (Kind::BFloat16, gpu())) * 0.05;
+            let up = if fused { Some(&w) } else { None };
+            let _ = wide_kernels::ops::wgmma::gemm_mn_banded(WgmmaConfig::default_for(fused), Some(3), &x, &w, up, &l, 128).unwrap();
+        }
     }
     run_k_case(Kind::Half, 65, 256, 512, 32, 0.5);
     run_fold_case(Kind::BFloat16, 512, 1024, 64, 512, 32, 12, 4, 0.5);

@@ -24,9 +24,10 @@
 // gathered through perm and computed; the inactive tokens listed after them get exact zeros, so
 // every output element is written once.
 //
-// Tile order (1-D grid of ceil(M/BM) * N/BN blocks): bands of BAND token tiles (2048 list
-// entries); inside a band the token tile runs fastest, then the channel tile. The blocks in
-// flight then cover one band of a few groups: list entry p of a group is about token
+// Tile order (1-D grid of ceil(M/BM) * N/BN blocks): bands of `band` token tiles (a kernel
+// argument, about 2048 list entries; the host picks it so that no group's last, partial tile is
+// likely to open a band: see wgmma.rs); inside a band the token tile runs fastest, then the
+// channel tile. The blocks in flight then cover one band of a few groups: list entry p of a group is about token
 // p / (1 - sparsity) in every group (the active tokens are listed in ascending order), so the
 // band's x rows stay in L2 across all groups, and each weight tile is read from DRAM about once
 // a band.
@@ -101,7 +102,6 @@
 #define B_BYTES (BN * BK * 2)
 #define STAGE_BYTES (A_BYTES + NB * B_BYTES)
 #define THREADS 384
-#define BAND (2048 / BM)
 #define LAG (STAGES - 2)  // ASYNC_ARRIVE 0: stage kt is handed over after issuing stage kt + LAG
 #if STAGES < 3
 #error "STAGES must be at least 3"
@@ -335,10 +335,10 @@ __device__ __forceinline__ void consume(unsigned base, const unsigned long long*
 }
 
 // Units of CLUSTER consecutive token tiles (one cluster) in banded order (the tile order above):
-// block b's unit mu and N-tile nt.
-__device__ __forceinline__ void tile_banded(int b, int M, int N, int& mu, int& nt) {
+// block b's unit mu and N-tile nt; `band_tiles` token tiles a band (a multiple of CLUSTER).
+__device__ __forceinline__ void tile_banded(int b, int M, int N, int band_tiles, int& mu, int& nt) {
     const int MU = ((M + BM - 1) / BM + CLUSTER - 1) / CLUSTER;
-    const int BU = BAND / CLUSTER;
+    const int BU = band_tiles / CLUSTER;
     const int per_band = BU * (N / BN);
     const int unit = b / CLUSTER;
     const int band = unit / per_band, idx = unit % per_band;
@@ -359,7 +359,8 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
                                                                       const __grid_constant__ TmaDesc tmap_w,
                                                                       const __grid_constant__ TmaDesc tmap_w2,
                                                                       // ROW_TMA: the map of x, boxes of 64 k x 64 rows
-                                                                      const __grid_constant__ TmaDesc tmap_x) {
+                                                                      const __grid_constant__ TmaDesc tmap_x,
+                                                                      int band) {  // token tiles a band of the tile order
     extern __shared__ unsigned char smem_raw[];
     __shared__ int rows[BM];
     __shared__ __align__(8) unsigned long long full_bar[STAGES], empty_bar[STAGES];
@@ -371,7 +372,7 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
     // unit takes its rank-th token tile.
     int mt, nt, mu;
     const int rank = CLUSTER == 1 ? 0 : (int)cluster_rank();
-    tile_banded(blockIdx.x, M, N, mu, nt);
+    tile_banded(blockIdx.x, M, N, band, mu, nt);
     mt = mu * CLUSTER + rank;
     const int m0 = mt * BM;
     const int n0 = nt * BN;
@@ -626,7 +627,7 @@ gemm_mn_wgmma_persist(const T* __restrict__ x, const T* __restrict__ w, const T*
                       const __grid_constant__ TmaDesc tmap_w, const __grid_constant__ TmaDesc tmap_w2,
                       const __grid_constant__ TmaDesc tmap_x,  // unused (the plain entry's ROW_TMA map)
                       // [2], zeros at launch: tiles taken after the first wave, blocks finished
-                      int* __restrict__ sched, int tiles) {
+                      int* __restrict__ sched, int tiles, int band) {
     extern __shared__ unsigned char smem_raw[];
     __shared__ int rows[2][BM];
     __shared__ int tile_id[2], tile_nact[2];
@@ -662,7 +663,7 @@ gemm_mn_wgmma_persist(const T* __restrict__ x, const T* __restrict__ w, const T*
                 break;
             }
             int mt, nt;
-            tile_banded(t, M, N, mt, nt);
+            tile_banded(t, M, N, band, mt, nt);
             const int m0 = mt * BM, n0 = nt * BN;
             const int* pg = perm + (long long)(n0 / G) * M;
             const int nact = min(BM, count[n0 / G] - m0);
@@ -712,7 +713,7 @@ gemm_mn_wgmma_persist(const T* __restrict__ x, const T* __restrict__ w, const T*
             if (t >= tiles) break;
             const int nact = __shfl_sync(0xffffffffu, tile_nact[slot], 0);
             int mt, nt;
-            tile_banded(t, M, N, mt, nt);
+            tile_banded(t, M, N, band, mt, nt);
             const int n0 = nt * BN;
             int st = -1;
             if (nact > 0) {

@@ -214,6 +214,51 @@ fn env_config(fused: bool) -> Option<WgmmaConfig> {
     Some(if c.valid(fused) { c } else { d })
 }
 
+/// Token tiles a band of the tile order (see wgmma.cu) for a launch of `m` tokens in tiles of
+/// `bm`, whose routed groups skip a share `sparsity` of the tokens (None: unknown): about 2048
+/// list entries, moved by up to two tiles so that the last, partial tile of a group (its index
+/// is count / bm, the count about m (1 - s) +- 2 sd) is not the first of a band. Such a tile
+/// otherwise runs in a band where no other tile of its group computes, and reads the group's
+/// whole weight tile again from DRAM: at 50%, 4096 tokens and the 256-token tile every group
+/// keeps 2048 +- 32 tokens, so about half of them have a few rows in tile 8, which opened the
+/// second band of 8 and cost nearly a whole wave (random masks with exactly 2080 tokens a group
+/// ran up in 0.416 ms against 0.366 with 2048, on the H200). Clusters keep the plain band.
+pub fn band_tiles(bm: i64, cluster: u32, m: i64, sparsity: Option<f64>) -> i64 {
+    let base = (2048 / bm).max(1);
+    match env_band() {
+        Some(0) => return base,
+        Some(b) => return b,
+        None => {}
+    }
+    let Some(s) = sparsity.filter(|_| cluster == 1) else { return base };
+    let s = s.clamp(0.0, 1.0);
+    let (mf, bf) = (m as f64, bm as f64);
+    let (mu, sd) = (mf * (1.0 - s), (mf * s * (1.0 - s)).sqrt());
+    let lo = ((mu - 2.0 * sd).max(0.0) / bf).floor() as i64;
+    let hi = ((mu + 2.0 * sd).min(mf) / bf).floor() as i64;
+    let full = m / bm; // a count of m leaves no partial tile past these
+    for b in [base, base + 1, base - 1, base + 2, base - 2] {
+        if b >= 1 && (lo..=hi).all(|p| p == 0 || p >= full.max(1) || p % b != 0) {
+            return b;
+        }
+    }
+    base
+}
+
+/// `WIDE_WGMMA_BAND` (read once): a number of token tiles forces that band on every launch,
+/// `plain` (returned as 0) the plain 2048 list entries; for sweeps.
+fn env_band() -> Option<i64> {
+    static V: OnceLock<Option<i64>> = OnceLock::new();
+    *V.get_or_init(|| {
+        let v = std::env::var("WIDE_WGMMA_BAND").ok()?;
+        if v == "plain" {
+            Some(0)
+        } else {
+            v.parse().ok().filter(|&b: &i64| b >= 1)
+        }
+    })
+}
+
 /// The module for a dtype, fusion flag and configuration.
 pub fn source(f16: bool, fused: bool, c: WgmmaConfig) -> KernelSource {
     KernelSource::new("wgmma", SOURCE)
@@ -276,13 +321,20 @@ fn tile_counter(device: usize) -> Result<Tensor> {
 
 /// Runs gemm_mn / gemm_mn_swiglu (`w2` = w_up) on the wgmma kernel.
 pub(crate) fn launch(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: &RouteLayout) -> Result<Tensor> {
-    launch_config(s, x, w, w2, layout, None)
+    launch_config(s, x, w, w2, layout, None, None)
 }
 
 /// gemm_mn (`w_up` None) or gemm_mn_swiglu on the wgmma kernel in one given configuration (for
 /// tests and sweeps; the routed ops pick theirs with [`config_for`]). `group` channels a group,
 /// the layout's groups over the output width.
 pub fn gemm_mn_with(config: WgmmaConfig, x: &Tensor, w: &Tensor, w_up: Option<&Tensor>, layout: &RouteLayout, group: i64) -> Result<Tensor> {
+    gemm_mn_banded(config, None, x, w, w_up, layout, group)
+}
+
+/// [`gemm_mn_with`] with the tile order's band forced to `band` token tiles (None: the one
+/// [`band_tiles`] picks), for tests of the order.
+pub fn gemm_mn_banded(config: WgmmaConfig, band: Option<i64>, x: &Tensor, w: &Tensor, w_up: Option<&Tensor>, layout: &RouteLayout, group: i64) -> Result<Tensor> {
+    ensure!(band.map_or(true, |b| b >= 1 && b % config.cluster as i64 == 0), "gemm_mn_banded: band {band:?} must be a positive multiple of the cluster size {}", config.cluster);
     let op = if w_up.is_some() { RoutedOp::MnSwiglu } else { RoutedOp::Mn };
     ensure!(config.valid(op == RoutedOp::MnSwiglu), "wgmma configuration {} cannot run {op:?}", config.label());
     let (xs, ws) = (x.size(), w.size());
@@ -297,10 +349,10 @@ pub fn gemm_mn_with(config: WgmmaConfig, x: &Tensor, w: &Tensor, w_up: Option<&T
         ws[0] / group
     );
     let s = GemmShape { op, m: xs[0], n: ws[0], k: xs[1], group };
-    launch_config(&s, x, w, w_up, layout, Some(config))
+    launch_config(&s, x, w, w_up, layout, Some(config), band)
 }
 
-fn launch_config(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: &RouteLayout, config: Option<WgmmaConfig>) -> Result<Tensor> {
+fn launch_config(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: &RouteLayout, config: Option<WgmmaConfig>, band: Option<i64>) -> Result<Tensor> {
     ensure!(
         wgmma_feasible(s),
         "the wgmma kernel cannot run {:?} with N {} K {} group {} (needs gemm_mn, 128 | group, 64 | K)",
@@ -321,10 +373,10 @@ fn launch_config(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, lay
     let (perm, count) = layout.lists()?;
     let out = Tensor::empty([s.m, s.n], (x.kind(), x.device()));
     // A 1-D grid of tiles (units of `cluster` token tiles) in banded order (see wgmma.cu); a band
-    // of (N / 128) * 16 tiles at most must fit an i32 too.
+    // of (N / 128) * 32 tiles at most must fit an i32 too.
     let units = (s.m as u64).div_ceil(c.bm() as u64).div_ceil(c.cluster as u64);
     let blocks = units * c.cluster as u64 * (s.n / WGMMA_BN) as u64;
-    ensure!(blocks <= i32::MAX as u64 && 16 * s.n / WGMMA_BN <= i32::MAX as i64, "too many tiles (M {} x N {}) for one wgmma launch", s.m, s.n);
+    ensure!(blocks <= i32::MAX as u64 && 32 * s.n / WGMMA_BN <= i32::MAX as i64, "too many tiles (M {} x N {}) for one wgmma launch", s.m, s.n);
     // The persistent grid: one block a multiprocessor (at most one a tile).
     let grid = if c.persist { blocks.min(sms) } else { blocks };
     let cfg = LaunchConfig { grid: (grid as u32, 1, 1), block: (THREADS, 1, 1), shared_mem_bytes: c.smem_bytes(fused) };
@@ -357,6 +409,12 @@ fn launch_config(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, lay
         args.push(KernelArg::tensor(&tile_counter(device)?)?);
         args.push(KernelArg::I32(blocks as i32));
     }
+    // The routed groups' skip rate (always-on groups, such as the fused Q|K|V's K|V, keep every
+    // token and have no partial tile).
+    let routed = layout.sparsity_hint().map(|h| (h * layout.groups() as f64 / layout.always_on_from().max(1) as f64).min(1.0));
+    let band = band.unwrap_or_else(|| band_tiles(c.bm(), c.cluster, s.m, routed));
+    let band = if c.cluster == 2 { (band - band % 2).max(2) } else { band };
+    args.push(KernelArg::I32(band as i32));
     // SAFETY: the arguments follow gemm_mn_wgmma's signature; x is [M, K], w and w_up [N, K]
     // (contiguous, 16-byte aligned), perm [N / G, M] and count [N / G] come from this layout,
     // out is [M, N]; the grid has one block for each of ceil(M / bm) x N / 128 tiles (rounded
@@ -388,6 +446,32 @@ mod tests {
         // The fused kernel keeps its one configuration (4 stages of 48 KiB fill the memory).
         assert_eq!(config_for(&sh(RoutedOp::MnSwiglu, 1024, 14336), 0.5, 132), WgmmaConfig::default_for(true));
         assert!(config_for(&sh(RoutedOp::Mn, 1024, 14336), 0.5, 132).valid(false));
+    }
+
+    #[test]
+    fn bands_keep_the_partial_tiles_with_their_groups() {
+        if std::env::var("WIDE_WGMMA_BAND").is_ok() {
+            return; // the override wins everywhere
+        }
+        // 50%: the partial tile of a group (index count / bm) near m / 2 / bm must not open a band.
+        for (bm, m) in [(256, 4096), (256, 16384), (128, 4096), (128, 8192), (256, 8192), (256, 32768)] {
+            let b = band_tiles(bm, 1, m, Some(0.5));
+            assert!((b - 2048 / bm).abs() <= 2, "bm {bm} m {m}: band {b}");
+            let sd = (m as f64 * 0.25).sqrt();
+            for c in [m / 2 - (2.0 * sd) as i64, m / 2, m / 2 + 1, m / 2 + (2.0 * sd) as i64] {
+                let p = c / bm;
+                assert!(p == 0 || p % b != 0, "bm {bm} m {m} count {c}: tile {p} opens a band of {b}");
+            }
+        }
+        // Where the plain band already keeps them, it stays; unknown skip rates and clusters too.
+        assert_eq!(band_tiles(256, 1, 2048, Some(0.5)), 8);
+        assert_eq!(band_tiles(128, 1, 2048, Some(0.5)), 16);
+        assert_eq!(band_tiles(256, 1, 4096, None), 8);
+        assert_eq!(band_tiles(256, 2, 4096, Some(0.5)), 8);
+        assert_eq!(band_tiles(256, 1, 4096, Some(0.5)), 9);
+        // All-on (s = 0) and all-off groups have no partial tile to place.
+        assert_eq!(band_tiles(256, 1, 4096, Some(0.0)), 8);
+        assert_eq!(band_tiles(256, 1, 4096, Some(1.0)), 8);
     }
 
     #[test]
@@ -434,6 +518,8 @@ mod tests {
         let other = crate::ops::layout::route_layout(&Tensor::ones([8, 4], (Kind::Bool, Device::Cpu))).unwrap();
         assert!(err(ok, &other, 128).contains("the layout is for a mask [8, 4]"), "{}", err(ok, &other, 128));
         assert!(err(ok, &lay, 128).contains("CUDA"), "{}", err(ok, &lay, 128));
+        let bad_band = gemm_mn_banded(ok, Some(0), &x, &w, None, &lay, 128).unwrap_err().to_string();
+        assert!(bad_band.contains("band Some(0) must be a positive multiple"), "{bad_band}");
     }
 
     #[test]
