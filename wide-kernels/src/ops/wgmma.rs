@@ -163,15 +163,19 @@ pub fn sweep(fused: bool) -> Vec<WgmmaConfig> {
 }
 
 /// The configuration of one launch: `WIDE_WGMMA` where set; else for a plain product from 512
-/// tokens whose default grid (256-token tiles) has at most 1.75 computing tiles a
+/// tokens whose default grid (256-token tiles) has at most 2 computing tiles a
 /// multiprocessor, the 128-token tile with 7 stages (twice the blocks, each with more of its
 /// weight tiles in flight); else the default. Measured on the H200 (s = 0.5, G = 128, cold,
 /// routed ms, default -> small; cuBLAS in brackets): up 512 tokens (112 tiles) 0.094 -> 0.087
 /// [0.095], up 1024 (224) 0.139 -> 0.128 [0.158], Q 512 (32) 0.049-0.054 -> 0.034-0.039 [0.028-0.034],
-/// Q 2048 (128) 0.098-0.102 -> 0.090-0.095 [0.094-0.111]; but up 2048 (448) 0.209 -> 0.232, Q
-/// 4096 (256) 0.144 -> 0.152 and up 256 0.055 -> 0.063 (its 128-token zero tiles interleave with
-/// the computing ones); Q 1024 (64) 0.052 -> 0.057 [0.048] is the one loss inside the rule (the
-/// dispatch keeps cuBLAS + the zero pass there with either tile).
+/// Q 2048 (128) 0.098-0.102 -> 0.090-0.095 [0.094-0.111]; but up 2048 (448) 0.209 -> 0.232 and up
+/// 256 0.055 -> 0.063 (its 128-token zero tiles interleave with the computing ones); Q 1024 (64)
+/// 0.052 -> 0.057 [0.048] is the one loss inside the rule (the dispatch keeps cuBLAS + the zero
+/// pass there with either tile). Q at 4096 tokens (256 tiles, ~272 with the groups' partial
+/// tiles: three waves of 132) measured 0.144 -> 0.152 with the old band and 0.145-0.146 -> 0.133
+/// once the band kept the partial tiles with their groups (`band_tiles`; 2026-12-02), so the
+/// bound is 2 tiles a multiprocessor, not 1.75; up 4096 (896) 0.389-0.394 -> 0.434-0.443 and Q
+/// 16384 (1024) 0.435-0.440 -> 0.490 stay on the default.
 pub fn config_for(s: &GemmShape, sparsity: f64, sms: i64) -> WgmmaConfig {
     let fused = s.op == RoutedOp::MnSwiglu;
     if let Some(c) = env_config(fused) {
@@ -184,7 +188,7 @@ pub fn config_for(s: &GemmShape, sparsity: f64, sms: i64) -> WgmmaConfig {
     let active = (s.m as f64 * (1.0 - sparsity.clamp(0.0, 1.0))).ceil() as i64;
     let tiles = (s.n / WGMMA_BN) * ((active + d.bm() - 1) / d.bm()).max(1);
     let small = WgmmaConfig { mi: 1, stages: 7, ..d };
-    if 4 * tiles <= 7 * sms && small.valid(fused) {
+    if tiles <= 2 * sms && small.valid(fused) {
         small
     } else {
         d
@@ -442,7 +446,8 @@ mod tests {
         assert!(small(RoutedOp::Mn, 512, 14336) && small(RoutedOp::Mn, 1024, 14336));
         assert!(small(RoutedOp::Mn, 512, 4096) && small(RoutedOp::Mn, 2048, 4096));
         // And where it measured it slower.
-        assert!(!small(RoutedOp::Mn, 2048, 14336) && !small(RoutedOp::Mn, 4096, 4096) && !small(RoutedOp::Mn, 256, 14336));
+        assert!(small(RoutedOp::Mn, 4096, 4096));
+        assert!(!small(RoutedOp::Mn, 2048, 14336) && !small(RoutedOp::Mn, 4096, 14336) && !small(RoutedOp::Mn, 16384, 4096) && !small(RoutedOp::Mn, 256, 14336));
         // The fused kernel keeps its one configuration (4 stages of 48 KiB fill the memory).
         assert_eq!(config_for(&sh(RoutedOp::MnSwiglu, 1024, 14336), 0.5, 132), WgmmaConfig::default_for(true));
         assert!(config_for(&sh(RoutedOp::Mn, 1024, 14336), 0.5, 132).valid(false));
