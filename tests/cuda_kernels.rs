@@ -80,11 +80,16 @@ struct MnCase {
 }
 
 fn mn_case(kind: Kind, m: i64, n: i64, k: i64, g: i64, p_active: f64, fused: bool) -> MnCase {
+    mn_case_masked(kind, mask(m, n / g, p_active), n, k, g, fused)
+}
+
+/// Random inputs, the layout and the f32 reference of a gemm_mn over a given `[M, N / G]` mask.
+fn mn_case_masked(kind: Kind, msk: Tensor, n: i64, k: i64, g: i64, fused: bool) -> MnCase {
     let dev = gpu();
+    let m = msk.size()[0];
     let x = Tensor::randn([m, k], (kind, dev));
     let w = Tensor::randn([n, k], (kind, dev)) * 0.05;
     let w2 = Tensor::randn([n, k], (kind, dev)) * 0.05;
-    let msk = mask(m, n / g, p_active);
     let l = route_layout(&msk).unwrap();
     let up = if fused { Some(w2.to_kind(Kind::Float)) } else { None };
     let r = gemm_mn_reference(&x.to_kind(Kind::Float), &w.to_kind(Kind::Float), up.as_ref(), &msk, g);
@@ -373,14 +378,9 @@ fn gemm_mn_wgmma_contiguous_tiles_match_reference() {
             let prefix = Tensor::arange(m, (Kind::Int64, dev)).lt(m * 3 / 5).unsqueeze(1).expand([m, ng], false).contiguous();
             let mixed = mask(m, ng, 0.5);
             let _ = mixed.narrow(1, ng - ng / 4, ng / 4).fill_(1);
-            for (name, msk) in [("all on", &all), ("prefix", &prefix), ("trailing groups on", &mixed)] {
-                let x = Tensor::randn([m, k], (kind, dev));
-                let w = Tensor::randn([n, k], (kind, dev)) * 0.05;
-                let w2 = Tensor::randn([n, k], (kind, dev)) * 0.05;
+            for (name, msk) in [("all on", all), ("prefix", prefix), ("trailing groups on", mixed)] {
+                let MnCase { x, w, w2, l, r, off, .. } = mn_case_masked(kind, msk, n, k, g, fused);
                 let up = if fused { Some(&w2) } else { None };
-                let r = gemm_mn_reference(&x.to_kind(Kind::Float), &w.to_kind(Kind::Float), up.map(|u| u.to_kind(Kind::Float)).as_ref(), msk, g);
-                let off = msk.logical_not().unsqueeze(-1).expand([m, ng, g], false).reshape([m, n]);
-                let l = route_layout(msk).unwrap();
                 for &cfg in &cfgs {
                     for call in 0..2 {
                         poison(m, n, kind);
@@ -414,7 +414,7 @@ fn mask_with_counts(m: i64, ng: i64, counts: &[i64]) -> Tensor {
 /// every call. Hopper only.
 #[test]
 fn gemm_mn_wgmma_tiny_tiles_match_reference() {
-    let dev = gpu();
+    let _ = gpu(); // the device first (one GPU test at a time)
     if !wide_kernels::ops::wgmma::supported(0) {
         eprintln!("skipped: the wgmma kernel needs a compute capability 9.0 GPU");
         return;
@@ -430,15 +430,9 @@ fn gemm_mn_wgmma_tiny_tiles_match_reference() {
             let bm = base.bm();
             let counts = [bm + 1, 2 * bm + 17, bm + 63, 64, 2 * bm + 65, 0, 3 * bm, 1];
             for (kind, m, n, k, g) in [(Kind::BFloat16, 900, 2048, 192, 128), (Kind::Half, 1000, 14336, 4096, 128), (Kind::BFloat16, 777, 4096, 1024, 512)] {
-                let ng = n / g;
-                let msk = mask_with_counts(m, ng, &counts);
-                let x = Tensor::randn([m, k], (kind, dev));
-                let w = Tensor::randn([n, k], (kind, dev)) * 0.05;
-                let w2 = Tensor::randn([n, k], (kind, dev)) * 0.05;
+                let MnCase { x, w, w2, l, r, off, .. } = mn_case_masked(kind, mask_with_counts(m, n / g, &counts), n, k, g, fused);
+                let l = l.with_sparsity_hint(0.5);
                 let up = if fused { Some(&w2) } else { None };
-                let r = gemm_mn_reference(&x.to_kind(Kind::Float), &w.to_kind(Kind::Float), up.map(|u| u.to_kind(Kind::Float)).as_ref(), &msk, g);
-                let off = msk.logical_not().unsqueeze(-1).expand([m, ng, g], false).reshape([m, n]);
-                let l = route_layout(&msk).unwrap().with_sparsity_hint(0.5);
                 for band in [None, Some(1), Some(3), Some(7), Some(17)] {
                     for call in 0..2 {
                         poison(m, n, kind);
