@@ -350,6 +350,42 @@ fn gemm_mn_wgmma_matches_reference() {
     }
 }
 
+/// The stream-K schedule (`stream_k`: whole tiles, then the last one to two waves' k steps
+/// split evenly over one block a multiprocessor, f32 slots summed by each tile's last segment)
+/// against the f32 reference, two calls each (the second on the slots the first left zeroed):
+/// grids of several waves (whole tiles, then split ones), of fewer tiles than multiprocessors
+/// (each tile cut into many segments), all-active and all-inactive masks, k loops of one to
+/// three steps, groups of 256, the plain kernel's 256- and 128-token tiles and the fused one.
+/// Outputs poisoned before every call. Hopper only.
+#[test]
+fn gemm_mn_wgmma_stream_k_matches_reference() {
+    let _ = gpu(); // the device first (one GPU test at a time)
+    if !wide_kernels::ops::wgmma::supported(0) {
+        eprintln!("skipped: the wgmma kernel needs a compute capability 9.0 GPU");
+        return;
+    }
+    tch::manual_seed(24);
+    let plain = WgmmaConfig { stream_k: true, row_tma: false, ..WgmmaConfig::default_for(false) };
+    let plain_small = WgmmaConfig { mi: 1, stages: 7, ..plain };
+    let fused = WgmmaConfig { stream_k: true, row_tma: false, ..WgmmaConfig::default_for(true) };
+    for (cfg, is_fused) in [(plain, false), (plain_small, false), (fused, true)] {
+        assert!(cfg.valid(is_fused) && cfg.entry() == "gemm_mn_wgmma_sk", "{cfg:?}");
+        for (kind, m, n, k, g, p) in [
+            (Kind::BFloat16, 4096, 14336, 4096, 128, 0.5),
+            (Kind::BFloat16, 2500, 14336, 4096, 128, 0.5),
+            (Kind::BFloat16, 300, 1024, 4096, 128, 0.5),
+            (Kind::BFloat16, 257, 14336, 4096, 128, 0.0),
+            (Kind::BFloat16, 300, 14336, 1024, 128, 1.0),
+            (Kind::Half, 777, 14336, 4096, 128, 0.5),
+            (Kind::BFloat16, 515, 1024, 64, 128, 0.5),
+            (Kind::BFloat16, 515, 1024, 192, 128, 0.5),
+            (Kind::BFloat16, 300, 2048, 512, 256, 0.6),
+        ] {
+            run_wgmma_config_case(cfg, kind, m, n, k, g, p, is_fused);
+        }
+    }
+}
+
 /// Contiguous tiles (`row_tma`: x rows by TMA where a tile's listed tokens are consecutive)
 /// against the f32 reference, with the cp.async gather on the same inputs beside it: every
 /// group all-on (every tile contiguous, the last one running past M), the same first tokens in
@@ -422,7 +458,7 @@ fn gemm_mn_wgmma_tiny_tiles_match_reference() {
     tch::manual_seed(23);
     for fused in [false, true] {
         let d = WgmmaConfig::default_for(fused);
-        let mut bases = vec![d];
+        let mut bases = vec![d, WgmmaConfig { stream_k: true, ..d }];
         if !fused {
             bases.push(WgmmaConfig { mi: 1, stages: 7, ..d });
         }
@@ -541,6 +577,9 @@ fn sanitizer_small_all_ops() {
         // The persistent grid: more tiles than a block takes first, zero-only tiles among them.
         run_wgmma_config_case(WgmmaConfig { persist: true, ..WgmmaConfig::default_for(true) }, Kind::BFloat16, 700, 4096, 128, 128, 0.5, true);
         run_wgmma_config_case(WgmmaConfig { mi: 1, stages: 7, persist: true, ..WgmmaConfig::default_for(false) }, Kind::Half, 700, 4096, 192, 128, 0.5, false);
+        // The stream-K schedule: tiles cut into many segments (fewer tiles than multiprocessors).
+        run_wgmma_config_case(WgmmaConfig { stream_k: true, ..WgmmaConfig::default_for(false) }, Kind::BFloat16, 700, 4096, 192, 128, 0.5, false);
+        run_wgmma_config_case(WgmmaConfig { stream_k: true, ..WgmmaConfig::default_for(true) }, Kind::Half, 700, 4096, 128, 128, 0.5, true);
         // Tiles of a few rows in bands of 3 token tiles (a partial last band), an odd k loop.
         let msk = mask_with_counts(600, 4, &[257, 17, 64, 0]);
         let l = route_layout(&msk).unwrap();

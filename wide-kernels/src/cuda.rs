@@ -159,6 +159,14 @@ impl CudaKernel {
         .map_err(|e| driver_err(e, "setting the dynamic shared memory limit"))
     }
 
+    /// Bytes of statically declared shared memory of this kernel (the dynamic shared memory of a
+    /// launch must fit beside them).
+    pub fn static_shared_mem(&self) -> Result<u32> {
+        unsafe { drv::function::get_function_attribute(self.func, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES) }
+            .map(|v| v.max(0) as u32)
+            .map_err(|e| driver_err(e, "reading the static shared memory size"))
+    }
+
     /// Launches on libtorch's current stream of the kernel's device.
     ///
     /// # Safety

@@ -245,6 +245,11 @@ fn compile_uncached(src: &KernelSource, opts: &[String], cubin: bool) -> Result<
         let _ = unsafe { nvrtc::destroy_program(prog) };
         bail!("compiling kernel `{}` with NVRTC failed ({e:?}), options {opts:?}:\n{log}", src.name);
     }
+    // `WIDE_NVRTC_LOG=1` prints the compiler's messages (ptxas warnings such as a serialised
+    // wgmma) for each module compiled.
+    if !log.trim().is_empty() && std::env::var_os("WIDE_NVRTC_LOG").is_some_and(|v| v == "1") {
+        eprintln!("nvrtc log of `{}` {:?}:\n{log}", src.name, src.defines);
+    }
     if cubin {
         let image = unsafe { get_cubin(prog) };
         let _ = unsafe { nvrtc::destroy_program(prog) };

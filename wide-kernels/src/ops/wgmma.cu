@@ -77,10 +77,21 @@
 #if PERSIST && (MI != 1 || CLUSTER != 1 || !TMA_B || !ASYNC_ARRIVE)
 #error "PERSIST needs MI 1, CLUSTER 1, TMA_B 1 and ASYNC_ARRIVE 1"
 #endif
+// STREAMK 1 (with CLUSTER 1, TMA_B 1, ASYNC_ARRIVE 1, no PERSIST, no L2_HINT): the entry
+// gemm_mn_wgmma_sk, one block a multiprocessor on a stream-K schedule (see there).
+#ifndef STREAMK
+#define STREAMK 0
+#endif
+#if STREAMK && (CLUSTER != 1 || !TMA_B || !ASYNC_ARRIVE || PERSIST)
+#error "STREAMK needs CLUSTER 1, TMA_B 1, ASYNC_ARRIVE 1 and no PERSIST"
+#endif
 // L2_HINT 1: the gathered x rows are copied with an evict-last L2 policy (each row is read by
 // about (1 - sparsity) * N / G tiles) and the outputs stored with evict-first (written once).
 #ifndef L2_HINT
 #define L2_HINT 0
+#endif
+#if L2_HINT && STREAMK
+#error "STREAMK has no L2_HINT"
 #endif
 #if TMA_B && (CLUSTER != 1 || !ASYNC_ARRIVE)
 #error "TMA_B needs CLUSTER 1 and ASYNC_ARRIVE"
@@ -88,7 +99,7 @@
 #ifndef ROW_TMA
 #define ROW_TMA 0
 #endif
-#if ROW_TMA && (!TMA_B || PERSIST)
+#if ROW_TMA && (!TMA_B || PERSIST || STREAMK)
 #error "ROW_TMA needs TMA_B and the plain entry"
 #endif
 // The weight tiles come by TMA (one producer thread, an expect_tx arrival on the stage barrier).
@@ -551,6 +562,20 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
 #endif
 }
 
+#if PERSIST || STREAMK
+__device__ __forceinline__ void producer_bar() { asm volatile("bar.sync 1, 128;" ::: "memory"); }
+__device__ __forceinline__ void consumer_bar() { asm volatile("bar.sync 2, 256;" ::: "memory"); }
+// The stage ring's position (stage s, its phase parity ph), run on across tiles; `it` counts the
+// stages used so far (the producer waits for a release from the second round on).
+__device__ __forceinline__ void ring_next(int& s, unsigned& ph, int& it) {
+    ++it;
+    if (++s == STAGES) {
+        s = 0;
+        ph ^= 1u;
+    }
+}
+#endif
+
 #if PERSIST
 // Persistent variant: the grid has one block a multiprocessor (at most one a tile); block b takes
 // tile b of the banded order first, then the next untaken tile from `sched[0]` (atomicAdd), so a
@@ -564,15 +589,6 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
 // The last block to finish resets `sched` to zeros for the next launch on the stream (launches
 // sharing `sched` must not overlap).
 
-__device__ __forceinline__ void producer_bar() { asm volatile("bar.sync 1, 128;" ::: "memory"); }
-__device__ __forceinline__ void consumer_bar() { asm volatile("bar.sync 2, 256;" ::: "memory"); }
-__device__ __forceinline__ void ring_next(int& s, unsigned& ph, int& it) {
-    ++it;
-    if (++s == STAGES) {
-        s = 0;
-        ph ^= 1u;
-    }
-}
 
 // One consumer warpgroup's k loop over a tile (its 64-row sub-tile cw), its last stage released,
 // then its results (the SwiGLU applied) staged in the hand-over stage that follows. Returns the
@@ -743,6 +759,442 @@ gemm_mn_wgmma_persist(const T* __restrict__ x, const T* __restrict__ w, const T*
                 mbar_arrive(smem_u32(&tile_empty[slot]));
             }
         }
+    }
+}
+#endif
+
+#if STREAMK
+// Stream-K entry: the grid has one block a multiprocessor (P blocks) and ends them together.
+// The grid's tail is what random masks cost the plain grid: at 50% about half the groups have
+// a partial last tile, so up at 4096 tokens has ~952 computing 256-token tiles, 7.2 waves of
+// 132, run as 8 (NOTES v20, v21). Here the C computing tiles (banded order, zero-only tiles left
+// out) are dealt as:
+// - whole tiles: the first (C / P - 1) * P (none when C < 2P), block b taking b, b + P, ...,
+//   so the blocks in flight cover P consecutive tiles of the order (its L2 reuse stays);
+// - the rest (P to 2P - 1 tiles, or all C when C < 2P): their k steps, tile after tile, split
+//   into P equal ranges, one a block; a range cuts tiles at any k step. A segment that is not
+//   its tile's whole k loop adds its f32 sums into the tile's slot (red.global.add), then its k
+//   steps into the tile's flag; the segment that brings the flag to the tile's k steps is its
+//   last: it reads the slot (every segment's sums, its own included), applies the epilogue,
+//   writes the tile and leaves slot and flag zeroed for the next launch. No block waits for
+//   another (each segment adds and goes on), so no order of the blocks can deadlock.
+// - the zero-only tiles (listed inactive tokens past a group's computing tiles): block b takes
+//   tiles b, b + P, ... of all ceil(M / BM) * N / BN, and its consumer threads write their
+//   zeros, one 16-byte store a thread a k step between their wgmma issue and wait (the token
+//   rows loaded a step ahead), the rest after its last item: the writes overlap the product
+//   instead of taking blocks of their own.
+// Every block derives the same schedule at its start from the counts: per (band, N-tile) cell
+// of the banded order its computing tiles, and their exclusive prefix (a block-wide scan; the
+// dynamic shared memory holds it after the stages). A computing tile's place in the order is a
+// binary search in it. Inside an item the block works as the plain kernel's (the stage ring
+// runs on across items; the epilogue stages the results in the stage memory between block
+// barriers; the consumers fill the tile's token rows before their k loop).
+
+// Largest cell e < cells with pre[e] <= ci (a cell with computing tiles, since pre[cells] > ci).
+__device__ __forceinline__ int find_cell(const int* pre, int cells, int ci) {
+    int lo = 0, hi = cells;
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) >> 1;
+        if (pre[mid] <= ci)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+struct SkGrid {
+    int MT, NT, BU, cells;  // token tiles, N-tiles, token tiles a band, bands x N-tiles
+    int C, dp, KT;          // computing tiles, whole tiles a block, k steps a tile
+    long long lo, mid, hi;  // this block's range of the split tiles' k steps, run as [lo, mid)
+                            // before its whole tiles and [mid, hi) after them
+    int nhead;              // items of [lo, mid)
+};
+struct SkItem {
+    int m0, n0, nact, kt0, kn, slot;  // slot: the split tile's index, -1 for a whole tile
+};
+
+// A measurement stamp: thread 0 or 128 (the first producer or consumer thread) stores the
+// multiprocessor's clock at tr[i], with no branch (the other threads pass the same pointer).
+__device__ __forceinline__ void stamp(unsigned long long* tr, int i) {
+    asm volatile("{\n.reg .pred p;\nsetp.eq.u32 p, %0, 0;\n@p st.global.u64 [%1], %2;\n}" ::"r"(threadIdx.x & 127), "l"(tr + i), "l"(clock64()) : "memory");
+}
+
+// Items of the k-step range [a, b) of the split tiles: one a tile it touches.
+__device__ __forceinline__ int sk_segments(long long a, long long b, int KT) { return a < b ? (int)((b - 1) / KT - a / KT + 1) : 0; }
+// Segment idx of [a, b): its tile j, first k step and k steps.
+__device__ __forceinline__ void sk_segment(long long a, long long b, int KT, int idx, int& j, int& kt0, int& kn) {
+    const long long start = idx == 0 ? a : (a / KT + idx) * KT;
+    j = (int)(start / KT);
+    const long long end = min(b, (long long)(j + 1) * KT);
+    kt0 = (int)(start - (long long)j * KT);
+    kn = (int)(end - start);
+}
+
+// Item n of this block; false past its last.
+__device__ __forceinline__ bool sk_item(const SkGrid& gr, const int* pre, const int* cnt, int n, SkItem& it) {
+    int ci;
+    if (n >= gr.nhead && n < gr.nhead + gr.dp) {
+        ci = (int)blockIdx.x + (n - gr.nhead) * (int)gridDim.x;
+        if (ci >= gr.C) return false;
+        it.kt0 = 0;
+        it.kn = gr.KT;
+        it.slot = -1;
+    } else {
+        int j;
+        if (n < gr.nhead) {
+            sk_segment(gr.lo, gr.mid, gr.KT, n, j, it.kt0, it.kn);
+        } else {
+            const int idx = n - gr.nhead - gr.dp;
+            if (idx >= sk_segments(gr.mid, gr.hi, gr.KT)) return false;
+            sk_segment(gr.mid, gr.hi, gr.KT, idx, j, it.kt0, it.kn);
+        }
+        it.slot = it.kn == gr.KT ? -1 : j;
+        ci = gr.dp * (int)gridDim.x + j;
+    }
+    const int e = find_cell(pre, gr.cells, ci);
+    const int band = e / gr.NT, nt = e % gr.NT;
+    const int mt = band * gr.BU + (ci - pre[e]);
+    it.m0 = mt * BM;
+    it.n0 = nt * BN;
+    it.nact = min(BM, cnt[nt] - it.m0);
+    return true;
+}
+
+// The zero-only tiles, written by the consumer threads between their wgmma issue and wait:
+// tile t (N-tile t / MT, token tile t % MT) of the block's t = b, b + P, ...; round i of
+// BM / 16 a tile writes row (thread / 16) + 16 i, 16-byte chunk thread % 16 (consumer thread
+// 0-255); `tok` is that row's token (-1 past M), loaded one k step ahead. (In the producer,
+// such a load waited behind the stage's 16 gathered copies, and each k step waited for it: up
+// at 16384 tokens 2.08 against 1.58 ms, each producer k step twice as long in clock stamps.)
+#define ZROWS 16
+struct ZeroCursor {
+    int t, i, tok;
+};
+__device__ __forceinline__ void zero_seek(ZeroCursor& z, const SkGrid& gr, const int* cnt) {
+    const int T = gr.MT * gr.NT;
+    while (z.t < T && (z.t % gr.MT) * BM < cnt[z.t / gr.MT]) z.t += gridDim.x;
+}
+__device__ __forceinline__ int zero_token(int t, int i, const SkGrid& gr, const int* perm, int M, int G) {
+    const int nt = t / gr.MT, m = (t % gr.MT) * BM + ((threadIdx.x & 255) >> 4) + ZROWS * i;
+    return m < M ? perm[(long long)(nt * BN / G) * M + m] : -1;
+}
+// A 16-byte zero store where tok >= 0, with no branch (it sits beside wgmma code).
+__device__ __forceinline__ void zero_store(int t, int tok, const SkGrid& gr, T* out, int N) {
+    T* p = out + (long long)max(tok, 0) * N + (t / gr.MT) * BN + (threadIdx.x & 15) * 8;
+    asm volatile("{\n.reg .pred p;\nsetp.ge.s32 p, %0, 0;\n@p st.global.v4.u32 [%1], {%2, %2, %2, %2};\n}" ::"r"(tok), "l"(p), "r"(0) : "memory");
+}
+__device__ __forceinline__ void zero_start(ZeroCursor& z, const SkGrid& gr, const int* cnt, const int* perm, int M, int G) {
+    z.t = blockIdx.x;
+    z.i = 0;
+    zero_seek(z, gr, cnt);
+    z.tok = z.t < gr.MT * gr.NT ? zero_token(z.t, 0, gr, perm, M, G) : -1;
+}
+// One round (a k step's share): the loaded row's zeros, then the next row's token.
+__device__ __forceinline__ void zero_step(ZeroCursor& z, const SkGrid& gr, const int* cnt, const int* perm, T* out, int M, int N, int G) {
+    if (z.t >= gr.MT * gr.NT) return;
+    zero_store(z.t, z.tok, gr, out, N);
+    if (++z.i == BM / ZROWS) {
+        z.i = 0;
+        z.t += gridDim.x;
+        zero_seek(z, gr, cnt);
+    }
+    if (z.t < gr.MT * gr.NT) z.tok = zero_token(z.t, z.i, gr, perm, M, G);
+}
+// What is left after the block's last item: the loaded round, then eight rounds at a time
+// with their loads issued together.
+__device__ __forceinline__ void zero_rest(ZeroCursor& z, const SkGrid& gr, const int* cnt, const int* perm, T* out, int M, int N, int G) {
+    const int T = gr.MT * gr.NT;
+    if (z.t >= T) return;
+    zero_store(z.t, z.tok, gr, out, N);
+    int i = z.i + 1;
+    while (z.t < T) {
+        if (i >= BM / ZROWS) {
+            i = 0;
+            z.t += gridDim.x;
+            zero_seek(z, gr, cnt);
+            if (z.t >= T) break;
+        }
+        int tok[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) tok[u] = i + u < BM / ZROWS ? zero_token(z.t, i + u, gr, perm, M, G) : -1;
+#pragma unroll
+        for (int u = 0; u < 8; ++u) zero_store(z.t, tok[u], gr, out, N);
+        i += 8;
+    }
+}
+
+// A split segment's sums into its tile's slot (layout by consumer thread: float4 v of sub-tile
+// q = cw + 2 i at (q * NB * 16 + v) * 128 + thread, so a warp's reductions are 512 contiguous
+// bytes), or, in the last segment, the slot's sums (every segment's) back into acc, the slot
+// zeroed behind them.
+template <int NS, int NA>
+__device__ __forceinline__ void slot_add(float* slot, const float (&acc)[NA][NB * 64], int cw) {
+    const int lt = threadIdx.x & 127;
+#pragma unroll
+    for (int i = 0; i < NS; ++i)
+#pragma unroll
+        for (int v = 0; v < NB * 16; ++v) {
+            float* p = slot + ((long long)((cw + 2 * i) * NB * 16 + v) * 128 + lt) * 4;
+            asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(acc[i][4 * v]), "f"(acc[i][4 * v + 1]), "f"(acc[i][4 * v + 2]),
+                         "f"(acc[i][4 * v + 3])
+                         : "memory");
+        }
+}
+template <int NS, int NA>
+__device__ __forceinline__ void slot_take(float* slot, float (&acc)[NA][NB * 64], int cw) {
+    const int lt = threadIdx.x & 127;
+#pragma unroll
+    for (int i = 0; i < NS; ++i)
+#pragma unroll
+        for (int v = 0; v < NB * 16; ++v) {
+            float4* p = reinterpret_cast<float4*>(slot + ((long long)((cw + 2 * i) * NB * 16 + v) * 128 + lt) * 4);
+            const float4 a = __ldcg(p);
+            acc[i][4 * v] = a.x;
+            acc[i][4 * v + 1] = a.y;
+            acc[i][4 * v + 2] = a.z;
+            acc[i][4 * v + 3] = a.w;
+            __stcg(p, make_float4(0.f, 0.f, 0.f, 0.f));
+        }
+}
+
+// One consumer warpgroup's item: the k loop over its first NS sub-tiles (NS = 0: it passes the
+// stages along), every stage released; a split segment's sums into the slot and its k steps
+// into the flag (the last segment learns it is the last); then, where the tile is written, the
+// results staged and the tile's rows written out with the other threads. The block barriers
+// (one, or three when the tile is written) match the producer's.
+template <int NS>
+__device__ __forceinline__ void sk_consume(unsigned base, unsigned long long* full_bar, unsigned long long* empty_bar, int cw, const SkItem& it,
+                                           const SkGrid& gr, float* slots, int* flags, volatile int* last_flag, const int* rows, T* out, int N, int& s,
+                                           unsigned& ph, int& cnt_it, unsigned long long* tr, ZeroCursor& z, bool zk, const int* cnt,
+                                           const int* perm, int M, int G) {
+    const int KT = gr.KT;
+    const int lane = threadIdx.x & 31;
+    float acc[NS > 0 ? NS : 1][NB * 64];
+#pragma unroll
+    for (int i = 0; i < NS; ++i)
+#pragma unroll
+        for (int e = 0; e < NB * 64; ++e) acc[i][e] = 0.f;
+    int prev = 0;
+    for (int kt = 0; kt < it.kn; ++kt) {
+        mbar_wait(smem_u32(&full_bar[s]), ph);
+        if (tr && kt == 0) stamp(tr, 1);
+        if (NS > 0) {
+            fence_proxy_async();
+            const unsigned sa = base + s * STAGE_BYTES + cw * 64 * 128;
+            const unsigned sb = base + s * STAGE_BYTES + A_BYTES;
+#pragma unroll
+            for (int i = 0; i < NS; ++i) fence_acc(acc[i]);
+            wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < BK / 16; ++kk) {
+#pragma unroll
+                for (int i = 0; i < NS; ++i) {
+                    const unsigned long long da = sw128_desc(sa + i * 128 * 128 + kk * 32);
+#if FUSED
+                    wgmma_m64n256k16(acc[i], da, sw128_desc(sb + kk * 32));
+#else
+                    wgmma_m64n128k16(acc[i], da, sw128_desc(sb + kk * 32));
+#endif
+                }
+            }
+            wg_commit();
+#pragma unroll
+            for (int i = 0; i < NS; ++i) fence_acc(acc[i]);
+            if (zk) zero_step(z, gr, cnt, perm, out, M, N, G);
+            wg_wait<1>();
+#pragma unroll
+            for (int i = 0; i < NS; ++i) fence_acc(acc[i]);
+            __syncwarp();
+            if (kt > 0 && lane == 0) mbar_arrive(smem_u32(&empty_bar[prev]));
+        } else {
+            __syncwarp();
+            if (lane == 0) mbar_arrive(smem_u32(&empty_bar[s]));
+            if (zk) zero_step(z, gr, cnt, perm, out, M, N, G);
+        }
+        prev = s;
+        ring_next(s, ph, cnt_it);
+    }
+    if (NS > 0) {
+        wg_wait<0>();
+#pragma unroll
+        for (int i = 0; i < NS; ++i) fence_acc(acc[i]);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(smem_u32(&empty_bar[prev]));
+    }
+    if (tr) stamp(tr, 2);
+    bool write = it.slot < 0;
+    float* slot = slots + (long long)(it.slot < 0 ? 0 : it.slot) * (BM * BN * NB);
+    if (!write) {
+        if (NS > 0) slot_add<NS>(slot, acc, cw);
+        __threadfence();
+        consumer_bar();
+        if (threadIdx.x == 128) {
+            const int before = atomicAdd(&flags[it.slot], it.kn);
+            const bool last = before + it.kn == KT;
+            if (last) {
+                flags[it.slot] = 0;
+                __threadfence();
+            }
+            *last_flag = last;
+        }
+    }
+    __syncthreads();  // A: every wgmma of the item has read its operands; the last flag set
+    if (tr) stamp(tr, 3);
+    if (!write) write = *last_flag;
+    if (!write) return;
+    if (it.slot >= 0 && NS > 0) slot_take<NS>(slot, acc, cw);
+#pragma unroll
+    for (int i = 0; i < NS; ++i) stage_subtile(base, acc[i], (cw + 2 * i) * 64);
+    __syncthreads();  // B
+    write_rows(out, rows, it.nact, base, N, it.n0, threadIdx.x, THREADS);
+    fence_proxy_async();  // these reads before the producer's next tensor copies into the stages
+    __syncthreads();      // C
+    if (tr) stamp(tr, 4);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+gemm_mn_wgmma_sk(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ w2, const int* __restrict__ perm,
+                 const int* __restrict__ count, T* __restrict__ out, int M, int N, int K, int G,
+                 const __grid_constant__ TmaDesc tmap_w, const __grid_constant__ TmaDesc tmap_w2,
+                 const __grid_constant__ TmaDesc tmap_x,  // unused (the plain entry's ROW_TMA map)
+                 // [2 P][BM * BN * NB] f32 and [2 P] flags, zeros at launch (each launch leaves
+                 // them zeroed; launches sharing them must not overlap)
+                 float* __restrict__ slots, int* __restrict__ flags, int band,
+                 // measurement knobs: bit 0 writes the zero-only tiles after the last item, bit 1
+                 // runs whole tiles only (no split: a persistent data-parallel grid), bit 2
+                 // staggers the blocks' whole tiles (see below)
+                 int mode,
+                 // null, or [P][64 items][8] clock64 stamps (a measurement knob): 0 the
+                 // consumers' item start, 1 their first stage, 2 their k loop's end, 3 barrier A,
+                 // 4 barrier C; 5 the producer's item start, 6 its last copies issued
+                 unsigned long long* __restrict__ trace) {
+    extern __shared__ unsigned char smem_raw[];
+    __shared__ int rows[BM];
+    __shared__ int wsum[THREADS / 32];
+    __shared__ int last_flag;
+    __shared__ __align__(8) unsigned long long full_bar[STAGES], empty_bar[STAGES];
+    const unsigned base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    SkGrid gr;
+    gr.MT = (M + BM - 1) / BM;
+    gr.NT = N / BN;
+    gr.BU = band;
+    gr.cells = (gr.MT + band - 1) / band * gr.NT;
+    gr.KT = K / BK;
+    // After the stages: the cells' exclusive prefix [cells + 1], then each N-tile's count [NT].
+    int* pre = reinterpret_cast<int*>(smem_raw + (base - smem_u32(smem_raw)) + STAGES * STAGE_BYTES);
+    int* cnt = pre + gr.cells + 1;
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(smem_u32(&full_bar[s]), 129);  // every producer thread + the expect_tx
+            mbar_init(smem_u32(&empty_bar[s]), 8);   // every consumer warp
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    for (int nt = tid; nt < gr.NT; nt += THREADS) cnt[nt] = min(count[nt * BN / G], M);
+    __syncthreads();
+    // The schedule: computing tiles of cell e = band * NT + nt, their exclusive prefix.
+    {
+        const int per = (gr.cells + THREADS - 1) / THREADS, e0 = min(tid * per, gr.cells), e1 = min(e0 + per, gr.cells);
+        auto comp = [&](int e) {
+            const int b = e / gr.NT, nt = e % gr.NT;
+            const int inband = min(gr.BU, gr.MT - b * gr.BU);
+            return max(0, min((cnt[nt] + BM - 1) / BM - b * gr.BU, inband));
+        };
+        int local = 0;
+        for (int e = e0; e < e1; ++e) local += comp(e);
+        int v = local;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int y = __shfl_up_sync(0xffffffffu, v, o);
+            if (lane >= o) v += y;
+        }
+        if (lane == 31) wsum[warp] = v;
+        __syncthreads();
+        int run = v - local, total = 0;
+        for (int i = 0; i < THREADS / 32; ++i) {
+            if (i < warp) run += wsum[i];
+            total += wsum[i];
+        }
+        for (int e = e0; e < e1; ++e) {
+            pre[e] = run;
+            run += comp(e);
+        }
+        if (tid == 0) pre[gr.cells] = total;
+        __syncthreads();
+    }
+    gr.C = pre[gr.cells];
+    const int P = gridDim.x;
+    gr.dp = (mode & 2) ? (gr.C + P - 1) / P : gr.C >= 2 * P ? gr.C / P - 1 : 0;
+    {
+        const long long L = (mode & 2) ? 0 : (long long)(gr.C - gr.dp * P) * gr.KT;
+        gr.lo = L * blockIdx.x / P;
+        gr.hi = L * (blockIdx.x + 1) / P;
+        // Bit 2: block b runs the first b / P of a tile's k steps of its split range before
+        // its whole tiles, so that the blocks' tile boundaries are spread over a tile's time.
+        gr.mid = (mode & 4) ? min(gr.hi, gr.lo + (long long)blockIdx.x * gr.KT / P) : gr.lo;
+        gr.nhead = sk_segments(gr.lo, gr.mid, gr.KT);
+    }
+    const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
+    int s = 0, cnt_it = 0;
+    unsigned ph = 0;
+    SkItem it;
+    if (wg == 0) {
+        const int c = tid & 7, r0 = tid >> 3;
+        for (int n = 0; sk_item(gr, pre, cnt, n, it); ++n) {
+            unsigned long long* tr = trace && n < 64 ? trace + ((long long)blockIdx.x * 64 + n) * 8 : nullptr;
+            if (tr) stamp(tr, 5);
+            const int* pg = perm + (long long)(it.n0 / G) * M;
+            const T* asrc[BM / 16];
+            int asz[BM / 16];
+            row_sources(x, pg, it.m0, it.nact, K, r0, c, asrc, asz);
+            for (int kt = it.kt0; kt < it.kt0 + it.kn; ++kt) {
+                if (cnt_it >= STAGES) mbar_wait(smem_u32(&empty_bar[s]), ph ^ 1u);
+                const unsigned sa = base + s * STAGE_BYTES;
+                const int k0 = kt * BK;
+                if (tid == 0) load_weights_tma(sa, smem_u32(&full_bar[s]), &tmap_w, &tmap_w2, k0, it.n0);
+#pragma unroll
+                for (int i = 0; i < BM / 16; ++i) cp_async16_sz(sa + sw128_off(r0 + 16 * i, c), asrc[i] + k0, asz[i]);
+                cp_async_arrive(smem_u32(&full_bar[s]));
+                ring_next(s, ph, cnt_it);
+            }
+            if (tr) stamp(tr, 6);
+            __syncthreads();  // A
+            const bool write = it.slot < 0 || last_flag;
+            if (write) {
+                __syncthreads();  // B
+                write_rows(out, rows, it.nact, base, N, it.n0, tid, THREADS);
+                fence_proxy_async();
+                __syncthreads();  // C
+            }
+        }
+    } else {
+        const int cw = wg - 1, ct = tid - 128;
+        ZeroCursor z;
+        zero_start(z, gr, cnt, perm, M, G);
+        const bool zk = !(mode & 1);  // the zeros between k steps (else all after the last item)
+        for (int n = 0; sk_item(gr, pre, cnt, n, it); ++n) {
+            unsigned long long* tr = trace && n < 64 ? trace + ((long long)blockIdx.x * 64 + n) * 8 : nullptr;
+            if (tr) stamp(tr, 0);
+            // The tile's token rows for the write-out (the last item's write-out is done).
+            const int* pg = perm + (long long)(it.n0 / G) * M;
+            for (int i = ct; i < BM; i += THREADS - 128) rows[i] = it.m0 + i < M ? pg[it.m0 + i] : -1;
+            // Block-uniform: the number of this warpgroup's sub-tiles with active rows.
+            const int nact = __shfl_sync(0xffffffffu, it.nact, 0);
+            int ns = 0;
+#pragma unroll
+            for (int i = 0; i < MI; ++i) ns += (cw + 2 * i) * 64 < nact;
+            if (ns == 0)
+                sk_consume<0>(base, full_bar, empty_bar, cw, it, gr, slots, flags, &last_flag, rows, out, N, s, ph, cnt_it, tr, z, zk, cnt, perm, M, G);
+#if MI >= 2
+            else if (ns == 2)
+                sk_consume<2>(base, full_bar, empty_bar, cw, it, gr, slots, flags, &last_flag, rows, out, N, s, ph, cnt_it, tr, z, zk, cnt, perm, M, G);
+#endif
+            else
+                sk_consume<1>(base, full_bar, empty_bar, cw, it, gr, slots, flags, &last_flag, rows, out, N, s, ph, cnt_it, tr, z, zk, cnt, perm, M, G);
+        }
+        zero_rest(z, gr, cnt, perm, out, M, N, G);
     }
 }
 #endif

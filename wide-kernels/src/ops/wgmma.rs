@@ -71,6 +71,11 @@ pub struct WgmmaConfig {
     /// of a mask) loads them with TMA as well; the others keep the cp.async gather. Takes effect
     /// with `tma` on the plain entry ([`WgmmaConfig::row_tma_on`]).
     pub row_tma: bool,
+    /// Stream-K schedule (`gemm_mn_wgmma_sk`): one block a multiprocessor, whole computing
+    /// tiles for all but the last one to two waves, whose k steps are split evenly over the
+    /// blocks with an f32 fix-up, so that every multiprocessor ends at about the same time;
+    /// needs tma, no cluster, no persist, no l2_hint.
+    pub stream_k: bool,
 }
 
 impl WgmmaConfig {
@@ -85,7 +90,7 @@ impl WgmmaConfig {
     /// routed ms up 0.204 / 0.356 at 2048 / 4096 tokens against 0.205 / 0.358 with the cp.async
     /// gather, gate+up 0.367 / 0.736 against 0.369 / 0.749, Q 0.065 / 0.112 against 0.071 / 0.113.
     pub fn default_for(fused: bool) -> Self {
-        Self { mi: if fused { 1 } else { 2 }, stages: 4, async_arrive: true, cluster: 1, tma: true, l2_hint: false, persist: false, row_tma: true }
+        Self { mi: if fused { 1 } else { 2 }, stages: 4, async_arrive: true, cluster: 1, tma: true, l2_hint: false, persist: false, row_tma: true, stream_k: false }
     }
     /// Token rows of a tile.
     pub fn bm(&self) -> i64 {
@@ -107,22 +112,25 @@ impl WgmmaConfig {
             && (self.cluster == 1 || (self.cluster == 2 && self.async_arrive))
             && (!self.tma || (self.cluster == 1 && self.async_arrive))
             && (!self.persist || (self.mi == 1 && self.tma && !self.l2_hint))
+            && (!self.stream_k || (self.tma && self.cluster == 1 && !self.persist && !self.l2_hint))
     }
     /// Does this configuration load contiguous tiles' x rows by TMA (`ROW_TMA`)?
     pub fn row_tma_on(&self) -> bool {
-        self.row_tma && self.tma && !self.persist
+        self.row_tma && self.tma && !self.persist && !self.stream_k
     }
     /// The kernel's entry point.
     pub fn entry(&self) -> &'static str {
         if self.persist {
             "gemm_mn_wgmma_persist"
+        } else if self.stream_k {
+            "gemm_mn_wgmma_sk"
         } else {
             "gemm_mn_wgmma"
         }
     }
     pub fn label(&self) -> String {
         format!(
-            "wgmma{}x128x64s{}{}{}{}{}{}{}",
+            "wgmma{}x128x64s{}{}{}{}{}{}{}{}",
             self.bm(),
             self.stages,
             if self.async_arrive { "" } else { "w" },
@@ -130,7 +138,8 @@ impl WgmmaConfig {
             if self.tma { "t" } else { "" },
             if self.l2_hint { "h" } else { "" },
             if self.persist { "p" } else { "" },
-            if self.row_tma_on() { "r" } else { "" }
+            if self.row_tma_on() { "r" } else { "" },
+            if self.stream_k { "k" } else { "" }
         )
     }
 }
@@ -142,9 +151,14 @@ pub fn sweep(fused: bool) -> Vec<WgmmaConfig> {
     for mi in [1, 2] {
         for (stages, async_arrive, cluster, tma) in [(4, true, 1, true), (4, true, 1, false), (4, false, 1, false), (5, true, 1, true), (6, true, 1, true), (7, true, 1, true), (4, true, 2, false), (5, true, 2, false)] {
             for l2_hint in [false, true] {
-                let c = WgmmaConfig { mi, stages, async_arrive, cluster, tma, l2_hint, persist: false, row_tma: true };
+                let c = WgmmaConfig { mi, stages, async_arrive, cluster, tma, l2_hint, persist: false, row_tma: true, stream_k: false };
                 if c.valid(fused) && !v.contains(&c) && (!l2_hint || (stages == 4 && tma)) {
                     v.push(c);
+                }
+                // The stream-K schedule at each depth of the TMA path.
+                let k = WgmmaConfig { stream_k: true, ..c };
+                if !l2_hint && k.valid(fused) && !v.contains(&k) {
+                    v.push(k);
                 }
                 // The persistent grid at each depth of the TMA path.
                 let p = WgmmaConfig { persist: true, ..c };
@@ -195,7 +209,7 @@ pub fn config_for(s: &GemmShape, sparsity: f64, sms: i64) -> WgmmaConfig {
     }
 }
 
-/// `WIDE_WGMMA` (`mi=1,stages=5,arrive=wait,cluster=2`, `tma=1`, `hint=1`, `persist=1`, `rowtma=0`; read once), over the
+/// `WIDE_WGMMA` (`mi=1,stages=5,arrive=wait,cluster=2`, `tma=1`, `hint=1`, `persist=1`, `rowtma=0`, `sk=1`; read once), over the
 /// default of this op; an invalid one gives the default.
 fn env_config(fused: bool) -> Option<WgmmaConfig> {
     static V: OnceLock<Option<String>> = OnceLock::new();
@@ -212,6 +226,7 @@ fn env_config(fused: bool) -> Option<WgmmaConfig> {
             Some(("hint", v)) => c.l2_hint = v == "1",
             Some(("persist", v)) => c.persist = v == "1",
             Some(("rowtma", v)) => c.row_tma = v == "1",
+            Some(("sk", v)) => c.stream_k = v == "1",
             _ => {}
         }
     }
@@ -263,6 +278,14 @@ fn env_band() -> Option<i64> {
     })
 }
 
+/// `WIDE_WGMMA_SK_MODE` (read once; measurement knobs of the stream-K entry, default 0): bit 0
+/// writes the zero-only tiles after a block's last item instead of between its k steps, bit 1
+/// runs whole tiles only (a persistent data-parallel grid, no split).
+fn env_sk_mode() -> i32 {
+    static V: OnceLock<i32> = OnceLock::new();
+    *V.get_or_init(|| std::env::var("WIDE_WGMMA_SK_MODE").ok().and_then(|v| v.parse().ok()).unwrap_or(0))
+}
+
 /// The module for a dtype, fusion flag and configuration.
 pub fn source(f16: bool, fused: bool, c: WgmmaConfig) -> KernelSource {
     KernelSource::new("wgmma", SOURCE)
@@ -277,6 +300,7 @@ pub fn source(f16: bool, fused: bool, c: WgmmaConfig) -> KernelSource {
         .define("L2_HINT", c.l2_hint as u32)
         .define("PERSIST", c.persist as u32)
         .define("ROW_TMA", c.row_tma_on() as u32)
+        .define("STREAMK", c.stream_k as u32)
 }
 
 /// Every variant shipped (the defaults and the sweep), for the compile-everything test.
@@ -302,16 +326,46 @@ pub fn supported(device: usize) -> bool {
     v
 }
 
-fn kernel(f16: bool, fused: bool, c: WgmmaConfig, device: usize) -> Result<CudaKernel> {
-    static K: OnceLock<Mutex<HashMap<(bool, bool, WgmmaConfig, usize), CudaKernel>>> = OnceLock::new();
+/// The kernel of a configuration and the most dynamic shared memory a launch of it can have.
+fn kernel(f16: bool, fused: bool, c: WgmmaConfig, device: usize) -> Result<(CudaKernel, u32)> {
+    static K: OnceLock<Mutex<HashMap<(bool, bool, WgmmaConfig, usize), (CudaKernel, u32)>>> = OnceLock::new();
     let key = (f16, fused, c, device);
     if let Some(k) = K.get_or_init(Default::default).lock().unwrap().get(&key) {
         return Ok(*k);
     }
     let k = CudaKernel::get(&source(f16, fused, c), c.entry(), device)?;
-    k.set_max_dynamic_shared_mem(c.smem_bytes(fused))?;
-    K.get_or_init(Default::default).lock().unwrap().insert(key, k);
-    Ok(k)
+    // The stream-K entry's schedule follows its stages in the dynamic shared memory (sized a
+    // launch): its limit is what the static shared memory leaves of the multiprocessor's.
+    let max = if c.stream_k { SMEM_LIMIT.saturating_sub(k.static_shared_mem()?) } else { c.smem_bytes(fused) };
+    k.set_max_dynamic_shared_mem(max)?;
+    K.get_or_init(Default::default).lock().unwrap().insert(key, (k, max));
+    Ok((k, max))
+}
+
+/// Dynamic shared memory a block can have on compute capability 9.0 (227 KiB).
+pub const SMEM_LIMIT: u32 = 227 * 1024;
+
+/// The stream-K schedule's shared memory after the stages (bytes): each (band, N-tile) cell's
+/// prefix of computing tiles (cells + 1 entries) and each N-tile's count.
+pub fn stream_k_schedule_bytes(bm: i64, m: i64, n: i64, band: i64) -> u32 {
+    let (mt, nt) = ((m + bm - 1) / bm, n / WGMMA_BN);
+    let cells = (mt + band - 1) / band * nt;
+    (4 * (cells + 1 + nt)) as u32
+}
+
+/// The stream-K kernel's f32 slots ([2 x multiprocessors] tiles of 32 K floats, the largest
+/// tile's 256 x 128 or 128 x (128 + 128)) and their flags on this device and libtorch's current
+/// stream (zeroed once; each launch leaves them zeroed, and launches on one stream do not
+/// overlap).
+fn stream_k_workspace(device: usize, sms: i64) -> Result<(Tensor, Tensor)> {
+    static C: OnceLock<Mutex<HashMap<(usize, usize), (Tensor, Tensor)>>> = OnceLock::new();
+    let key = (device, crate::shim::current_stream(device)? as usize);
+    let mut m = C.get_or_init(Default::default).lock().unwrap();
+    let (a, b) = m.entry(key).or_insert_with(|| {
+        let d = tch::Device::Cuda(device);
+        (Tensor::zeros([2 * sms, 256 * 128], (tch::Kind::Float, d)), Tensor::zeros([2 * sms], (tch::Kind::Int, d)))
+    });
+    Ok((a.shallow_clone(), b.shallow_clone()))
 }
 
 /// The persistent kernel's tile counter pair on this device and libtorch's current stream
@@ -373,7 +427,28 @@ fn launch_config(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, lay
         Some(c) => c,
         None => config_for(s, layout.sparsity_hint().unwrap_or(0.5), sms as i64),
     };
-    let k = kernel(f16, fused, c, device)?;
+    // The tile order's band, and for the stream-K schedule the shared memory it needs (a
+    // launch whose schedule does not fit next to the stages takes the plain grid).
+    // The routed groups' skip rate (always-on groups, such as the fused Q|K|V's K|V, keep every
+    // token and have no partial tile).
+    let routed = layout.sparsity_hint().map(|h| (h * layout.groups() as f64 / layout.always_on_from().max(1) as f64).min(1.0));
+    let band = band.unwrap_or_else(|| band_tiles(c.bm(), c.cluster, s.m, routed));
+    let band = if c.cluster == 2 { (band - band % 2).max(2) } else { band };
+    let mut smem = c.smem_bytes(fused);
+    let (mut k, max) = kernel(f16, fused, c, device)?;
+    let c = if c.stream_k {
+        let need = smem + stream_k_schedule_bytes(c.bm(), s.m, s.n, band);
+        if need <= max {
+            smem = need;
+            c
+        } else {
+            let plain = WgmmaConfig { stream_k: false, ..c };
+            k = kernel(f16, fused, plain, device)?.0;
+            plain
+        }
+    } else {
+        c
+    };
     let (perm, count) = layout.lists()?;
     let out = Tensor::empty([s.m, s.n], (x.kind(), x.device()));
     // A 1-D grid of tiles (units of `cluster` token tiles) in banded order (see wgmma.cu); a band
@@ -382,8 +457,8 @@ fn launch_config(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, lay
     let blocks = units * c.cluster as u64 * (s.n / WGMMA_BN) as u64;
     ensure!(blocks <= i32::MAX as u64 && 32 * s.n / WGMMA_BN <= i32::MAX as i64, "too many tiles (M {} x N {}) for one wgmma launch", s.m, s.n);
     // The persistent grid: one block a multiprocessor (at most one a tile).
-    let grid = if c.persist { blocks.min(sms) } else { blocks };
-    let cfg = LaunchConfig { grid: (grid as u32, 1, 1), block: (THREADS, 1, 1), shared_mem_bytes: c.smem_bytes(fused) };
+    let grid = if c.persist { blocks.min(sms) } else if c.stream_k { sms } else { blocks };
+    let cfg = LaunchConfig { grid: (grid as u32, 1, 1), block: (THREADS, 1, 1), shared_mem_bytes: smem };
     let w_up = w2.as_ref().unwrap_or(&w);
     // Clusters (half a tile, 64 rows x 64 k, a block) and the TMA path (two such boxes a tile)
     // load the weight tiles with TMA.
@@ -413,20 +488,40 @@ fn launch_config(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, lay
         args.push(KernelArg::tensor(&tile_counter(device)?)?);
         args.push(KernelArg::I32(blocks as i32));
     }
-    // The routed groups' skip rate (always-on groups, such as the fused Q|K|V's K|V, keep every
-    // token and have no partial tile).
-    let routed = layout.sparsity_hint().map(|h| (h * layout.groups() as f64 / layout.always_on_from().max(1) as f64).min(1.0));
-    let band = band.unwrap_or_else(|| band_tiles(c.bm(), c.cluster, s.m, routed));
-    let band = if c.cluster == 2 { (band - band % 2).max(2) } else { band };
+    if c.stream_k {
+        let (slots, flags) = stream_k_workspace(device, sms as i64)?;
+        args.push(KernelArg::tensor(&slots)?);
+        args.push(KernelArg::tensor(&flags)?);
+    }
     args.push(KernelArg::I32(band as i32));
+    let trace = if c.stream_k && std::env::var_os("WIDE_WGMMA_SK_TRACE").is_some() {
+        Some(Tensor::zeros([sms as i64, 64, 8], (tch::Kind::Int64, x.device())))
+    } else {
+        None
+    };
+    if c.stream_k {
+        args.push(KernelArg::I32(env_sk_mode()));
+        args.push(match &trace {
+            Some(t) => KernelArg::tensor(t)?,
+            None => KernelArg::Ptr(0),
+        });
+    }
     // SAFETY: the arguments follow gemm_mn_wgmma's signature; x is [M, K], w and w_up [N, K]
     // (contiguous, 16-byte aligned), perm [N / G, M] and count [N / G] come from this layout,
     // out is [M, N]; the grid has one block for each of ceil(M / bm) x N / 128 tiles (rounded
     // up to whole clusters; the persistent entry: at most one a multiprocessor, with its zeroed
-    // counter pair, which every launch leaves zeroed, and the tile count); the tensor maps
+    // counter pair, which every launch leaves zeroed, and the tile count; the stream-K entry:
+    // one block a multiprocessor, with its zeroed slots of 2 x multiprocessors tiles and flags,
+    // which every launch leaves zeroed, and its schedule's shared memory); the tensor maps
     // describe w and w_up, and x where the configuration reads it by TMA (a zero map otherwise,
     // unread).
     unsafe { k.launch(cfg, &args)? };
+    if let (Some(t), Some(path)) = (trace, std::env::var_os("WIDE_WGMMA_SK_TRACE")) {
+        // A measurement knob: the stamps of this launch (each launch overwrites the file).
+        let v: Vec<i64> = Vec::<i64>::try_from(t.flatten(0, -1).to_device(tch::Device::Cpu))?;
+        let text: Vec<String> = v.iter().map(|x| x.to_string()).collect();
+        std::fs::write(&path, format!("{} {} {}\n{}\n", s.m, s.n, sms, text.join(" ")))?;
+    }
     Ok(out)
 }
 
@@ -492,12 +587,12 @@ mod tests {
         assert_eq!(WgmmaConfig::default_for(true).smem_bytes(true), 4 * (16384 + 32768) + 1024);
         assert_eq!(WgmmaConfig::default_for(false).bm(), 256);
         // Fused with 256-token tiles would need 256 accumulators a thread.
-        assert!(!WgmmaConfig { mi: 2, stages: 3, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false, row_tma: false }.valid(true));
-        assert!(!WgmmaConfig { mi: 1, stages: 2, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false, row_tma: false }.valid(false));
-        assert!(!WgmmaConfig { mi: 2, stages: 5, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false, row_tma: false }.valid(false), "240 KiB");
-        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 2, tma: false, l2_hint: false, persist: false, row_tma: false }.valid(false), "clusters need the async arrive");
-        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 1, tma: true, l2_hint: false, persist: false, row_tma: false }.valid(false), "TMA weights need the async arrive");
-        assert!(!WgmmaConfig { mi: 1, stages: 4, async_arrive: true, cluster: 2, tma: true, l2_hint: false, persist: false, row_tma: false }.valid(true), "TMA weights are the cluster-free path");
+        assert!(!WgmmaConfig { mi: 2, stages: 3, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false, row_tma: false, stream_k: false }.valid(true));
+        assert!(!WgmmaConfig { mi: 1, stages: 2, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false, row_tma: false, stream_k: false }.valid(false));
+        assert!(!WgmmaConfig { mi: 2, stages: 5, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false, row_tma: false, stream_k: false }.valid(false), "240 KiB");
+        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 2, tma: false, l2_hint: false, persist: false, row_tma: false, stream_k: false }.valid(false), "clusters need the async arrive");
+        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 1, tma: true, l2_hint: false, persist: false, row_tma: false, stream_k: false }.valid(false), "TMA weights need the async arrive");
+        assert!(!WgmmaConfig { mi: 1, stages: 4, async_arrive: true, cluster: 2, tma: true, l2_hint: false, persist: false, row_tma: false, stream_k: false }.valid(true), "TMA weights are the cluster-free path");
         assert!(sweep(false).iter().any(|c| !c.tma && c.cluster == 1) && sweep(true).iter().any(|c| !c.tma && c.cluster == 1), "the cp.async weight path stays in the sweep");
         assert!(WgmmaConfig::default_for(true).tma && WgmmaConfig::default_for(false).tma);
         assert!(sweep(false).iter().any(|c| c.cluster == 2) && sweep(true).iter().any(|c| c.cluster == 2));
@@ -507,6 +602,28 @@ mod tests {
         assert!(!WgmmaConfig { persist: true, ..WgmmaConfig::default_for(false) }.valid(false), "256-token tiles");
         assert!(!WgmmaConfig { persist: true, tma: false, ..WgmmaConfig::default_for(true) }.valid(true), "cp.async weights");
         assert!(sweep(false).iter().any(|c| c.persist) && sweep(true).iter().any(|c| c.persist));
+        // The stream-K schedule: the TMA path without clusters, persist or hints; both sweeps.
+        let k = WgmmaConfig { stream_k: true, ..WgmmaConfig::default_for(false) };
+        assert!(k.valid(false) && k.entry() == "gemm_mn_wgmma_sk" && k.label().ends_with('k') && !k.row_tma_on());
+        assert!(WgmmaConfig { stream_k: true, ..WgmmaConfig::default_for(true) }.valid(true));
+        assert!(!WgmmaConfig { stream_k: true, tma: false, ..k }.valid(false), "cp.async weights");
+        assert!(!WgmmaConfig { stream_k: true, mi: 1, persist: true, ..k }.valid(false), "persist and stream-K");
+        assert!(!WgmmaConfig { stream_k: true, l2_hint: true, ..k }.valid(false), "L2 hints");
+        assert!(sweep(false).iter().any(|c| c.stream_k) && sweep(true).iter().any(|c| c.stream_k));
+    }
+
+    #[test]
+    fn stream_k_schedule_fits_beside_the_stages() {
+        // Up at 16384 tokens in 256-token tiles, bands of 8: 8 x 112 cells, their prefix + the counts.
+        assert_eq!(stream_k_schedule_bytes(256, 16384, 14336, 8), 4 * (8 * 112 + 1 + 112));
+        // A partial last band is a band of its own.
+        assert_eq!(stream_k_schedule_bytes(256, 4096, 14336, 9), 4 * (2 * 112 + 1 + 112));
+        // The deepest 128-token tile (7 stages of 32 KiB) still takes Q at 16384 tokens.
+        let small = WgmmaConfig { mi: 1, stages: 7, stream_k: true, row_tma: false, ..WgmmaConfig::default_for(false) };
+        assert!(small.smem_bytes(false) + stream_k_schedule_bytes(128, 16384, 4096, 16) <= SMEM_LIMIT);
+        // The fused kernel's at 32768 tokens.
+        let f = WgmmaConfig { stream_k: true, ..WgmmaConfig::default_for(true) };
+        assert!(f.smem_bytes(true) + stream_k_schedule_bytes(128, 32768, 14336, 16) <= SMEM_LIMIT);
     }
 
     #[test]
