@@ -520,7 +520,8 @@ fn launch_config(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, lay
         // A measurement knob: the stamps of this launch (each launch overwrites the file).
         let v: Vec<i64> = Vec::<i64>::try_from(t.flatten(0, -1).to_device(tch::Device::Cpu))?;
         let text: Vec<String> = v.iter().map(|x| x.to_string()).collect();
-        std::fs::write(&path, format!("{} {} {}\n{}\n", s.m, s.n, sms, text.join(" ")))?;
+        std::fs::write(&path, format!("{} {} {}\n{}\n", s.m, s.n, sms, text.join(" ")))
+            .map_err(|e| anyhow::anyhow!("writing the stream-K stamps to {} (WIDE_WGMMA_SK_TRACE): {e}", std::path::Path::new(&path).display()))?;
     }
     Ok(out)
 }
