@@ -132,9 +132,15 @@ fn fatal(rank: usize, msg: &str) -> ! {
 /// then reports the rank that failed first, not the ones that followed it.
 pub const PEER_STOPPED_EXIT: i32 = 75;
 
+/// The line goes out in one write, and the stderr lock is held until the process ends: two
+/// threads can fail at once (the heartbeat watcher and a reduction), and a second message
+/// started between the first one's write and `_exit` would be cut off mid-line, after the
+/// first (the launcher's report must stay the last complete line).
 fn fatal_with(rank: usize, msg: &str, code: i32) -> ! {
-    let _ = writeln!(std::io::stderr(), "error: rank {rank}: {msg}");
-    let _ = std::io::stderr().flush();
+    let line = format!("error: rank {rank}: {msg}\n");
+    let mut err = std::io::stderr().lock();
+    let _ = err.write_all(line.as_bytes());
+    let _ = err.flush();
     unsafe { libc::_exit(code) }
 }
 
