@@ -770,6 +770,41 @@ mod tests {
     use super::*;
     use std::collections::HashMap;
 
+    /// Two threads that fail at once (the heartbeat watcher and a reduction, in a real run)
+    /// leave whole lines only: run in child processes of this test binary, many times, since a
+    /// cut-off second line needs the second thread to start writing inside the first one's
+    /// window between its write and `_exit`.
+    #[test]
+    fn two_threads_failing_at_once_leave_whole_lines() {
+        const CHILD: &str = "WIDE_TEST_FATAL_CHILD";
+        if std::env::var_os(CHILD).is_some() {
+            let go = std::sync::Arc::new(std::sync::Barrier::new(2));
+            let other = go.clone();
+            std::thread::spawn(move || {
+                other.wait();
+                fatal_with(0, "second thread: rank 1 stopped (its connection broke); stopping this one", PEER_STOPPED_EXIT)
+            });
+            go.wait();
+            fatal_with(0, "first thread: rank 1 stopped (its connection broke while reducing); stopping this one", PEER_STOPPED_EXIT)
+        }
+        let exe = std::env::current_exe().unwrap();
+        for run in 0..60 {
+            let o = std::process::Command::new(&exe)
+                .args(["--exact", "dist::tests::two_threads_failing_at_once_leave_whole_lines", "--nocapture"])
+                .env(CHILD, "1")
+                .output()
+                .unwrap();
+            assert_eq!(o.status.code(), Some(PEER_STOPPED_EXIT), "run {run}");
+            let err = String::from_utf8_lossy(&o.stderr);
+            let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("error: ") || l.contains("rank 0")).collect();
+            assert!(!lines.is_empty(), "run {run}: no error line in {err:?}");
+            for l in &lines {
+                assert!(l.starts_with("error: rank 0: ") && l.ends_with("; stopping this one"), "run {run}: cut-off line {l:?} in {err:?}");
+            }
+            assert!(err.ends_with("stopping this one\n"), "run {run}: the output ends mid-line: {err:?}");
+        }
+    }
+
     #[test]
     fn the_launcher_names_the_rank_that_failed_first() {
         assert!(reports_instead(None, Some(3)));
