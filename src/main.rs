@@ -402,7 +402,9 @@ struct KernelsArgs {
     /// Skip rates, comma separated.
     #[arg(long, value_delimiter = ',', default_value = "0.25,0.5,0.75")]
     sparsity: Vec<f64>,
-    /// L2 modes, comma separated: cold (flushed between timed runs), warm.
+    /// L2 modes, comma separated: cold (a buffer of twice the L2 written between timed runs,
+    /// which leaves the L2 full of dirty lines), cold-clean (the same buffer read instead: clean
+    /// lines, as after an inference step's weight reads), warm.
     #[arg(long, value_delimiter = ',', default_value = "cold,warm")]
     l2: Vec<String>,
     /// Masks of the projections: random (each token keeps each group with probability 1 - s),

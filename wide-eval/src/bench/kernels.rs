@@ -1,7 +1,8 @@
 //! `wide bench kernels`: routed projections against cuBLAS dense in the same process, on
 //! Llama-3.1-8B shapes (Q/O 4096x4096 with 8 groups of 4 heads; gate/up 4096->14336; down
 //! 14336->4096), over M, group size and sparsity, with cold L2 (a buffer of at least twice the
-//! L2 size is written between timed runs) and warm.
+//! L2 size is written between timed runs: `cold`; or read: `cold-clean`, which leaves clean
+//! lines, as the weight reads of an inference step do) and warm.
 //!
 //! Every timed iteration draws a fresh mask (random by default; the other `MaskPattern`s are
 //! diagnostics of the row gather and of uneven group counts) outside the timed region and times, with
@@ -32,7 +33,7 @@ pub struct KernelBenchConfig {
     /// Group sizes for up/gate_up/down (q/o always use 512 = 4 heads of 128).
     pub groups: Vec<i64>,
     pub sparsity: Vec<f64>,
-    /// Any of `cold`, `warm`.
+    /// Any of `cold` (flush buffer written), `cold-clean` (flush buffer read), `warm`.
     pub l2: Vec<String>,
     /// How the projections' masks are drawn.
     pub mask_pattern: MaskPattern,
@@ -159,7 +160,7 @@ pub fn run(cfg: &KernelBenchConfig) -> Result<serde_json::Value> {
     let _g = tch::no_grad_guard();
     tch::manual_seed(cfg.seed);
     for mode in &cfg.l2 {
-        l2_cold(mode)?;
+        l2_mode(mode)?;
     }
     let device = cfg.device;
     let dev = cuda_index(device)?;
@@ -171,6 +172,7 @@ pub fn run(cfg: &KernelBenchConfig) -> Result<serde_json::Value> {
     let ceil = ceilings(device, &timer)?;
     let l2 = wide_kernels::cuda::l2_cache_bytes(dev)?;
     let mut flush = Tensor::empty([((2 * l2).max(256 << 20) / 4) as i64], (Kind::Float, device));
+    let _ = flush.fill_(0.0);
     let mut records = vec![];
     for opname in &cfg.ops {
         if opname == "attn_decode" {
@@ -247,14 +249,14 @@ pub fn run(cfg: &KernelBenchConfig) -> Result<serde_json::Value> {
                     }
                     drop(r);
                     for l2mode in &cfg.l2 {
-                        let cold = l2_cold(l2mode)?;
+                        let l2m = l2_mode(l2mode)?;
                         let mut time = |what: &str| -> Result<f64> {
                             let setup = || -> Result<(Tensor, Tensor)> {
                                 let msk = new_mask();
                                 let x = input(&msk);
                                 Ok((msk, x))
                             };
-                            median_ms(cfg, &timer, &mut flush, dev, cold, setup, |(msk, x)| {
+                            median_ms(cfg, &timer, &mut flush, dev, l2m, setup, |(msk, x)| {
                                 match what {
                                     "dense" => {
                                         let _ = match sp.op {
@@ -381,33 +383,54 @@ fn print_table(r: &serde_json::Value) {
     }
 }
 
-/// Whether an `--l2` mode flushes the L2 before each timed run.
-fn l2_cold(mode: &str) -> Result<bool> {
+/// What happens to the L2 between timed runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum L2Mode {
+    /// Nothing: the operands of the previous iteration may still be resident.
+    Warm,
+    /// `cold`: the flush buffer (at least twice the L2) is written, so the timed call starts on
+    /// an L2 full of dirty lines of another buffer and pays their write-back as it evicts them.
+    ColdDirty,
+    /// `cold-clean`: the flush buffer is read (summed), so the timed call starts on an L2 full of
+    /// clean lines of another buffer, as after the weight reads of an inference step; none of
+    /// its operands are resident either way.
+    ColdClean,
+}
+
+/// Parses an `--l2` mode.
+fn l2_mode(mode: &str) -> Result<L2Mode> {
     match mode {
-        "cold" => Ok(true),
-        "warm" => Ok(false),
-        o => bail!("--l2 takes cold or warm, got {o}"),
+        "cold" => Ok(L2Mode::ColdDirty),
+        "cold-clean" => Ok(L2Mode::ColdClean),
+        "warm" => Ok(L2Mode::Warm),
+        o => bail!("--l2 takes cold, cold-clean or warm, got {o}"),
     }
 }
 
 /// Median device time (ms) of `cfg.iters` timed calls after `cfg.warmup` untimed ones. Each
-/// iteration draws its inputs with `setup` outside the timed region, writes the flush buffer
-/// over the L2 when `cold`, and queues a device spin so the host enqueues the timed launches
+/// iteration draws its inputs with `setup` outside the timed region, writes (`cold`) or reads
+/// (`cold-clean`) the flush buffer over the L2, and queues a device spin so the host enqueues the timed launches
 /// ahead of the GPU (as a CUDA-graph replay would run them).
 fn median_ms<S>(
     cfg: &KernelBenchConfig,
     timer: &GpuTimer,
     flush: &mut Tensor,
     dev: usize,
-    cold: bool,
+    l2: L2Mode,
     mut setup: impl FnMut() -> Result<S>,
     mut call: impl FnMut(&S) -> Result<()>,
 ) -> Result<f64> {
     let mut v = vec![];
     for it in 0..cfg.warmup + cfg.iters {
         let inputs = setup()?;
-        if cold {
-            let _ = flush.fill_(it as f64);
+        match l2 {
+            L2Mode::ColdDirty => {
+                let _ = flush.fill_(it as f64);
+            }
+            L2Mode::ColdClean => {
+                let _ = flush.sum(Kind::Float);
+            }
+            L2Mode::Warm => {}
         }
         wide_kernels::ops::gpu_spin(dev, 200)?;
         timer.start()?;
@@ -460,7 +483,7 @@ fn bench_attn_decode(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Tens
                 bail!("attn_decode T={t} s={s}: relative error {err:.3e} against the f32 reference");
             }
             for l2mode in &cfg.l2 {
-                let cold = l2_cold(l2mode)?;
+                let l2m = l2_mode(l2mode)?;
                 // K/V bytes of one KV head (what a call reads per active head).
                 let head_bytes = t * d * cfg.kind.elt_size_in_bytes() as i64;
                 let mut time = |what: &str| -> Result<f64> {
@@ -470,7 +493,7 @@ fn bench_attn_decode(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Tens
                         let act = if what.starts_with("read_routed") { msk.sum(Kind::Int64).int64_value(&[]) } else { hkv };
                         Ok((msk, act))
                     };
-                    median_ms(cfg, timer, flush, dev, cold, setup, |&(ref msk, act)| {
+                    median_ms(cfg, timer, flush, dev, l2m, setup, |&(ref msk, act)| {
                         match what {
                             "sdpa" => {
                                 let _ = Tensor::scaled_dot_product_attention(&q.unsqueeze(2), &k, &v, None::<Tensor>, 0.0, false, scale, true);
@@ -571,9 +594,9 @@ fn bench_attn_prefill(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Ten
             let err = errs.iter().cloned().fold(0.0, f64::max);
             let dense_err = rel(&attention_prefill_dense(&q, &k, &v, &msk, gh, scale)?);
             for l2mode in &cfg.l2 {
-                let cold = l2_cold(l2mode)?;
+                let l2m = l2_mode(l2mode)?;
                 let mut time = |what: &str| -> Result<f64> {
-                    median_ms(cfg, timer, flush, dev, cold, || Ok(new_mask()), |msk| {
+                    median_ms(cfg, timer, flush, dev, l2m, || Ok(new_mask()), |msk| {
                         match what {
                             "sdpa" => {
                                 let _ = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, scale, true);
