@@ -5,8 +5,8 @@
 //! lines, as the weight reads of an inference step do) and warm.
 //!
 //! Every timed iteration draws a fresh mask (random by default; the other `MaskPattern`s are
-//! diagnostics of the row gather and of uneven group counts) outside the timed region and times, with
-//! CUDA events: dense = the cuBLAS product(s) alone (plus SiLU-multiply for gate+up); routed =
+//! diagnostics of the row gather and of uneven group counts) outside the timed regions and times
+//! every variant of the case on it, interleaved in a rotating order, with CUDA events: dense = the cuBLAS product(s) alone (plus SiLU-multiply for gate+up); routed =
 //! building the routing layout + the routed kernel (GEMV for M <= 16, else the autotuned best
 //! of the mma.sync tiles and, on Hopper, the wgmma kernel); dispatch = layout + whatever the policy picks. Outputs are checked against the f32
 //! tch reference before timing. A 200 us device spin precedes each timed region so the host
@@ -250,39 +250,36 @@ pub fn run(cfg: &KernelBenchConfig) -> Result<serde_json::Value> {
                     drop(r);
                     for l2mode in &cfg.l2 {
                         let l2m = l2_mode(l2mode)?;
-                        let mut time = |what: &str| -> Result<f64> {
-                            let setup = || -> Result<(Tensor, Tensor)> {
-                                let msk = new_mask();
-                                let x = input(&msk);
-                                Ok((msk, x))
-                            };
-                            median_ms(cfg, &timer, &mut flush, dev, l2m, setup, |(msk, x)| {
-                                match what {
-                                    "dense" => {
-                                        let _ = match sp.op {
-                                            RoutedOp::MnSwiglu => x.linear::<&Tensor>(&w, None).silu() * x.linear::<&Tensor>(w2.as_ref().unwrap(), None),
-                                            _ => x.linear::<&Tensor>(&w, None),
-                                        };
-                                    }
-                                    "dense_fused" => {
-                                        let _ = wide_kernels::ops::fused::swiglu(&x.linear::<&Tensor>(w_gate_up.as_ref().unwrap(), None), None, 1)?;
-                                    }
-                                    "routed" => {
-                                        let lay = route_layout(&msk)?.with_sparsity_hint(s);
-                                        let _ = routed_gemm(sp.op, &x, &w, w2.as_ref(), &lay, g, Some(routed_path))?;
-                                    }
-                                    _ => {
-                                        let lay = route_layout(&msk)?.with_sparsity_hint(s);
-                                        let _ = routed_gemm(sp.op, x, &w, w2.as_ref(), &lay, g, None)?;
-                                    }
-                                }
-                                Ok(())
-                            })
+                        let setup = || -> Result<(Tensor, Tensor)> {
+                            let msk = new_mask();
+                            let x = input(&msk);
+                            Ok((msk, x))
                         };
-                        let dense_ms = time("dense")?;
-                        let routed_ms = time("routed")?;
-                        let dispatch_ms = time("dispatch")?;
-                        let dense_fused_ms = if w_gate_up.is_some() { Some(time("dense_fused")?) } else { None };
+                        let names: &[&str] = if w_gate_up.is_some() { &["dense", "routed", "dispatch", "dense_fused"] } else { &["dense", "routed", "dispatch"] };
+                        let t = medians_ms(cfg, &timer, &mut flush, dev, l2m, setup, names, |what, (msk, x)| {
+                            match what {
+                                "dense" => {
+                                    let _ = match sp.op {
+                                        RoutedOp::MnSwiglu => x.linear::<&Tensor>(&w, None).silu() * x.linear::<&Tensor>(w2.as_ref().unwrap(), None),
+                                        _ => x.linear::<&Tensor>(&w, None),
+                                    };
+                                }
+                                "dense_fused" => {
+                                    let _ = wide_kernels::ops::fused::swiglu(&x.linear::<&Tensor>(w_gate_up.as_ref().unwrap(), None), None, 1)?;
+                                }
+                                "routed" => {
+                                    let lay = route_layout(msk)?.with_sparsity_hint(s);
+                                    let _ = routed_gemm(sp.op, x, &w, w2.as_ref(), &lay, g, Some(routed_path))?;
+                                }
+                                _ => {
+                                    let lay = route_layout(msk)?.with_sparsity_hint(s);
+                                    let _ = routed_gemm(sp.op, x, &w, w2.as_ref(), &lay, g, None)?;
+                                }
+                            }
+                            Ok(())
+                        })?;
+                        let (dense_ms, routed_ms, dispatch_ms) = (t[0], t[1], t[2]);
+                        let dense_fused_ms = t.get(3).copied();
                         let mut rec = json!({
                             "op": sp.name, "M": m, "N": sp.n, "K": sp.k, "G": g, "sparsity": s, "l2": l2mode,
                             "dense_ms": dense_ms, "routed_ms": routed_ms, "speedup": dense_ms / routed_ms,
@@ -326,7 +323,7 @@ pub fn run(cfg: &KernelBenchConfig) -> Result<serde_json::Value> {
         "provenance": prov,
         "settings": {"dtype": format!("{:?}", kind), "warmup": cfg.warmup, "iters": cfg.iters, "l2_bytes": l2,
                      "flush_bytes": flush.numel() * 4,
-                     "timing": "median of CUDA-event-timed iterations; a fresh mask (mask_pattern) each iteration; routed and dispatch include building the routing layout",
+                     "timing": "median of CUDA-event-timed iterations, the variants of a case interleaved (each iteration times all of them on one fresh mask, in a rotating order); routed and dispatch include building the routing layout",
                      "mask_pattern": cfg.mask_pattern.label()},
         "ceilings": ceil,
         "records": records,
@@ -407,40 +404,50 @@ fn l2_mode(mode: &str) -> Result<L2Mode> {
     }
 }
 
-/// Median device time (ms) of `cfg.iters` timed calls after `cfg.warmup` untimed ones. Each
-/// iteration draws its inputs with `setup` outside the timed region, writes (`cold`) or reads
-/// (`cold-clean`) the flush buffer over the L2, and queues a device spin so the host enqueues the timed launches
-/// ahead of the GPU (as a CUDA-graph replay would run them).
-fn median_ms<S>(
+/// Median device times (ms) of the variants `names`, timed interleaved: each of the
+/// `cfg.warmup + cfg.iters` iterations draws one set of inputs with `setup` (outside the timed
+/// regions) and times every variant on it once, in an order rotated by one each iteration, so
+/// that clock and power drift over a case and the position after the input draw fall on all
+/// variants alike (timed one after another, the same dense product differed by up to 17% between
+/// cases at 16384 tokens). Before each timed call the L2 is prepared per `l2` (the flush buffer
+/// written or read) and a device spin is queued so the host enqueues the timed launches ahead of
+/// the GPU (as a CUDA-graph replay would run them).
+#[allow(clippy::too_many_arguments)]
+fn medians_ms<S>(
     cfg: &KernelBenchConfig,
     timer: &GpuTimer,
     flush: &mut Tensor,
     dev: usize,
     l2: L2Mode,
     mut setup: impl FnMut() -> Result<S>,
-    mut call: impl FnMut(&S) -> Result<()>,
-) -> Result<f64> {
-    let mut v = vec![];
+    names: &[&str],
+    mut call: impl FnMut(&str, &S) -> Result<()>,
+) -> Result<Vec<f64>> {
+    let n = names.len();
+    let mut v = vec![Vec::with_capacity(cfg.iters); n];
     for it in 0..cfg.warmup + cfg.iters {
         let inputs = setup()?;
-        match l2 {
-            L2Mode::ColdDirty => {
-                let _ = flush.fill_(it as f64);
+        for j in 0..n {
+            let i = (it + j) % n;
+            match l2 {
+                L2Mode::ColdDirty => {
+                    let _ = flush.fill_((it * n + j) as f64);
+                }
+                L2Mode::ColdClean => {
+                    let _ = flush.sum(Kind::Float);
+                }
+                L2Mode::Warm => {}
             }
-            L2Mode::ColdClean => {
-                let _ = flush.sum(Kind::Float);
+            wide_kernels::ops::gpu_spin(dev, 200)?;
+            timer.start()?;
+            call(names[i], &inputs)?;
+            let ms = timer.stop_ms()?;
+            if it >= cfg.warmup {
+                v[i].push(ms);
             }
-            L2Mode::Warm => {}
-        }
-        wide_kernels::ops::gpu_spin(dev, 200)?;
-        timer.start()?;
-        call(&inputs)?;
-        let ms = timer.stop_ms()?;
-        if it >= cfg.warmup {
-            v.push(ms);
         }
     }
-    Ok(super::median(&mut v))
+    Ok(v.iter_mut().map(|x| super::median(x)).collect())
 }
 
 /// The attention benchmarks' heads: Llama-3.1-8B's 32 query and 8 KV heads of 128, in groups of
@@ -486,43 +493,38 @@ fn bench_attn_decode(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Tens
                 let l2m = l2_mode(l2mode)?;
                 // K/V bytes of one KV head (what a call reads per active head).
                 let head_bytes = t * d * cfg.kind.elt_size_in_bytes() as i64;
-                let mut time = |what: &str| -> Result<f64> {
-                    let setup = || -> Result<(Tensor, i64)> {
-                        let msk = new_mask();
-                        // Active KV heads of this mask (groups of 4 heads = one KV head each).
-                        let act = if what.starts_with("read_routed") { msk.sum(Kind::Int64).int64_value(&[]) } else { hkv };
-                        Ok((msk, act))
-                    };
-                    median_ms(cfg, timer, flush, dev, l2m, setup, |&(ref msk, act)| {
-                        match what {
-                            "sdpa" => {
-                                let _ = Tensor::scaled_dot_product_attention(&q.unsqueeze(2), &k, &v, None::<Tensor>, 0.0, false, scale, true);
-                            }
-                            "own_dense" => {
-                                let _ = wide_kernels::attention_decode(&q, &k, &v, &len, &all, gh, scale)?;
-                            }
-                            "routed" => {
-                                let _ = wide_kernels::attention_decode(&q, &k, &v, &len, &msk, gh, scale)?;
-                            }
-                            // The read ceiling: one launch reading the same K/V bytes, nothing else.
-                            r => {
-                                let bps = r.rsplit('_').next().and_then(|b| b.parse().ok()).unwrap_or(2);
-                                wide_kernels::ops::attention::stream_read(&k, act * head_bytes, &v, act * head_bytes, bps)?;
-                            }
-                        }
-                        Ok(())
-                    })
+                let setup = || -> Result<(Tensor, i64)> {
+                    let msk = new_mask();
+                    // Active KV heads of this mask (groups of 4 heads = one KV head each).
+                    let act = msk.sum(Kind::Int64).int64_value(&[]);
+                    Ok((msk, act))
                 };
-                let sdpa_ms = time("sdpa")?;
-                let own_ms = time("own_dense")?;
-                let routed_ms = time("routed")?;
+                // The read ceiling: one launch reading the same K/V bytes and nothing else, at a
+                // few grid sizes (2, 4, 8 blocks a multiprocessor); the best of them counts.
+                let names = ["sdpa", "own_dense", "routed", "read_dense_2", "read_dense_4", "read_dense_8", "read_routed_2", "read_routed_4", "read_routed_8"];
+                let tm = medians_ms(cfg, timer, flush, dev, l2m, setup, &names, |what, &(ref msk, act)| {
+                    match what {
+                        "sdpa" => {
+                            let _ = Tensor::scaled_dot_product_attention(&q.unsqueeze(2), &k, &v, None::<Tensor>, 0.0, false, scale, true);
+                        }
+                        "own_dense" => {
+                            let _ = wide_kernels::attention_decode(&q, &k, &v, &len, &all, gh, scale)?;
+                        }
+                        "routed" => {
+                            let _ = wide_kernels::attention_decode(&q, &k, &v, &len, msk, gh, scale)?;
+                        }
+                        r => {
+                            let heads = if r.starts_with("read_routed") { act } else { hkv };
+                            let bps = r.rsplit('_').next().and_then(|b| b.parse().ok()).unwrap_or(2);
+                            wide_kernels::ops::attention::stream_read(&k, heads * head_bytes, &v, heads * head_bytes, bps)?;
+                        }
+                    }
+                    Ok(())
+                })?;
+                let (sdpa_ms, own_ms, routed_ms) = (tm[0], tm[1], tm[2]);
                 let dense_ms = sdpa_ms.min(own_ms);
-                // Best of a few grid sizes: the ceiling is the fastest pure read of the bytes.
-                let (mut read_dense_ms, mut read_routed_ms) = (f64::INFINITY, f64::INFINITY);
-                for bps in [2, 4, 8] {
-                    read_dense_ms = read_dense_ms.min(time(&format!("read_dense_{bps}"))?);
-                    read_routed_ms = read_routed_ms.min(time(&format!("read_routed_{bps}"))?);
-                }
+                let read_dense_ms = tm[3..6].iter().cloned().fold(f64::INFINITY, f64::min);
+                let read_routed_ms = tm[6..9].iter().cloned().fold(f64::INFINITY, f64::min);
                 eprintln!(
                     "attn_decode T={t:>6} s={s:.2} {l2mode}: sdpa {sdpa_ms:.4} ms  own all-active {own_ms:.4} ms  routed {routed_ms:.4} ms ({:.2}x)  err {err:.1e}  read ceiling {read_dense_ms:.4} / {read_routed_ms:.4} ms ({:.2}x)",
                     dense_ms / routed_ms,
@@ -595,42 +597,40 @@ fn bench_attn_prefill(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Ten
             let dense_err = rel(&attention_prefill_dense(&q, &k, &v, &msk, gh, scale)?);
             for l2mode in &cfg.l2 {
                 let l2m = l2_mode(l2mode)?;
-                let mut time = |what: &str| -> Result<f64> {
-                    median_ms(cfg, timer, flush, dev, l2m, || Ok(new_mask()), |msk| {
-                        match what {
-                            "sdpa" => {
-                                let _ = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, scale, true);
-                            }
-                            "sdpa_zero" => {
-                                let _ = attention_prefill_dense(&q, &k, &v, &msk, gh, scale)?;
-                            }
-                            "dispatch" => {
-                                let _ = wide_kernels::attention_prefill(&q, &k, &v, None, &msk, gh, scale)?;
-                            }
-                            "dispatch_hint" => {
-                                let _ = wide_kernels::ops::attention::attention_prefill_with(&q, &k, &v, None, &msk, gh, scale, Some(s))?;
-                            }
-                            name => {
-                                let tile = PrefillTile::parse(name).context("unknown prefill tile")?;
-                                let _ = attention_prefill_routed(&q, &k, &v, msk, gh, scale, tile)?;
-                            }
+                let tiles_on: Vec<PrefillTile> = PREFILL_TILES.into_iter().filter(|x| x.supports(d, dev)).collect();
+                let tile_names: Vec<String> = tiles_on.iter().map(|x| x.name()).collect();
+                let mut names = vec!["sdpa", "sdpa_zero", "dispatch", "dispatch_hint"];
+                names.extend(tile_names.iter().map(|x| x.as_str()));
+                let tm = medians_ms(cfg, timer, flush, dev, l2m, || Ok(new_mask()), &names, |what, msk| {
+                    match what {
+                        "sdpa" => {
+                            let _ = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, scale, true);
                         }
-                        Ok(())
-                    })
-                };
-                let sdpa_ms = time("sdpa")?;
-                let zero_ms = time("sdpa_zero")?;
+                        "sdpa_zero" => {
+                            let _ = attention_prefill_dense(&q, &k, &v, msk, gh, scale)?;
+                        }
+                        "dispatch" => {
+                            let _ = wide_kernels::attention_prefill(&q, &k, &v, None, msk, gh, scale)?;
+                        }
+                        "dispatch_hint" => {
+                            let _ = wide_kernels::ops::attention::attention_prefill_with(&q, &k, &v, None, msk, gh, scale, Some(s))?;
+                        }
+                        name => {
+                            let tile = PrefillTile::parse(name).context("unknown prefill tile")?;
+                            let _ = attention_prefill_routed(&q, &k, &v, msk, gh, scale, tile)?;
+                        }
+                    }
+                    Ok(())
+                })?;
+                let (sdpa_ms, zero_ms, dispatch_ms, dispatch_hint_ms) = (tm[0], tm[1], tm[2], tm[3]);
                 let mut tiles = vec![];
                 let mut routed_ms = f64::NAN;
-                for tile in PREFILL_TILES.into_iter().filter(|x| x.supports(d, dev)) {
-                    let ms = time(&tile.name())?;
-                    if tile == default_tile {
+                for (tile, &ms) in tiles_on.iter().zip(&tm[4..]) {
+                    if *tile == default_tile {
                         routed_ms = ms;
                     }
                     tiles.push(json!({"tile": tile.name(), "ms": ms, "tflops_active": (1.0 - s) * dense_flops / (ms * 1e-3) / 1e12}));
                 }
-                let dispatch_ms = time("dispatch")?;
-                let dispatch_hint_ms = time("dispatch_hint")?;
                 // The hinted dispatch follows the rule; so does the unhinted one with the wgmma kernel
                 // (no skip rate needed), while for the mma.sync kernel it measures the skip rate
                 // only from PREFILL_MEASURE_MIN_TOKENS and runs SDPA + zero below.
