@@ -411,7 +411,8 @@ struct KernelsArgs {
     /// prefix (every group keeps the same first (1 - s) M tokens: contiguous gathered rows),
     /// random-even (exactly (1 - s) M random tokens a group) or prefix-uneven (each group its
     /// first c tokens, c a random mask's count): diagnostics of what the row gather and uneven
-    /// counts cost. Attention ops always draw random masks.
+    /// counts cost. Attention ops take random or random-even (exactly (1 - s) of every token's
+    /// head groups).
     #[arg(long, default_value = "random")]
     mask_pattern: String,
     #[arg(long, default_value = "cuda")]

@@ -96,6 +96,18 @@ impl MaskPattern {
             }
         }
     }
+    /// A fresh `[m, ng]` head-group mask of an attention op at skip rate `s`: `random` as for
+    /// the projections; `random-even` keeps exactly ceil((1 - s) ng) groups of every token, at
+    /// random (at batch 1 and 8 groups a random mask's active count is Binomial(8, 1 - s), and
+    /// the call's time follows it; this fixes the count). Other patterns are projection
+    /// diagnostics and are refused here.
+    fn draw_attention(self, m: i64, ng: i64, s: f64, device: Device) -> Result<Tensor> {
+        match self {
+            Self::Random => Ok(Tensor::rand([m, ng], (Kind::Float, device)).ge(s)),
+            Self::RandomEven => Ok(Self::RandomEven.draw(ng, m, s, device).transpose(0, 1).contiguous()),
+            o => bail!("--mask-pattern {} applies to the projections only; attention ops take random or random-even", o.label()),
+        }
+    }
     fn label(self) -> &'static str {
         match self {
             Self::Random => "random",
@@ -477,8 +489,8 @@ fn bench_attn_decode(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Tens
         let len = Tensor::from_slice(&[t as i32]).to_device(device);
         let all = Tensor::ones([1, hq / gh], (Kind::Bool, device));
         for &s in &cfg.sparsity {
-            let new_mask = || Tensor::rand([1, hq / gh], (Kind::Float, device)).ge(s);
-            let msk = new_mask();
+            let new_mask = || cfg.mask_pattern.draw_attention(1, hq / gh, s, device);
+            let msk = new_mask()?;
             let r = wide_kernels::attention_decode_reference(&q.to_kind(Kind::Float), &k.to_kind(Kind::Float), &v.to_kind(Kind::Float), &len, &msk, gh, scale);
             let y = wide_kernels::attention_decode(&q, &k, &v, &len, &msk, gh, scale)?.to_kind(Kind::Float);
             let err = if r.norm().double_value(&[]) == 0.0 {
@@ -494,7 +506,7 @@ fn bench_attn_decode(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Tens
                 // K/V bytes of one KV head (what a call reads per active head).
                 let head_bytes = t * d * cfg.kind.elt_size_in_bytes() as i64;
                 let setup = || -> Result<(Tensor, i64)> {
-                    let msk = new_mask();
+                    let msk = new_mask()?;
                     // Active KV heads of this mask (groups of 4 heads = one KV head each).
                     let act = msk.sum(Kind::Int64).int64_value(&[]);
                     Ok((msk, act))
@@ -531,7 +543,7 @@ fn bench_attn_decode(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Tens
                     read_dense_ms / read_routed_ms
                 );
                 out.push(json!({
-                    "op": "attn_decode", "M": 1, "N": t, "K": d, "G": gh, "sparsity": s, "l2": l2mode,
+                    "op": "attn_decode", "M": 1, "N": t, "K": d, "G": gh, "sparsity": s, "l2": l2mode, "mask_pattern": cfg.mask_pattern.label(),
                     "dense_ms": dense_ms, "routed_ms": routed_ms, "speedup": dense_ms / routed_ms,
                     "sdpa_ms": sdpa_ms, "own_dense_ms": own_ms, "routed_kernel": "attn_decode_split",
                     "read_dense_ms": read_dense_ms, "read_routed_ms": read_routed_ms, "read_ceiling_speedup": read_dense_ms / read_routed_ms,
@@ -568,8 +580,8 @@ fn bench_attn_prefill(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Ten
         let dense_flops = 4.0 * (hq * d) as f64 * (t as f64) * (t as f64 + 1.0) / 2.0;
         for &s in &cfg.sparsity {
             let default_tile = PrefillTile::choose_for(dev, d, 1, hq, t, s);
-            let new_mask = || Tensor::rand([1, t, ng], (Kind::Float, device)).ge(s);
-            let msk = new_mask();
+            let new_mask = || -> Result<Tensor> { Ok(cfg.mask_pattern.draw_attention(t, ng, s, device)?.unsqueeze(0)) };
+            let msk = new_mask()?;
             // f32 reference on one KV head's 4 query heads (group 0): SDPA in f32 (the
             // memory-efficient kernel, no [T, T] scores in memory), then the zero rows.
             let f = |x: &Tensor| x.to_kind(Kind::Float);
@@ -601,7 +613,7 @@ fn bench_attn_prefill(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Ten
                 let tile_names: Vec<String> = tiles_on.iter().map(|x| x.name()).collect();
                 let mut names = vec!["sdpa", "sdpa_zero", "dispatch", "dispatch_hint"];
                 names.extend(tile_names.iter().map(|x| x.as_str()));
-                let tm = medians_ms(cfg, timer, flush, dev, l2m, || Ok(new_mask()), &names, |what, msk| {
+                let tm = medians_ms(cfg, timer, flush, dev, l2m, new_mask, &names, |what, msk| {
                     match what {
                         "sdpa" => {
                             let _ = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, scale, true);
@@ -648,7 +660,7 @@ fn bench_attn_prefill(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Ten
                     tiles_txt.join(", ")
                 );
                 out.push(json!({
-                    "op": "attn_prefill", "M": t, "N": t, "K": d, "G": gh, "sparsity": s, "l2": l2mode,
+                    "op": "attn_prefill", "M": t, "N": t, "K": d, "G": gh, "sparsity": s, "l2": l2mode, "mask_pattern": cfg.mask_pattern.label(),
                     "dense_ms": sdpa_ms, "routed_ms": routed_ms, "speedup": sdpa_ms / routed_ms,
                     "sdpa_ms": sdpa_ms, "sdpa_zero_ms": zero_ms, "speedup_vs_sdpa_zero": zero_ms / routed_ms,
                     "routed_kernel": format!("attn_prefill {}", default_tile.name()), "tiles": tiles,
@@ -668,6 +680,18 @@ fn bench_attn_prefill(cfg: &KernelBenchConfig, timer: &GpuTimer, flush: &mut Ten
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn attention_masks_fix_the_count_per_token() {
+        for s in [0.25, 0.5, 0.75] {
+            let m = MaskPattern::RandomEven.draw_attention(5, 8, s, Device::Cpu).unwrap();
+            assert_eq!(m.size(), [5, 8]);
+            let per_token: Vec<i64> = Vec::try_from(m.to_kind(Kind::Int64).sum_dim_intlist([1i64].as_slice(), false, Kind::Int64)).unwrap();
+            assert_eq!(per_token, vec![((1.0 - s) * 8.0) as i64; 5], "s = {s}");
+        }
+        let e = MaskPattern::Prefix.draw_attention(1, 8, 0.5, Device::Cpu).unwrap_err().to_string();
+        assert!(e.contains("projections only"), "{e}");
+    }
 
     #[test]
     fn mask_patterns() {
