@@ -262,13 +262,35 @@ pub fn run(cfg: &KernelBenchConfig) -> Result<serde_json::Value> {
                     drop(r);
                     for l2mode in &cfg.l2 {
                         let l2m = l2_mode(l2mode)?;
-                        let setup = || -> Result<(Tensor, Tensor)> {
+                        // Decode sizes are memory-bound: there the case also times a launch that only
+                        // reads the weight bytes each call must read (`stream_read`, best of three grid
+                        // sizes): all of W for dense, the groups some token uses for routed.
+                        let ceiling = m <= 16;
+                        let ng_all = routed_dim / g;
+                        let group_bytes = g * if sp.op.reduces_over_groups() { sp.n } else { sp.k } * kind.elt_size_in_bytes() as i64;
+                        let setup = || -> Result<(Tensor, Tensor, i64)> {
                             let msk = new_mask();
                             let x = input(&msk);
-                            Ok((msk, x))
+                            let used = if ceiling { msk.any_dim(0, false).sum(Kind::Int64).int64_value(&[]) } else { 0 };
+                            Ok((msk, x, used))
                         };
-                        let names: &[&str] = if w_gate_up.is_some() { &["dense", "routed", "dispatch", "dense_fused"] } else { &["dense", "routed", "dispatch"] };
-                        let t = medians_ms(cfg, &timer, &mut flush, dev, l2m, setup, names, |what, (msk, x)| {
+                        let mut names = vec!["dense", "routed", "dispatch"];
+                        if w_gate_up.is_some() {
+                            names.push("dense_fused");
+                        }
+                        if ceiling {
+                            names.extend(["read_dense_2", "read_dense_4", "read_dense_8", "read_routed_2", "read_routed_4", "read_routed_8"]);
+                        }
+                        let t = medians_ms(cfg, &timer, &mut flush, dev, l2m, setup, &names, |what, (msk, x, used)| {
+                            if let Some(rest) = what.strip_prefix("read_") {
+                                let groups = if rest.starts_with("routed") { *used } else { ng_all };
+                                let bps = rest.rsplit('_').next().and_then(|b| b.parse().ok()).unwrap_or(2);
+                                let bytes = groups * group_bytes;
+                                return match &w2 {
+                                    Some(u) => wide_kernels::ops::attention::stream_read(&w, bytes, u, bytes, bps),
+                                    None => wide_kernels::ops::attention::stream_read(&w, bytes, &w, 0, bps),
+                                };
+                            }
                             match what {
                                 "dense" => {
                                     let _ = match sp.op {
@@ -290,8 +312,11 @@ pub fn run(cfg: &KernelBenchConfig) -> Result<serde_json::Value> {
                             }
                             Ok(())
                         })?;
+                        let at = |name: &str| names.iter().position(|n| *n == name).map(|i| t[i]);
                         let (dense_ms, routed_ms, dispatch_ms) = (t[0], t[1], t[2]);
-                        let dense_fused_ms = t.get(3).copied();
+                        let dense_fused_ms = at("dense_fused");
+                        let best = |prefix: &str| names.iter().zip(&t).filter(|(n, _)| n.starts_with(prefix)).map(|(_, &v)| v).fold(f64::INFINITY, f64::min);
+                        let (read_dense_ms, read_routed_ms) = (best("read_dense"), best("read_routed"));
                         let mut rec = json!({
                             "op": sp.name, "M": m, "N": sp.n, "K": sp.k, "G": g, "sparsity": s, "l2": l2mode,
                             "dense_ms": dense_ms, "routed_ms": routed_ms, "speedup": dense_ms / routed_ms,
@@ -300,6 +325,17 @@ pub fn run(cfg: &KernelBenchConfig) -> Result<serde_json::Value> {
                             "dispatch_speedup": dense_ms / dispatch_ms,
                             "max_rel_err": err,
                         });
+                        if ceiling {
+                            rec["read_dense_ms"] = json!(read_dense_ms);
+                            rec["read_routed_ms"] = json!(read_routed_ms);
+                            rec["read_ceiling_speedup"] = json!(read_dense_ms / read_routed_ms);
+                            eprintln!(
+                                "{:>7} M={m:>5} G={g:>3} s={s:.2} {l2mode}: read ceiling (the weight bytes alone) dense {read_dense_ms:.4} ms, routed {read_routed_ms:.4} ms ({:.2}x); routed at {:.0}% of its ceiling",
+                                sp.name,
+                                read_dense_ms / read_routed_ms,
+                                100.0 * read_routed_ms / routed_ms
+                            );
+                        }
                         if let Some(f) = dense_fused_ms {
                             rec["dense_fused_ms"] = json!(f);
                             rec["speedup_vs_dense_fused"] = json!(f / routed_ms);
