@@ -133,7 +133,7 @@ fn version_names_the_commit() {
 fn bench_kernels_names_a_bad_l2_mode() {
     // Checked before anything needs the GPU.
     let out = run_wide(&["bench", "kernels", "--ops", "attn_prefill", "--l2", "cold,lukewarm", "--device", "cpu"]);
-    assert_clear_error(&out, "--l2 takes cold or warm, got lukewarm");
+    assert_clear_error(&out, "--l2 takes cold, cold-clean or warm, got lukewarm");
 }
 
 #[test]
