@@ -194,7 +194,6 @@ fn launch_gemv(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layou
     let mm = [1, 2, 4, 8, 16].into_iter().find(|&v| v >= s.m).unwrap();
     let r = gemv_rows_override(mm, s.n).unwrap_or_else(|| if s.op.reduces_over_groups() { gemv_k_rows_per_block(mm, s.n) } else { gemv_rows_per_warp(mm, s.n) });
     let entry = match s.op {
-        RoutedOp::Mn if mm == 1 && r <= 4 && gemv_depth() == 2 => format!("gemv_mn_d2_{mm}_{r}"),
         RoutedOp::Mn => format!("gemv_mn_{mm}_{r}"),
         RoutedOp::MnSwiglu => format!("gemv_mn_swiglu_{mm}_{r}"),
         RoutedOp::K | RoutedOp::KPremasked => format!("gemv_k_{mm}_{r}"),
@@ -423,13 +422,6 @@ pub fn gemv_k_rows_per_block(mm: i64, n: i64) -> i64 {
 fn gemv_mn_warps_per_block() -> u32 {
     static V: OnceLock<u32> = OnceLock::new();
     *V.get_or_init(|| std::env::var("WIDE_GEMV_WARPS").ok().and_then(|v| v.parse().ok()).filter(|w| [1, 2, 4].contains(w)).unwrap_or(4))
-}
-
-/// Weight loads in flight a lane of the one-token gemm_mn GEMV, as a multiple of the default:
-/// `WIDE_GEMV_DEPTH` (1 or 2; read once; a sweep knob), default 1.
-fn gemv_depth() -> u32 {
-    static V: OnceLock<u32> = OnceLock::new();
-    *V.get_or_init(|| std::env::var("WIDE_GEMV_DEPTH").ok().and_then(|v| v.parse().ok()).filter(|d| [1, 2].contains(d)).unwrap_or(1))
 }
 
 /// Rows a warp (gemm_mn) or a block (gemm_k) forced by `WIDE_GEMV_ROWS` (read once; for

@@ -65,9 +65,7 @@ extern "C" __global__ void __launch_bounds__(1024) route_layout(const unsigned c
 // With w2 (fused): out = silu(x . w[n]) * (x . w2[n]).
 // ---------------------------------------------------------------------------------------
 #define GEMV_MASK_WORDS 16  // groups [0, FIXED) held in registers: up to 32 x 16 = 512
-// DEPTH multiplies the weight loads a lane keeps in flight (DEPTH 2: the `gemv_mn_d2_*`
-// entries, one token, plain output; a sweep knob, `WIDE_GEMV_DEPTH`).
-template <int MAXM, int R, bool FUSE, int DEPTH = 1>
+template <int MAXM, int R, bool FUSE>
 __device__ __forceinline__ void gemv_mn(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ w2,
                                         const unsigned char* __restrict__ mask, T* __restrict__ out,
                                         int M, int N, int K, int G, int NG, int FIXED, int EARLY) {
@@ -77,7 +75,7 @@ __device__ __forceinline__ void gemv_mn(const T* __restrict__ x, const T* __rest
     if (wi >= NG * wpg) return;
     const int nfix = (NG - FIXED) * wpg;  // warps on the always-on groups
     const bool fixed = wi < nfix;
-    constexpr int U = (R >= 8 ? 1 : 8 / R) * DEPTH;  // R * U weight loads in flight per lane
+    constexpr int U = R >= 8 ? 1 : 8 / R;  // R * U weight loads in flight per lane
     const int chunks = K >> 3;
     uint4 wv[U][R], wv2[U][FUSE ? R : 1];
     int n0;
@@ -450,15 +448,6 @@ GEMV_ENTRIES(4, 4)
 GEMV_ENTRIES(8, 1)
 GEMV_ENTRIES(8, 2)
 GEMV_ENTRIES(16, 1)
-#define GEMV_DEEP_ENTRY(R)                                                                                          \
-    extern "C" __global__ void __launch_bounds__(128) gemv_mn_d2_1_##R(const T* x, const T* w, const unsigned char* mask, \
-                                                                       T* out, int M, int N, int K, int G, int NG, int FIXED, \
-                                                                       int EARLY) {                                    \
-        gemv_mn<1, R, false, 2>(x, w, nullptr, mask, out, M, N, K, G, NG, FIXED, EARLY);                              \
-    }
-GEMV_DEEP_ENTRY(1)
-GEMV_DEEP_ENTRY(2)
-GEMV_DEEP_ENTRY(4)
 
 // ---------------------------------------------------------------------------------------
 // gemm_k GEMV of one token with the next sublayer's router folded in (decode). That router
