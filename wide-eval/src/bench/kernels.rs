@@ -264,7 +264,8 @@ pub fn run(cfg: &KernelBenchConfig) -> Result<serde_json::Value> {
                         let l2m = l2_mode(l2mode)?;
                         // Decode sizes are memory-bound: there the case also times a launch that only
                         // reads the weight bytes each call must read (`stream_read`, best of three grid
-                        // sizes): all of W for dense, the groups some token uses for routed.
+                        // sizes): all of W for dense, the groups some token uses for routed. The read is of
+                        // that many contiguous bytes; gemm_k's routed slices are 2G-byte pieces of each row.
                         let ceiling = m <= 16;
                         let ng_all = routed_dim / g;
                         let group_bytes = g * if sp.op.reduces_over_groups() { sp.n } else { sp.k } * kind.elt_size_in_bytes() as i64;
