@@ -16,14 +16,6 @@ __device__ __forceinline__ uint4 ld_stream(const void* p) {
 }
 __device__ __forceinline__ uint4 ld_keep(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 
-// Asks the copy engine to bring `bytes` (a multiple of 16, 16-byte aligned) from global memory
-// into L2, without registers or a completion to wait for (sm_90; a no-op before).
-__device__ __forceinline__ void prefetch_l2_bulk(const void* p, unsigned bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-#endif
-}
-
 __device__ __forceinline__ float dot8(uint4 a, uint4 b, float acc) {
     float2 a0 = to_f2(a.x), b0 = to_f2(b.x);
     float2 a1 = to_f2(a.y), b1 = to_f2(b.y);
@@ -71,30 +63,41 @@ extern "C" __global__ void __launch_bounds__(1024) route_layout(const unsigned c
 // complete when this grid starts) every warp reads it through L2 and loads its first weight
 // chunks before the wait, as the always-on warps do.
 // With w2 (fused): out = silu(x . w[n]) * (x . w2[n]).
-// PF > 0: once a warp knows its rows, lanes 0..R-1 (and R..2R-1 for w2) each ask for up to PF
-// bytes of one row past the first round's demand loads to be brought into L2
-// (cp.async.bulk.prefetch), so the row's later rounds need not wait a DRAM round trip each.
+// SPEC (without EARLY): every warp takes the rows of a fixed place, group (wi - nfix) / (G/R),
+// issues its first round of weight loads, and only then waits and reads its group's mask bits;
+// a warp whose group no token uses drops those loads and zeroes its rows. The mask's round trip
+// then overlaps the first weights' instead of preceding it, for one round of loads wasted on
+// each unused group.
 // ---------------------------------------------------------------------------------------
 #define GEMV_MASK_WORDS 16  // groups [0, FIXED) held in registers: up to 32 x 16 = 512
 template <int MAXM, int R, bool FUSE>
 __device__ __forceinline__ void gemv_mn(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ w2,
                                         const unsigned char* __restrict__ mask, T* __restrict__ out,
-                                        int M, int N, int K, int G, int NG, int FIXED, int EARLY, int PF) {
+                                        int M, int N, int K, int G, int NG, int FIXED, int EARLY, int SPEC) {
     const int lane = threadIdx.x & 31;
     const int wi = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int wpg = G / R;  // warps a group
     if (wi >= NG * wpg) return;
     const int nfix = (NG - FIXED) * wpg;  // warps on the always-on groups
-    const bool fixed = wi < nfix;
+    const bool spec = SPEC && !EARLY && wi >= nfix;  // a fixed place, its mask read after the first loads
+    const bool fixed = wi < nfix || spec;
     constexpr int U = R >= 8 ? 1 : 8 / R;  // R * U weight loads in flight per lane
     const int chunks = K >> 3;
     uint4 wv[U][R], wv2[U][FUSE ? R : 1];
     int n0;
     unsigned act;
+    const int sg = (wi - nfix) / wpg;  // with spec: the group
+    auto spec_act = [&]() -> unsigned {  // after the wait: which tokens use group sg
+        unsigned a = 0;
+#pragma unroll
+        for (int m = 0; m < MAXM; ++m)
+            if (m < M && mask[(long long)m * NG + sg]) a |= 1u << m;
+        return a;
+    };
     if (fixed) {
-        const int g = FIXED + wi / wpg;
+        const int g = spec ? sg : FIXED + wi / wpg;
         n0 = g * G + (wi % wpg) * R;
-        act = (1u << M) - 1u;  // every token (M <= MAXM <= 16)
+        act = (1u << M) - 1u;  // every token (M <= MAXM <= 16); with spec, until the mask is read
     } else {
         if (!EARLY) {
             pdl_wait();  // x and the mask come from the launches just before
@@ -162,15 +165,6 @@ __device__ __forceinline__ void gemv_mn(const T* __restrict__ x, const T* __rest
             return;
         }
     }
-    if (PF > 0) {
-        const int rowb = K * 2;     // bytes of a weight row (2-byte elements)
-        const int start = U * 512;  // the first round's demand loads: 32 lanes x U x 16 bytes
-        if (start < rowb && lane < (FUSE ? 2 * R : R)) {
-            const T* base = (FUSE && lane >= R) ? w2 : w;
-            const unsigned bytes = (unsigned)min(PF, rowb - start) & ~15u;
-            if (bytes) prefetch_l2_bulk(reinterpret_cast<const char*>(base + (long long)(n0 + lane % R) * K) + start, bytes);
-        }
-    }
     float acc[R][MAXM], acc2[FUSE ? R : 1][MAXM];
 #pragma unroll
     for (int r = 0; r < R; ++r)
@@ -194,6 +188,13 @@ __device__ __forceinline__ void gemv_mn(const T* __restrict__ x, const T* __rest
         if ((fixed || EARLY) && c0 == lane) {  // the first weight chunks are on their way: now wait for x
             pdl_wait();
             pdl_trigger();
+            if (spec) {
+                act = spec_act();
+                if (act == 0) {
+                    for (int i = lane; i < M * R; i += 32) out[(long long)(i / R) * N + n0 + i % R] = (T)0.0f;
+                    return;
+                }
+            }
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -216,6 +217,7 @@ __device__ __forceinline__ void gemv_mn(const T* __restrict__ x, const T* __rest
     if ((fixed || EARLY) && chunks == 0) {
         pdl_wait();
         pdl_trigger();
+        if (spec) act = spec_act();
     }
 #pragma unroll
     for (int r = 0; r < R; ++r)
@@ -441,14 +443,14 @@ __device__ __forceinline__ void gemv_k(const T* __restrict__ x, const T* __restr
 #define GEMV_ENTRIES(MM, R)                                                                                          \
     extern "C" __global__ void __launch_bounds__(128) gemv_mn_##MM##_##R(const T* x, const T* w, const unsigned char* mask, \
                                                                          T* out, int M, int N, int K, int G, int NG, int FIXED, \
-                                                                         int EARLY, int PF) {                          \
-        gemv_mn<MM, R, false>(x, w, nullptr, mask, out, M, N, K, G, NG, FIXED, EARLY, PF);                            \
+                                                                         int EARLY, int SPEC) {                          \
+        gemv_mn<MM, R, false>(x, w, nullptr, mask, out, M, N, K, G, NG, FIXED, EARLY, SPEC);                            \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(128) gemv_mn_swiglu_##MM##_##R(const T* x, const T* w, const T* w2,  \
                                                                                 const unsigned char* mask, T* out, int M, \
                                                                                 int N, int K, int G, int NG, int FIXED, \
-                                                                                int EARLY, int PF) {                   \
-        gemv_mn<MM, R, true>(x, w, w2, mask, out, M, N, K, G, NG, FIXED, EARLY, PF);                                  \
+                                                                                int EARLY, int SPEC) {                   \
+        gemv_mn<MM, R, true>(x, w, w2, mask, out, M, N, K, G, NG, FIXED, EARLY, SPEC);                                  \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(256) gemv_k_##MM##_##R(const T* x, const T* w, const unsigned char* mask, \
                                                                         T* out, int M, int N, int K, int G, int NG, int settled) { \
