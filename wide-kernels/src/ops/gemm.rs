@@ -204,7 +204,6 @@ fn launch_gemv(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layou
     let mut args = small_m_args(s, &x, &w, w2.as_ref(), layout, &out, ng, last)?;
     if !s.op.reduces_over_groups() {
         args.push(KernelArg::I32(layout.early() as i32));
-        args.push(KernelArg::I32(gemv_spec() as i32));
     }
     // gemm_mn: `gemv_mn_warps_per_block` warps a block, r rows a warp. gemm_k: 8 warps share r rows (split over the used
     // chunks); shared memory holds the block's group list (a group index, and with several
@@ -420,13 +419,6 @@ pub fn gemv_k_rows_per_block(mm: i64, n: i64) -> i64 {
 /// Warps a block of the gemm_mn GEMV: `WIDE_GEMV_WARPS` (1, 2 or 4; read once), default 4.
 /// The kernel's warps are independent (no shared memory), so this only changes how finely the
 /// loading warps are dealt to the multiprocessors.
-/// `WIDE_GEMV_SPEC=1` (read once; default off): gemm_mn GEMV warps take fixed places and read
-/// their group's mask after their first weight loads (see `gemv_mn` in routed.cu).
-fn gemv_spec() -> bool {
-    static V: OnceLock<bool> = OnceLock::new();
-    *V.get_or_init(|| std::env::var("WIDE_GEMV_SPEC").map(|v| v == "1").unwrap_or(false))
-}
-
 fn gemv_mn_warps_per_block() -> u32 {
     static V: OnceLock<u32> = OnceLock::new();
     *V.get_or_init(|| std::env::var("WIDE_GEMV_WARPS").ok().and_then(|v| v.parse().ok()).filter(|w| [1, 2, 4].contains(w)).unwrap_or(4))

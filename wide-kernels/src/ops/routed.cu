@@ -63,41 +63,27 @@ extern "C" __global__ void __launch_bounds__(1024) route_layout(const unsigned c
 // complete when this grid starts) every warp reads it through L2 and loads its first weight
 // chunks before the wait, as the always-on warps do.
 // With w2 (fused): out = silu(x . w[n]) * (x . w2[n]).
-// SPEC (without EARLY): every warp takes the rows of a fixed place, group (wi - nfix) / (G/R),
-// issues its first round of weight loads, and only then waits and reads its group's mask bits;
-// a warp whose group no token uses drops those loads and zeroes its rows. The mask's round trip
-// then overlaps the first weights' instead of preceding it, for one round of loads wasted on
-// each unused group.
 // ---------------------------------------------------------------------------------------
 #define GEMV_MASK_WORDS 16  // groups [0, FIXED) held in registers: up to 32 x 16 = 512
 template <int MAXM, int R, bool FUSE>
 __device__ __forceinline__ void gemv_mn(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ w2,
                                         const unsigned char* __restrict__ mask, T* __restrict__ out,
-                                        int M, int N, int K, int G, int NG, int FIXED, int EARLY, int SPEC) {
+                                        int M, int N, int K, int G, int NG, int FIXED, int EARLY) {
     const int lane = threadIdx.x & 31;
     const int wi = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int wpg = G / R;  // warps a group
     if (wi >= NG * wpg) return;
     const int nfix = (NG - FIXED) * wpg;  // warps on the always-on groups
-    const bool spec = SPEC && !EARLY && wi >= nfix;  // a fixed place, its mask read after the first loads
-    const bool fixed = wi < nfix || spec;
+    const bool fixed = wi < nfix;
     constexpr int U = R >= 8 ? 1 : 8 / R;  // R * U weight loads in flight per lane
     const int chunks = K >> 3;
     uint4 wv[U][R], wv2[U][FUSE ? R : 1];
     int n0;
     unsigned act;
-    const int sg = (wi - nfix) / wpg;  // with spec: the group
-    auto spec_act = [&]() -> unsigned {  // after the wait: which tokens use group sg
-        unsigned a = 0;
-#pragma unroll
-        for (int m = 0; m < MAXM; ++m)
-            if (m < M && mask[(long long)m * NG + sg]) a |= 1u << m;
-        return a;
-    };
     if (fixed) {
-        const int g = spec ? sg : FIXED + wi / wpg;
+        const int g = FIXED + wi / wpg;
         n0 = g * G + (wi % wpg) * R;
-        act = (1u << M) - 1u;  // every token (M <= MAXM <= 16); with spec, until the mask is read
+        act = (1u << M) - 1u;  // every token (M <= MAXM <= 16)
     } else {
         if (!EARLY) {
             pdl_wait();  // x and the mask come from the launches just before
@@ -188,13 +174,6 @@ __device__ __forceinline__ void gemv_mn(const T* __restrict__ x, const T* __rest
         if ((fixed || EARLY) && c0 == lane) {  // the first weight chunks are on their way: now wait for x
             pdl_wait();
             pdl_trigger();
-            if (spec) {
-                act = spec_act();
-                if (act == 0) {
-                    for (int i = lane; i < M * R; i += 32) out[(long long)(i / R) * N + n0 + i % R] = (T)0.0f;
-                    return;
-                }
-            }
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -217,7 +196,6 @@ __device__ __forceinline__ void gemv_mn(const T* __restrict__ x, const T* __rest
     if ((fixed || EARLY) && chunks == 0) {
         pdl_wait();
         pdl_trigger();
-        if (spec) act = spec_act();
     }
 #pragma unroll
     for (int r = 0; r < R; ++r)
@@ -443,14 +421,14 @@ __device__ __forceinline__ void gemv_k(const T* __restrict__ x, const T* __restr
 #define GEMV_ENTRIES(MM, R)                                                                                          \
     extern "C" __global__ void __launch_bounds__(128) gemv_mn_##MM##_##R(const T* x, const T* w, const unsigned char* mask, \
                                                                          T* out, int M, int N, int K, int G, int NG, int FIXED, \
-                                                                         int EARLY, int SPEC) {                          \
-        gemv_mn<MM, R, false>(x, w, nullptr, mask, out, M, N, K, G, NG, FIXED, EARLY, SPEC);                            \
+                                                                         int EARLY) {                                  \
+        gemv_mn<MM, R, false>(x, w, nullptr, mask, out, M, N, K, G, NG, FIXED, EARLY);                                \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(128) gemv_mn_swiglu_##MM##_##R(const T* x, const T* w, const T* w2,  \
                                                                                 const unsigned char* mask, T* out, int M, \
                                                                                 int N, int K, int G, int NG, int FIXED, \
-                                                                                int EARLY, int SPEC) {                   \
-        gemv_mn<MM, R, true>(x, w, w2, mask, out, M, N, K, G, NG, FIXED, EARLY, SPEC);                                  \
+                                                                                int EARLY) {                           \
+        gemv_mn<MM, R, true>(x, w, w2, mask, out, M, N, K, G, NG, FIXED, EARLY);                                      \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(256) gemv_k_##MM##_##R(const T* x, const T* w, const unsigned char* mask, \
                                                                         T* out, int M, int N, int K, int G, int NG, int settled) { \
