@@ -193,7 +193,11 @@ fn launch_gemv(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layou
     let ng = gemv_groups(s)?;
     let mm = [1, 2, 4, 8, 16].into_iter().find(|&v| v >= s.m).unwrap();
     let r = gemv_rows_override(mm, s.n).unwrap_or_else(|| if s.op.reduces_over_groups() { gemv_k_rows_per_block(mm, s.n) } else { gemv_rows_per_warp(mm, s.n) });
+    let split = gemv_split_rows().filter(|&sr| s.m == 1 && !s.op.reduces_over_groups() && s.group % sr == 0);
+    let r = split.unwrap_or(r);
     let entry = match s.op {
+        RoutedOp::Mn if split.is_some() => format!("gemv_mn_split_{r}"),
+        RoutedOp::MnSwiglu if split.is_some() => format!("gemv_mn_split_swiglu_{r}"),
         RoutedOp::Mn => format!("gemv_mn_{mm}_{r}"),
         RoutedOp::MnSwiglu => format!("gemv_mn_swiglu_{mm}_{r}"),
         RoutedOp::K | RoutedOp::KPremasked => format!("gemv_k_{mm}_{r}"),
@@ -212,6 +216,8 @@ fn launch_gemv(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layou
         let warps = 8u32;
         let list = ng as u32 * if mm > 1 { 8 } else { 4 };
         ((s.n / r) as u32, 32 * warps, list + 4 * warps * (r * mm) as u32)
+    } else if split.is_some() {
+        ((s.n / r) as u32, 256, 0)
     } else {
         let wpb = gemv_mn_warps_per_block();
         ((s.n as u32).div_ceil(wpb * r as u32), 32 * wpb, 0)
@@ -419,6 +425,13 @@ pub fn gemv_k_rows_per_block(mm: i64, n: i64) -> i64 {
 /// Warps a block of the gemm_mn GEMV: `WIDE_GEMV_WARPS` (1, 2 or 4; read once), default 4.
 /// The kernel's warps are independent (no shared memory), so this only changes how finely the
 /// loading warps are dealt to the multiprocessors.
+/// `WIDE_GEMV_SPLIT=4|8` (read once; default off): one-token gemm_mn GEMVs on blocks of 8 warps
+/// sharing that many rows (`gemv_mn_split` in routed.cu), for a measurement.
+fn gemv_split_rows() -> Option<i64> {
+    static V: OnceLock<Option<i64>> = OnceLock::new();
+    *V.get_or_init(|| std::env::var("WIDE_GEMV_SPLIT").ok().and_then(|v| v.parse().ok()).filter(|r| [4, 8].contains(r)))
+}
+
 fn gemv_mn_warps_per_block() -> u32 {
     static V: OnceLock<u32> = OnceLock::new();
     *V.get_or_init(|| std::env::var("WIDE_GEMV_WARPS").ok().and_then(|v| v.parse().ok()).filter(|w| [1, 2, 4].contains(w)).unwrap_or(4))

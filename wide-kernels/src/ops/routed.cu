@@ -450,6 +450,137 @@ GEMV_ENTRIES(8, 2)
 GEMV_ENTRIES(16, 1)
 
 // ---------------------------------------------------------------------------------------
+// GEMV, output-width routed, one token, a block's 8 warps sharing R rows (`WIDE_GEMV_SPLIT`,
+// a measurement): the same contract and placement as gemv_mn with MAXM = 1, but the unit dealt
+// to the used groups is a block of R consecutive rows, and warp j of it reads the j-th eighth
+// of every row, so all of a block's loads (16 a lane; 8 each matrix when fused) go out at once;
+// the warps' partial sums meet in shared memory.
+// ---------------------------------------------------------------------------------------
+template <int R, bool FUSE>
+__device__ __forceinline__ void gemv_mn_split(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ w2,
+                                              const unsigned char* __restrict__ mask, T* __restrict__ out, int N, int K,
+                                              int G, int NG, int FIXED, int EARLY) {
+    constexpr int WARPS = 8;
+    constexpr int U = (FUSE ? 8 : 16) / R > 0 ? (FUSE ? 8 : 16) / R : 1;
+    __shared__ float part[WARPS][FUSE ? 2 * R : R];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int upg = G / R;  // blocks a group
+    const int u = blockIdx.x;
+    if (u >= NG * upg) return;
+    const int nfix = (NG - FIXED) * upg;
+    const bool fixed = u < nfix;
+    int n0;
+    if (fixed) {
+        n0 = (FIXED + u / upg) * G + (u % upg) * R;
+    } else {
+        if (!EARLY) {
+            pdl_wait();
+            pdl_trigger();
+        }
+        auto mk = [&](int g) -> bool { return (EARLY ? __ldcg(mask + g) : mask[g]) != 0; };
+        const int ud = u - nfix;
+        int n_on = 0;
+        for (int g0 = 0; g0 < FIXED; g0 += 32) n_on += __popc(__ballot_sync(0xffffffffu, g0 + lane < FIXED && mk(g0 + lane)));
+        const bool loads = ud < n_on * upg;
+        int want = loads ? ud / upg : (ud - n_on * upg) / upg;
+        int g = -1;
+        for (int g0 = 0; g0 < FIXED && g < 0; g0 += 32) {
+            const bool on = g0 + lane < FIXED && mk(g0 + lane);
+            const unsigned valid = FIXED - g0 >= 32 ? 0xffffffffu : (1u << (FIXED - g0)) - 1u;
+            const unsigned ball = __ballot_sync(0xffffffffu, on);
+            const unsigned pick = loads ? ball : ~ball & valid;
+            const int c = __popc(pick);
+            if (want < c) g = g0 + __fns(pick, 0, want + 1);
+            want -= c;
+        }
+        if (g < 0) return;  // uniform over the block
+        n0 = g * G + (loads ? ud % upg : (ud - n_on * upg) % upg) * R;
+        if (!loads) {
+            if (EARLY) {
+                pdl_wait();
+                pdl_trigger();
+            }
+            if (warp == 0 && lane < R) out[n0 + lane] = (T)0.0f;
+            return;
+        }
+    }
+    const int chunks = K >> 3;
+    const int per = (chunks + WARPS - 1) / WARPS;
+    const int cb = warp * per, ce = min(chunks, cb + per);
+    float acc[R], acc2[FUSE ? R : 1];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        acc[r] = 0.f;
+        if (FUSE) acc2[FUSE ? r : 0] = 0.f;
+    }
+    bool waited = !(fixed || EARLY);
+    for (int c0 = cb + lane; c0 < ce || !waited; c0 += 32 * U) {
+        uint4 wv[U][R], wv2[U][FUSE ? R : 1];
+#pragma unroll
+        for (int v = 0; v < U; ++v) {
+            const int c = c0 + 32 * v;
+            if (c < ce) {
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    wv[v][r] = ld_stream(w + (long long)(n0 + r) * K + (c << 3));
+                    if (FUSE) wv2[v][FUSE ? r : 0] = ld_stream(w2 + (long long)(n0 + r) * K + (c << 3));
+                }
+            }
+        }
+        if (!waited) {  // the first weights are on their way: now wait for x
+            pdl_wait();
+            pdl_trigger();
+            waited = true;
+        }
+#pragma unroll
+        for (int v = 0; v < U; ++v) {
+            const int c = c0 + 32 * v;
+            if (c < ce) {
+                const uint4 xv = ld_keep(x + (c << 3));
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    acc[r] = dot8(wv[v][r], xv, acc[r]);
+                    if (FUSE) acc2[FUSE ? r : 0] = dot8(wv2[v][FUSE ? r : 0], xv, acc2[FUSE ? r : 0]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const float a = warp_sum(acc[r]);
+        const float b = FUSE ? warp_sum(acc2[FUSE ? r : 0]) : 0.f;
+        if (lane == 0) {
+            part[warp][r] = a;
+            if (FUSE) part[warp][FUSE ? R + r : 0] = b;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < R) {
+        float a = 0.f, b = 0.f;
+#pragma unroll
+        for (int j = 0; j < WARPS; ++j) {
+            a += part[j][threadIdx.x];
+            if (FUSE) b += part[j][FUSE ? R + threadIdx.x : 0];
+        }
+        out[n0 + threadIdx.x] = (T)(FUSE ? silu(a) * b : a);
+    }
+}
+#define GEMV_SPLIT_ENTRIES(R)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(256) gemv_mn_split_##R(const T* x, const T* w, const unsigned char* mask, \
+                                                                        T* out, int M, int N, int K, int G, int NG, int FIXED, \
+                                                                        int EARLY) {                                   \
+        gemv_mn_split<R, false>(x, w, nullptr, mask, out, N, K, G, NG, FIXED, EARLY);                                 \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(256) gemv_mn_split_swiglu_##R(const T* x, const T* w, const T* w2,  \
+                                                                               const unsigned char* mask, T* out, int M, \
+                                                                               int N, int K, int G, int NG, int FIXED, \
+                                                                               int EARLY) {                            \
+        gemv_mn_split<R, true>(x, w, w2, mask, out, N, K, G, NG, FIXED, EARLY);                                       \
+    }
+GEMV_SPLIT_ENTRIES(4)
+GEMV_SPLIT_ENTRIES(8)
+
+// ---------------------------------------------------------------------------------------
 // gemm_k GEMV of one token with the next sublayer's router folded in (decode). That router
 // reads the residual after this projection, xres + out, and its first layer is linear, so
 // W1 (xres + out) = W1 xres + (W1 W) x: its hidden needs x (this launch's input, with the same
