@@ -38,10 +38,33 @@ fi
 if [ $kernels -eq 1 ]; then
   "${CARGO_TARGET_DIR:-target}/release/wide" kernels precompile --arch sm_90 --out "$S/kernels" >&2
 fi
+# The device tool carries at most 64 MiB, the tracked tree (testbed weights, ~55 MiB) included:
+# the binaries and the kernel images travel xz-compressed (about a quarter of their size) and
+# env.sh unpacks them there, with Python's lzma (the GPU machine may have no xz).
+for f in "$S"/wide "$S"/test-*; do if [ -f "$f" ]; then xz -6 -T0 -f "$f"; fi; done
+if [ -d "$S/kernels" ]; then tar -C "$S" -cf - kernels | xz -6 -T0 > "$S/kernels.tar.xz" && rm -rf "$S/kernels"; fi
 for f in "$@"; do cp -r "$f" "$S/"; done
 cat > "$S/env.sh" <<'ENV'
 # Source on the GPU machine: use its own libtorch (PyTorch 2.11.0+cu130) for the tch binary,
 # its NVRTC for our kernels, and PyTorch's NCCL (one NCCL per process).
+# First the staged files stage.sh compressed (binaries *.xz, kernel images kernels.tar.xz).
+python3 - "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)" <<'PY' || return 1
+import lzma, os, sys, tarfile
+d = sys.argv[1]
+for n in sorted(os.listdir(d)):
+    p = os.path.join(d, n)
+    if n.endswith(".tar.xz"):
+        with tarfile.open(p) as t:
+            t.extractall(d)
+    elif n.endswith(".xz"):
+        with lzma.open(p) as f, open(p[:-3] + ".part", "wb") as g:
+            g.write(f.read())
+        os.chmod(p[:-3] + ".part", 0o755)
+        os.replace(p[:-3] + ".part", p[:-3])
+    else:
+        continue
+    os.remove(p)
+PY
 TORCH_LIB=$(python3 -c 'import os, torch; print(os.path.dirname(torch.__file__) + "/lib")')
 CUDA_PY=$(python3 -c 'import os, nvidia; print(os.path.join(list(nvidia.__path__)[0], "cu13"))')
 NCCL_DIR=$(python3 -c 'import os, nvidia.nccl as n; print(list(n.__path__)[0] + "/lib")')
