@@ -17,7 +17,7 @@ use wide_kernels::ops::gemm::{gemm_k_reference, gemm_mn_reference, routed_gemm};
 use wide_kernels::ops::layout::{route_layout, route_layout_reference};
 use wide_kernels::ops::attention::PREFILL_TILES;
 use wide_kernels::ops::fused;
-use wide_kernels::CudaGraph;
+use wide_kernels::{CudaGraph, DecodeMerge};
 
 fn gpu() -> Device {
     common::exclusive_gpu()
@@ -617,11 +617,12 @@ fn run_decode_case(kind: Kind, b: i64, hq: i64, hkv: i64, tcap: i64, d: i64, gh:
         scale,
     );
     let off = msk.logical_not().repeat_interleave_self_int(gh, 1, None::<i64>).unsqueeze(-1).expand([b, hq, d], false);
-    // Splits merged by the split kernel's last block of each KV head, and by the second launch.
-    for separate in [false, true] {
+    // Splits merged by the split kernel's last block of each KV head, by the second launch, and
+    // (caches of at most 1024 positions, lengths up to 512) not split: one block a KV head.
+    for merge in [DecodeMerge::InKernel { single_max: 0 }, DecodeMerge::Separate, DecodeMerge::InKernel { single_max: 512 }] {
         poison(b * hq, d, kind);
-        let y = wide_kernels::attention_decode_with(&q, &k, &v, &len, &msk, gh, scale, separate).unwrap();
-        check(&y, &r, Some(&off), &format!("attention_decode {kind:?} B={b} HQ={hq} HKV={hkv} T={tcap} D={d} gh={gh} lens={lengths:?} active={p_active} separate={separate}"));
+        let y = wide_kernels::attention_decode_with(&q, &k, &v, &len, &msk, gh, scale, merge).unwrap();
+        check(&y, &r, Some(&off), &format!("attention_decode {kind:?} B={b} HQ={hq} HKV={hkv} T={tcap} D={d} gh={gh} lens={lengths:?} active={p_active} {merge:?}"));
     }
     // As in a decode step: each sequence's newest row is written by the launches just before
     // (NaN until then). The kernel's loads before its wait stop short of that row; a missing

@@ -11,6 +11,9 @@ pub struct Provenance {
     pub command: String,
     pub date_utc: String,
     pub device: String,
+    /// The `WIDE_*` environment knobs set for the run (kernel paths and sweep settings change
+    /// what a figure measures); the locations of the machine's files are left out.
+    pub knobs: std::collections::BTreeMap<String, String>,
 }
 
 impl Provenance {
@@ -20,8 +23,26 @@ impl Provenance {
             command: std::env::args().collect::<Vec<_>>().join(" "),
             date_utc: utc_now(),
             device: device.to_string(),
+            knobs: knobs(std::env::vars()),
         }
     }
+}
+
+/// The `WIDE_*` variables among `vars`, without those that name paths of the machine.
+fn knobs(vars: impl Iterator<Item = (String, String)>) -> std::collections::BTreeMap<String, String> {
+    const PATHS: [&str; 10] = [
+        "WIDE_KERNEL_CACHE",
+        "WIDE_CUDA_INCLUDE",
+        "WIDE_FONT",
+        "WIDE_VENV",
+        "WIDE_PYTHON",
+        "WIDE_BIN",
+        "WIDE_TEST_DATA",
+        "WIDE_TEST_OUT",
+        "WIDE_STAGE_DIR",
+        "WIDE_WGMMA_SK_TRACE",
+    ];
+    vars.filter(|(k, _)| k.starts_with("WIDE_") && !PATHS.contains(&k.as_str())).collect()
 }
 
 /// `YYYY-MM-DDTHH:MM:SSZ` from the system clock (no time-zone database needed).
@@ -59,5 +80,12 @@ mod tests {
         let s = super::utc_now();
         assert_eq!(s.len(), 20, "{s}");
         assert!(s.starts_with("20") && s.ends_with('Z'));
+    }
+
+    #[test]
+    fn knobs_keep_wide_settings_and_drop_paths() {
+        let vars = [("WIDE_GEMV_SPLIT", "0"), ("WIDE_KERNEL_CACHE", "/x/kernels"), ("PATH", "/bin"), ("WIDE_WGMMA", "mi=1"), ("WIDE_WGMMA_SK_TRACE", "/x/t")];
+        let k = super::knobs(vars.iter().map(|(a, b)| (a.to_string(), b.to_string())));
+        assert_eq!(k.into_iter().collect::<Vec<_>>(), vec![("WIDE_GEMV_SPLIT".to_string(), "0".to_string()), ("WIDE_WGMMA".to_string(), "mi=1".to_string())]);
     }
 }

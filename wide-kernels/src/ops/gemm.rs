@@ -193,11 +193,11 @@ fn launch_gemv(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layou
     let ng = gemv_groups(s)?;
     let mm = [1, 2, 4, 8, 16].into_iter().find(|&v| v >= s.m).unwrap();
     let r = gemv_rows_override(mm, s.n).unwrap_or_else(|| if s.op.reduces_over_groups() { gemv_k_rows_per_block(mm, s.n) } else { gemv_rows_per_warp(mm, s.n) });
-    let split = gemv_split_rows().filter(|&sr| s.m == 1 && !s.op.reduces_over_groups() && s.group % sr == 0);
-    let r = split.unwrap_or(r);
+    let split = gemv_split(s, layout);
+    let r = if split { GEMV_SPLIT_ROWS } else { r };
     let entry = match s.op {
-        RoutedOp::Mn if split.is_some() => format!("gemv_mn_split_{r}"),
-        RoutedOp::MnSwiglu if split.is_some() => format!("gemv_mn_split_swiglu_{r}"),
+        RoutedOp::Mn if split => format!("gemv_mn_split_{r}"),
+        RoutedOp::MnSwiglu if split => format!("gemv_mn_split_swiglu_{r}"),
         RoutedOp::Mn => format!("gemv_mn_{mm}_{r}"),
         RoutedOp::MnSwiglu => format!("gemv_mn_swiglu_{mm}_{r}"),
         RoutedOp::K | RoutedOp::KPremasked => format!("gemv_k_{mm}_{r}"),
@@ -216,7 +216,7 @@ fn launch_gemv(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layou
         let warps = 8u32;
         let list = ng as u32 * if mm > 1 { 8 } else { 4 };
         ((s.n / r) as u32, 32 * warps, list + 4 * warps * (r * mm) as u32)
-    } else if split.is_some() {
+    } else if split {
         ((s.n / r) as u32, 256, 0)
     } else {
         let wpb = gemv_mn_warps_per_block();
@@ -422,16 +422,31 @@ pub fn gemv_k_rows_per_block(mm: i64, n: i64) -> i64 {
     r
 }
 
+/// Rows a block of the split one-token gemm_mn GEMV (`gemv_mn_split_8` in routed.cu: 8 warps,
+/// each reading one eighth of every row, partial sums meeting in shared memory).
+pub const GEMV_SPLIT_ROWS: i64 = 8;
+
+/// Does a one-token gemm_mn GEMV take the split kernel? By default where every group is on for
+/// every token (a dense projection: no mask to read, and all of a block's loads go out at once);
+/// with a mask to read, each of its many short-lived blocks waits for the mask before its first
+/// load, and the one-warp-per-rows kernel, all of whose loading warps are resident from the
+/// start, is faster. Measured on the H200 (2026-12-03): dense decode step 4.208 -> 4.025 ms
+/// (gate+up 56.7 -> 51.7 us a call); routed up at one token 23.7 -> 26.2 us cold, the routed
+/// gate+up in the step 32.2 -> 45.2 us. `WIDE_GEMV_SPLIT=0|1` (read once) forces it off or on
+/// wherever the group size allows, for sweeps.
+fn gemv_split(s: &GemmShape, layout: &RouteLayout) -> bool {
+    static V: OnceLock<Option<bool>> = OnceLock::new();
+    let forced = *V.get_or_init(|| match std::env::var("WIDE_GEMV_SPLIT").ok().as_deref().map(str::trim) {
+        Some("0") => Some(false),
+        Some("1") => Some(true),
+        _ => None,
+    });
+    s.m == 1 && !s.op.reduces_over_groups() && s.group % GEMV_SPLIT_ROWS == 0 && forced.unwrap_or(layout.always_on_from() == 0)
+}
+
 /// Warps a block of the gemm_mn GEMV: `WIDE_GEMV_WARPS` (1, 2 or 4; read once), default 4.
 /// The kernel's warps are independent (no shared memory), so this only changes how finely the
 /// loading warps are dealt to the multiprocessors.
-/// `WIDE_GEMV_SPLIT=4|8` (read once; default off): one-token gemm_mn GEMVs on blocks of 8 warps
-/// sharing that many rows (`gemv_mn_split` in routed.cu), for a measurement.
-fn gemv_split_rows() -> Option<i64> {
-    static V: OnceLock<Option<i64>> = OnceLock::new();
-    *V.get_or_init(|| std::env::var("WIDE_GEMV_SPLIT").ok().and_then(|v| v.parse().ok()).filter(|r| [4, 8].contains(r)))
-}
-
 fn gemv_mn_warps_per_block() -> u32 {
     static V: OnceLock<u32> = OnceLock::new();
     *V.get_or_init(|| std::env::var("WIDE_GEMV_WARPS").ok().and_then(|v| v.parse().ok()).filter(|w| [1, 2, 4].contains(w)).unwrap_or(4))

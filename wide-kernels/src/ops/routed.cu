@@ -450,11 +450,11 @@ GEMV_ENTRIES(8, 2)
 GEMV_ENTRIES(16, 1)
 
 // ---------------------------------------------------------------------------------------
-// GEMV, output-width routed, one token, a block's 8 warps sharing R rows (`WIDE_GEMV_SPLIT`,
-// a measurement): the same contract and placement as gemv_mn with MAXM = 1, but the unit dealt
-// to the used groups is a block of R consecutive rows, and warp j of it reads the j-th eighth
-// of every row, so all of a block's loads (16 a lane; 8 each matrix when fused) go out at once;
-// the warps' partial sums meet in shared memory.
+// GEMV, output-width routed, one token, a block's 8 warps sharing R rows (the dense one-token
+// projections; see gemv_split in gemm.rs): the same contract and placement as gemv_mn with
+// MAXM = 1, but the unit dealt to the used groups is a block of R consecutive rows, and warp j
+// of it reads the j-th eighth of every row, so all of a block's loads (16 a lane; 8 each matrix
+// when fused) go out at once; the warps' partial sums meet in shared memory.
 // ---------------------------------------------------------------------------------------
 template <int R, bool FUSE>
 __device__ __forceinline__ void gemv_mn_split(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ w2,
@@ -577,7 +577,6 @@ __device__ __forceinline__ void gemv_mn_split(const T* __restrict__ x, const T* 
                                                                                int EARLY) {                            \
         gemv_mn_split<R, true>(x, w, w2, mask, out, N, K, G, NG, FIXED, EARLY);                                       \
     }
-GEMV_SPLIT_ENTRIES(4)
 GEMV_SPLIT_ENTRIES(8)
 
 // ---------------------------------------------------------------------------------------
@@ -953,7 +952,8 @@ template <int D, int QPK>
 __device__ __forceinline__ void attn_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                                   const int* __restrict__ lengths, const unsigned char* __restrict__ mask,
                                                   float* __restrict__ part_o, float* __restrict__ part_ml, T* __restrict__ out,
-                                                  int HQ, int HKV, int TCAP, int NB, int GH, int NG, float scale_log2, int settled) {
+                                                  int HQ, int HKV, int TCAP, int NB, int GH, int NG, float scale_log2, int settled,
+                                                  int single_max) {
     static_assert(QPK <= 8 && D % 32 == 0, "at most 8 query heads a KV head, head_dim a multiple of 32");
     constexpr int DC = D / 32;     // 32-dim blocks of K (2 mma k-steps each)
     constexpr int CW = D / 16;     // dims a lane holds per V row chunk = PV mmas
@@ -978,7 +978,10 @@ __device__ __forceinline__ void attn_decode_split(const T* __restrict__ q, const
     const unsigned long long heads = active_kv_heads<QPK>(mask, b, HKV, GH, NG);
     const int n_act = __popcll(heads);
     const int len = min(len_b, TCAP);
-    const int splits = decode_splits(NB, n_act, len);
+    // Merged here and short (len <= single_max): one block a KV head, whose 4 warps merge in
+    // shared memory and write the output themselves (no partials, no fence, no arrival count).
+    const bool single = out != nullptr && len <= single_max;
+    const int splits = single ? 1 : decode_splits(NB, n_act, len);
     const bool work = (int)blockIdx.x < n_act * splits;  // else nothing for this block (or no head active)
     const int s = work ? blockIdx.x % splits : 0;
     const int h = work ? nth_set_bit(heads, blockIdx.x / splits) : 0;
@@ -1059,11 +1062,17 @@ __device__ __forceinline__ void attn_decode_split(const T* __restrict__ q, const
                 O += c * sm_o[w][hq][d];
             }
         }
+        if (single) {
+            const int qh = h * QPK + hq;
+            const bool on = mask[(long long)b * NG + qh / GH] != 0;
+            out[((long long)b * HQ + qh) * D + d] = (T)(on && L > 0.f ? O / L : 0.0f);
+            continue;
+        }
         const long long row = ((long long)b * HQ + h * QPK + hq) * NB + s;
         part_o[row * D + d] = O;
         if (d == 0) { part_ml[row * 2] = M; part_ml[row * 2 + 1] = L; }
     }
-    if (out == nullptr) return;
+    if (out == nullptr || single) return;
     // Publish this block's partials, then count it in; the last split of the head merges them.
     __threadfence();
     __syncthreads();
@@ -1209,8 +1218,9 @@ __device__ __forceinline__ void attn_decode_combine(const float* __restrict__ pa
 #define ATTN_DECODE(D, QPK)                                                                                         \
     extern "C" __global__ void __launch_bounds__(128) attn_decode_split_##D##_##QPK(                                 \
         const T* q, const T* k, const T* v, const int* lengths, const unsigned char* mask, float* part_o, float* part_ml, \
-        T* out, int HQ, int HKV, int TCAP, int NB, int GH, int NG, float scale_log2, int settled) {                   \
-        attn_decode_split<D, QPK>(q, k, v, lengths, mask, part_o, part_ml, out, HQ, HKV, TCAP, NB, GH, NG, scale_log2, settled); \
+        T* out, int HQ, int HKV, int TCAP, int NB, int GH, int NG, float scale_log2, int settled, int single_max) {   \
+        attn_decode_split<D, QPK>(q, k, v, lengths, mask, part_o, part_ml, out, HQ, HKV, TCAP, NB, GH, NG, scale_log2, settled, \
+                                  single_max);                                                                       \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(256) attn_decode_combine_##D##_##QPK(                               \
         const float* part_o, const float* part_ml, const int* lengths, const unsigned char* mask, T* out, int HQ, int HKV,     \
