@@ -193,9 +193,12 @@ fn launch_gemv(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layou
     let ng = gemv_groups(s)?;
     let mm = [1, 2, 4, 8, 16].into_iter().find(|&v| v >= s.m).unwrap();
     let r = gemv_rows_override(mm, s.n).unwrap_or_else(|| if s.op.reduces_over_groups() { gemv_k_rows_per_block(mm, s.n) } else { gemv_rows_per_warp(mm, s.n) });
-    let split = gemv_split(s, layout);
-    let r = if split { GEMV_SPLIT_ROWS } else { r };
+    let ps = gemv_persistent(s, layout);
+    let split = !ps && gemv_split(s, layout);
+    let r = if split || ps { GEMV_SPLIT_ROWS } else { r };
     let entry = match s.op {
+        RoutedOp::Mn if ps => format!("gemv_mn_ps_{r}"),
+        RoutedOp::MnSwiglu if ps => format!("gemv_mn_ps_swiglu_{r}"),
         RoutedOp::Mn if split => format!("gemv_mn_split_{r}"),
         RoutedOp::MnSwiglu if split => format!("gemv_mn_split_swiglu_{r}"),
         RoutedOp::Mn => format!("gemv_mn_{mm}_{r}"),
@@ -216,6 +219,11 @@ fn launch_gemv(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layou
         let warps = 8u32;
         let list = ng as u32 * if mm > 1 { 8 } else { 4 };
         ((s.n / r) as u32, 32 * warps, list + 4 * warps * (r * mm) as u32)
+    } else if ps {
+        // A few blocks a multiprocessor, all resident at once, at most one a row set; the list
+        // of groups [0, FIXED) in dynamic shared memory.
+        let blocks = (gemv_ps_blocks_per_sm() * crate::cuda::multiprocessor_count(device)? as i64).min(s.n / r);
+        (blocks as u32, 256, 4 * layout.always_on_from() as u32)
     } else if split {
         ((s.n / r) as u32, 256, 0)
     } else {
@@ -429,8 +437,7 @@ pub const GEMV_SPLIT_ROWS: i64 = 8;
 /// Does a one-token gemm_mn GEMV take the split kernel? By default where every group is on for
 /// every token (a dense projection: no mask to read, and all of a block's loads go out at once);
 /// with a mask to read, each of its many short-lived blocks waits for the mask before its first
-/// load, and the one-warp-per-rows kernel, all of whose loading warps are resident from the
-/// start, is faster. Measured on the H200 (2026-12-03): dense decode step 4.208 -> 4.025 ms
+/// load, and the persistent form (`gemv_persistent`) takes it. Measured on the H200 (2026-12-03): dense decode step 4.208 -> 4.025 ms
 /// (gate+up 56.7 -> 51.7 us a call); routed up at one token 23.7 -> 26.2 us cold, the routed
 /// gate+up in the step 32.2 -> 45.2 us. `WIDE_GEMV_SPLIT=0|1` (read once) forces it off or on
 /// wherever the group size allows, for sweeps.
@@ -442,6 +449,38 @@ fn gemv_split(s: &GemmShape, layout: &RouteLayout) -> bool {
         _ => None,
     });
     s.m == 1 && !s.op.reduces_over_groups() && s.group % GEMV_SPLIT_ROWS == 0 && forced.unwrap_or(layout.always_on_from() == 0)
+}
+
+/// Does a one-token gemm_mn GEMV take the persistent split kernel (`gemv_mn_ps_8` in
+/// routed.cu: the split kernel's 8-row sets on a grid of a few blocks a multiprocessor, all
+/// resident from the start; each block reads the mask once, builds the list of used groups in
+/// shared memory and walks its row sets of those groups; the unused groups' zeros are written by
+/// the whole grid)? By default where some group is routed (a mask to read): the split kernel's
+/// many short-lived blocks each waited for the mask before their first load, the persistent
+/// grid pays that wait once a block. Measured on the H200 (2026-12-03, cold L2, s = 0.5,
+/// G = 128): routed up at one token 23.7 -> 23.2 us, Q 14.7 -> 11.5 us; in the decode step
+/// gate+up 32.3 -> 27.2 us, QKV 10.3 -> 8.8 us, wide step 2.844 -> 2.775 ms. A dense projection
+/// keeps the plain split kernel (no mask to wait for; 3.920 vs 3.965 ms a dense step).
+/// `WIDE_GEMV_PS=0|1` (read once) forces it off or on wherever the group size allows.
+fn gemv_persistent(s: &GemmShape, layout: &RouteLayout) -> bool {
+    static V: OnceLock<Option<bool>> = OnceLock::new();
+    let forced = *V.get_or_init(|| match std::env::var("WIDE_GEMV_PS").ok().as_deref().map(str::trim) {
+        Some("0") => Some(false),
+        Some("1") => Some(true),
+        _ => None,
+    });
+    // The used-group list takes 4 bytes a routed group of shared memory: at most 32 KiB.
+    let fits = layout.always_on_from() <= 8192;
+    s.m == 1 && !s.op.reduces_over_groups() && s.group % GEMV_SPLIT_ROWS == 0 && fits && forced.unwrap_or(layout.always_on_from() > 0)
+}
+
+/// Blocks a multiprocessor of the persistent split GEMV: `WIDE_GEMV_PS_BPS` (1 to 8; read
+/// once), default 2. Measured on the H200 (2026-12-03): cold routed up at one token 23.2 / 23.1 /
+/// 22.8 / 22.5 / 22.8 / 23.5 us at 2 / 3 / 4 / 5 / 6 / 8, but Q 11.5 us at 2 and 12.1-12.4 at
+/// 4-8, and the decode step 2.775 / 2.796 / 2.821 ms at 2 / 3 / 4.
+fn gemv_ps_blocks_per_sm() -> i64 {
+    static V: OnceLock<i64> = OnceLock::new();
+    *V.get_or_init(|| std::env::var("WIDE_GEMV_PS_BPS").ok().and_then(|v| v.parse().ok()).filter(|b| (1..=8).contains(b)).unwrap_or(2))
 }
 
 /// Warps a block of the gemm_mn GEMV: `WIDE_GEMV_WARPS` (1, 2 or 4; read once), default 4.

@@ -580,6 +580,181 @@ __device__ __forceinline__ void gemv_mn_split(const T* __restrict__ x, const T* 
 GEMV_SPLIT_ENTRIES(8)
 
 // ---------------------------------------------------------------------------------------
+// GEMV, output-width routed, one token, persistent (`gemv_mn_ps`): the split kernel's row sets
+// (R consecutive rows, warp j reading the j-th eighth of each, partial sums meeting in shared
+// memory), but on a grid of a few blocks a multiprocessor, all resident from the start. Each
+// block reads the mask once and lists the groups [0, FIXED) in dynamic shared memory (the used
+// ones ascending, then the unused ones), then takes the row sets b, b + grid, ... of the
+// always-on groups [FIXED, NG) followed by those of the used groups; the unused groups' outputs
+// are written as zeros by all threads of the grid. So no block waits for the mask more than
+// once and no block exists only to write zeros. Before the wait (programmatic dependent launch)
+// a block issues the loads of its first row set when that set needs no mask (an always-on
+// group) or the mask is early (written two or more launches back: EARLY, read through L2).
+// ---------------------------------------------------------------------------------------
+// The groups [0, FIXED) of the mask (one token) into list: the used ones ascending at [0, n),
+// the unused ones ascending at [n, FIXED); returns n (every thread). All 256 threads take part.
+__device__ __forceinline__ int gemv_ps_list(const unsigned char* __restrict__ mask, int FIXED, int* list) {
+    __shared__ int wc[8], s_base[2];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    // Pass 1: every thread's bits (group threadIdx.x + 256 i), all loads in flight, then the total.
+    unsigned bits = 0;
+    for (int i = 0; 256 * i < FIXED && i < 32; ++i) {
+        const int g = threadIdx.x + 256 * i;
+        if (g < FIXED && __ldcg(mask + g) != 0) bits |= 1u << i;  // through L2: another launch wrote it
+    }
+    int c = __popc(bits);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) c += __shfl_xor_sync(0xffffffffu, c, o);
+    if (lane == 0) wc[warp] = c;
+    if (threadIdx.x == 0) s_base[0] = s_base[1] = 0;
+    __syncthreads();
+    int n = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) n += wc[j];
+    __syncthreads();
+    // Pass 2: chunk by chunk of 256 groups, each group's place by a block-wide prefix.
+    for (int i = 0; 256 * i < FIXED && i < 32; ++i) {
+        const int g = threadIdx.x + 256 * i;
+        const bool valid = g < FIXED, on = valid && ((bits >> i) & 1u);
+        const unsigned bon = __ballot_sync(0xffffffffu, on), boff = __ballot_sync(0xffffffffu, valid && !on);
+        if (lane == 0) wc[warp] = __popc(bon) | (__popc(boff) << 16);
+        __syncthreads();
+        int pre_on = 0, pre_off = 0, tot_on = 0, tot_off = 0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int v = wc[j];
+            if (j < warp) { pre_on += v & 0xffff; pre_off += v >> 16; }
+            tot_on += v & 0xffff;
+            tot_off += v >> 16;
+        }
+        const unsigned lt = (1u << lane) - 1u;
+        if (on) list[s_base[0] + pre_on + __popc(bon & lt)] = g;
+        else if (valid) list[n + s_base[1] + pre_off + __popc(boff & lt)] = g;
+        __syncthreads();
+        if (threadIdx.x == 0) { s_base[0] += tot_on; s_base[1] += tot_off; }
+        __syncthreads();
+    }
+    return n;
+}
+
+template <int R, bool FUSE>
+__device__ __forceinline__ void gemv_mn_ps(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ w2,
+                                           const unsigned char* __restrict__ mask, T* __restrict__ out, int N, int K, int G,
+                                           int NG, int FIXED, int EARLY) {
+    constexpr int WARPS = 8;
+    constexpr int U = (FUSE ? 8 : 16) / R > 0 ? (FUSE ? 8 : 16) / R : 1;
+    extern __shared__ int gemv_ps_list_smem[];  // FIXED ints
+    __shared__ float part[WARPS][FUSE ? 2 * R : R];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int upg = G / R;
+    const int nfix = (NG - FIXED) * upg;  // row sets of the always-on groups
+    const int chunks = K >> 3;
+    const int per = (chunks + WARPS - 1) / WARPS;
+    const int cb = warp * per, ce = min(chunks, cb + per);
+    bool waited = false;
+    // The list is needed for any row set past the always-on ones; it is read before the wait
+    // only when the mask is early.
+    int n_on = 0;
+    if (FIXED > 0 && EARLY) n_on = gemv_ps_list(mask, FIXED, gemv_ps_list_smem);
+    bool listed = FIXED == 0 || EARLY;
+    for (int rs = blockIdx.x;; rs += gridDim.x) {
+        if (!listed && rs >= nfix) {  // the first row set that needs the mask: wait, then list
+            if (!waited) {
+                pdl_wait();
+                pdl_trigger();
+                waited = true;
+            }
+            n_on = gemv_ps_list(mask, FIXED, gemv_ps_list_smem);
+            listed = true;
+        }
+        if (rs >= nfix + n_on * upg) break;  // uniform over the block
+        const int n0 = rs < nfix ? (FIXED + rs / upg) * G + (rs % upg) * R
+                                 : gemv_ps_list_smem[(rs - nfix) / upg] * G + ((rs - nfix) % upg) * R;
+        float acc[R], acc2[FUSE ? R : 1];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            acc[r] = 0.f;
+            if (FUSE) acc2[FUSE ? r : 0] = 0.f;
+        }
+        for (int c0 = cb + lane; c0 < ce || !waited; c0 += 32 * U) {
+            uint4 wv[U][R], wv2[U][FUSE ? R : 1];
+#pragma unroll
+            for (int v = 0; v < U; ++v) {
+                const int c = c0 + 32 * v;
+                if (c < ce) {
+#pragma unroll
+                    for (int r = 0; r < R; ++r) {
+                        wv[v][r] = ld_stream(w + (long long)(n0 + r) * K + (c << 3));
+                        if (FUSE) wv2[v][FUSE ? r : 0] = ld_stream(w2 + (long long)(n0 + r) * K + (c << 3));
+                    }
+                }
+            }
+            if (!waited) {  // the first weights are on their way: now wait for x
+                pdl_wait();
+                pdl_trigger();
+                waited = true;
+            }
+#pragma unroll
+            for (int v = 0; v < U; ++v) {
+                const int c = c0 + 32 * v;
+                if (c < ce) {
+                    const uint4 xv = ld_keep(x + (c << 3));
+#pragma unroll
+                    for (int r = 0; r < R; ++r) {
+                        acc[r] = dot8(wv[v][r], xv, acc[r]);
+                        if (FUSE) acc2[FUSE ? r : 0] = dot8(wv2[v][FUSE ? r : 0], xv, acc2[FUSE ? r : 0]);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const float a = warp_sum(acc[r]);
+            const float b = FUSE ? warp_sum(acc2[FUSE ? r : 0]) : 0.f;
+            if (lane == 0) {
+                part[warp][r] = a;
+                if (FUSE) part[warp][FUSE ? R + r : 0] = b;
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x < R) {
+            float a = 0.f, b = 0.f;
+#pragma unroll
+            for (int j = 0; j < WARPS; ++j) {
+                a += part[j][threadIdx.x];
+                if (FUSE) b += part[j][FUSE ? R + threadIdx.x : 0];
+            }
+            out[n0 + threadIdx.x] = (T)(FUSE ? silu(a) * b : a);
+        }
+        __syncthreads();  // part is reused by the next row set
+    }
+    if (!waited) {  // no row set for this block: nothing is stored before the wait
+        pdl_wait();
+        pdl_trigger();
+    }
+    if (FIXED > 0) {
+        if (!listed) n_on = gemv_ps_list(mask, FIXED, gemv_ps_list_smem);
+        // The unused groups' outputs: zeros, spread over every thread of the grid.
+        const long long nz = (long long)(FIXED - n_on) * G;
+        for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < nz; i += (long long)gridDim.x * blockDim.x)
+            out[(long long)gemv_ps_list_smem[n_on + i / G] * G + i % G] = (T)0.0f;
+    }
+}
+#define GEMV_PS_ENTRIES(R)                                                                                           \
+    extern "C" __global__ void __launch_bounds__(256) gemv_mn_ps_##R(const T* x, const T* w, const unsigned char* mask,    \
+                                                                     T* out, int M, int N, int K, int G, int NG, int FIXED,    \
+                                                                     int EARLY) {                                      \
+        gemv_mn_ps<R, false>(x, w, nullptr, mask, out, N, K, G, NG, FIXED, EARLY);                                    \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(256) gemv_mn_ps_swiglu_##R(const T* x, const T* w, const T* w2,     \
+                                                                            const unsigned char* mask, T* out, int M,  \
+                                                                            int N, int K, int G, int NG, int FIXED,    \
+                                                                            int EARLY) {                               \
+        gemv_mn_ps<R, true>(x, w, w2, mask, out, N, K, G, NG, FIXED, EARLY);                                          \
+    }
+GEMV_PS_ENTRIES(8)
+
+// ---------------------------------------------------------------------------------------
 // gemm_k GEMV of one token with the next sublayer's router folded in (decode). That router
 // reads the residual after this projection, xres + out, and its first layer is linear, so
 // W1 (xres + out) = W1 xres + (W1 W) x: its hidden needs x (this launch's input, with the same
