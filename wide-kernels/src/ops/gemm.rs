@@ -203,9 +203,8 @@ fn launch_gemv(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layou
         RoutedOp::MnSwiglu if split => format!("gemv_mn_split_swiglu_{r}"),
         RoutedOp::Mn => format!("gemv_mn_{mm}_{r}"),
         RoutedOp::MnSwiglu => format!("gemv_mn_swiglu_{mm}_{r}"),
-        RoutedOp::K | RoutedOp::KPremasked => gemv_k_entry("gemv_k_1", mm, r, s.n).unwrap_or_else(|| format!("gemv_k_{mm}_{r}")),
+        RoutedOp::K | RoutedOp::KPremasked => format!("gemv_k_{mm}_{r}"),
     };
-    let r = if s.op.reduces_over_groups() { gemv_k_variant_rows(mm, r, s.n) } else { r };
     let kernel = routed_kernel(f16, None, &entry, device)?;
     let out = Tensor::empty([s.m, s.n], (x.kind(), x.device()));
     let last = if s.op.reduces_over_groups() { layout.settled() as i32 } else { layout.always_on_from() as i32 };
@@ -301,9 +300,7 @@ pub fn gemm_k_fold_router(x: &Tensor, w: &Tensor, layout: &RouteLayout, group: i
     }
     let rng = n2 / 2;
     let r = gemv_rows_override(1, s.n).unwrap_or_else(|| gemv_k_rows_per_block(1, s.n));
-    let entry = gemv_k_entry("gemv_k_router_1", 1, r, s.n).unwrap_or_else(|| format!("gemv_k_router_1_{r}"));
-    let r = gemv_k_variant_rows(1, r, s.n);
-    let kernel = routed_kernel(f16, None, &entry, device)?;
+    let kernel = routed_kernel(f16, None, &format!("gemv_k_router_1_{r}"), device)?;
     let out = Tensor::empty([1, s.n], (x.kind(), x.device()));
     let mask = Tensor::empty([1, rng], (Kind::Bool, x.device()));
     let ext = (f.extra > 0).then(|| Tensor::empty([1, rng + f.extra], (Kind::Bool, x.device())));
@@ -497,35 +494,6 @@ fn gemv_mn_warps_per_block() -> u32 {
 /// Rows a warp (gemm_mn) or a block (gemm_k) forced by `WIDE_GEMV_ROWS` (read once; for
 /// benchmark sweeps), if it names one of the compiled variants for this token bucket and
 /// divides N.
-/// Measurement variants of the one-token gemm_k GEMV at 8 rows a block: `WIDE_GEMV_K=u2` (two
-/// rounds of weight loads in flight a thread, `gemv_k_1_8_u2`) or `r16` (16 rows a block,
-/// `gemv_k_1_16`); read once. Returns the entry (`{prefix}_8_u2`, `{prefix}_16`) where it applies.
-fn gemv_k_entry(prefix: &str, mm: i64, r: i64, n: i64) -> Option<String> {
-    match (gemv_k_variant(), mm, r) {
-        (Some("u2"), 1, 8) => Some(format!("{prefix}_8_u2")),
-        (Some("r16"), 1, 8) if n % 16 == 0 => Some(format!("{prefix}_16")),
-        _ => None,
-    }
-}
-
-/// The rows a block of the gemm_k GEMV launched for `r` (16 under `WIDE_GEMV_K=r16`).
-fn gemv_k_variant_rows(mm: i64, r: i64, n: i64) -> i64 {
-    if gemv_k_variant() == Some("r16") && mm == 1 && r == 8 && n % 16 == 0 {
-        16
-    } else {
-        r
-    }
-}
-
-fn gemv_k_variant() -> Option<&'static str> {
-    static V: OnceLock<Option<&'static str>> = OnceLock::new();
-    *V.get_or_init(|| match std::env::var("WIDE_GEMV_K").ok().as_deref().map(str::trim) {
-        Some("u2") => Some("u2"),
-        Some("r16") => Some("r16"),
-        _ => None,
-    })
-}
-
 fn gemv_rows_override(mm: i64, n: i64) -> Option<i64> {
     static V: OnceLock<Option<i64>> = OnceLock::new();
     let r = (*V.get_or_init(|| std::env::var("WIDE_GEMV_ROWS").ok().and_then(|v| v.parse().ok())))?;

@@ -278,9 +278,7 @@ struct RouterFold {
 
 // FOLD: this block computes rows bid * R.. of the router's first layer (w = the fold W1 W,
 // [RR, K]) instead of output rows, and the last such block to finish gates.
-// UO > 0 sets the 16-byte chunks a thread loads for each row before the first product (default:
-// 8 loads a thread a round, U = 8 / R, at least 1).
-template <int MAXM, int R, bool FOLD = false, int UO = 0>
+template <int MAXM, int R, bool FOLD = false>
 __device__ __forceinline__ void gemv_k(const T* __restrict__ x, const T* __restrict__ w, const unsigned char* __restrict__ mask,
                                        T* __restrict__ out, int M, int N, int K, int G, int NG, int settled, int bid,
                                        const RouterFold* fold = nullptr) {
@@ -342,7 +340,7 @@ __device__ __forceinline__ void gemv_k(const T* __restrict__ x, const T* __restr
             for (int r = 0; r < R; ++r) acc[r][0] = dot8(wv2[r], xv2, dot8(wv1[r], xv, acc[r][0]));
         }
     }
-    constexpr int U = UO > 0 ? UO : (R >= 8 ? 1 : 8 / R);
+    constexpr int U = R >= 8 ? 1 : 8 / R;
     const int stride = 32 * nwb;
     uint4 wv[U][R];
     int col[U];
@@ -436,16 +434,6 @@ __device__ __forceinline__ void gemv_k(const T* __restrict__ x, const T* __restr
                                                                         T* out, int M, int N, int K, int G, int NG, int settled) { \
         gemv_k<MM, R>(x, w, mask, out, M, N, K, G, NG, settled, blockIdx.x);                                          \
     }
-// Measurement variants of the one-token gemm_k GEMV (WIDE_GEMV_K=u2|r16): two rounds of loads
-// in flight at 8 rows a block, and 16 rows a block.
-extern "C" __global__ void __launch_bounds__(256) gemv_k_1_8_u2(const T* x, const T* w, const unsigned char* mask, T* out,
-                                                               int M, int N, int K, int G, int NG, int settled) {
-    gemv_k<1, 8, false, 2>(x, w, mask, out, M, N, K, G, NG, settled, blockIdx.x);
-}
-extern "C" __global__ void __launch_bounds__(256) gemv_k_1_16(const T* x, const T* w, const unsigned char* mask, T* out,
-                                                             int M, int N, int K, int G, int NG, int settled) {
-    gemv_k<1, 16>(x, w, mask, out, M, N, K, G, NG, settled, blockIdx.x);
-}
 GEMV_ENTRIES(1, 1)
 GEMV_ENTRIES(1, 2)
 GEMV_ENTRIES(1, 4)
@@ -778,8 +766,8 @@ GEMV_PS_ENTRIES(8)
 // block of 8 rows (down: 2 x 7168 used + 2 x 4096 against 8 x 7168), so it is not the tail.
 // ---------------------------------------------------------------------------------------
 #define FOLD_RPR 2
-#define GEMV_K_ROUTER_ENTRY_U(R, NAME, UO)                                                                            \
-    extern "C" __global__ void __launch_bounds__(256) NAME(                                                         \
+#define GEMV_K_ROUTER_ENTRY(R)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(256) gemv_k_router_1_##R(                                          \
         const T* x, const T* w, const unsigned char* mask, T* out, int M, int N, int K, int G, int NG, int settled,  \
         const T* wf, const T* xres, const T* w1, const T* b1, const T* w2, const T* b2, float offset, float* hpart,  \
         unsigned char* rmask, unsigned char* rext, int RR, int RNG, int REXTRA, int H, int w2_shared) {              \
@@ -788,11 +776,8 @@ GEMV_PS_ENTRIES(8)
         if ((int)blockIdx.x < fb)                                                                                    \
             gemv_k<1, FOLD_RPR, true>(x, wf, mask, nullptr, M, RR, K, G, NG, settled, blockIdx.x, &f);              \
         else                                                                                                         \
-            gemv_k<1, R, false, UO>(x, w, mask, out, M, N, K, G, NG, settled, blockIdx.x - fb);                       \
+            gemv_k<1, R>(x, w, mask, out, M, N, K, G, NG, settled, blockIdx.x - fb);                                  \
     }
-#define GEMV_K_ROUTER_ENTRY(R) GEMV_K_ROUTER_ENTRY_U(R, gemv_k_router_1_##R, 0)
-GEMV_K_ROUTER_ENTRY_U(8, gemv_k_router_1_8_u2, 2)
-GEMV_K_ROUTER_ENTRY_U(16, gemv_k_router_1_16, 0)
 GEMV_K_ROUTER_ENTRY(1)
 GEMV_K_ROUTER_ENTRY(2)
 GEMV_K_ROUTER_ENTRY(4)
