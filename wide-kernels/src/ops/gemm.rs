@@ -443,12 +443,18 @@ pub const GEMV_SPLIT_ROWS: i64 = 8;
 /// wherever the group size allows, for sweeps.
 fn gemv_split(s: &GemmShape, layout: &RouteLayout) -> bool {
     static V: OnceLock<Option<bool>> = OnceLock::new();
-    let forced = *V.get_or_init(|| match std::env::var("WIDE_GEMV_SPLIT").ok().as_deref().map(str::trim) {
+    let forced = *V.get_or_init(|| env_switch("WIDE_GEMV_SPLIT"));
+    s.m == 1 && !s.op.reduces_over_groups() && s.group % GEMV_SPLIT_ROWS == 0 && forced.unwrap_or(layout.always_on_from() == 0)
+}
+
+/// `0` or `1` in the environment variable `name` (surrounding spaces ignored): forced off or on;
+/// anything else (or unset): the default.
+fn env_switch(name: &str) -> Option<bool> {
+    match std::env::var(name).ok().as_deref().map(str::trim) {
         Some("0") => Some(false),
         Some("1") => Some(true),
         _ => None,
-    });
-    s.m == 1 && !s.op.reduces_over_groups() && s.group % GEMV_SPLIT_ROWS == 0 && forced.unwrap_or(layout.always_on_from() == 0)
+    }
 }
 
 /// Does a one-token gemm_mn GEMV take the persistent split kernel (`gemv_mn_ps_8` in
@@ -464,11 +470,7 @@ fn gemv_split(s: &GemmShape, layout: &RouteLayout) -> bool {
 /// `WIDE_GEMV_PS=0|1` (read once) forces it off or on wherever the group size allows.
 fn gemv_persistent(s: &GemmShape, layout: &RouteLayout) -> bool {
     static V: OnceLock<Option<bool>> = OnceLock::new();
-    let forced = *V.get_or_init(|| match std::env::var("WIDE_GEMV_PS").ok().as_deref().map(str::trim) {
-        Some("0") => Some(false),
-        Some("1") => Some(true),
-        _ => None,
-    });
+    let forced = *V.get_or_init(|| env_switch("WIDE_GEMV_PS"));
     // The used-group list takes 4 bytes a routed group of shared memory: at most 32 KiB.
     let fits = layout.always_on_from() <= 8192;
     s.m == 1 && !s.op.reduces_over_groups() && s.group % GEMV_SPLIT_ROWS == 0 && fits && forced.unwrap_or(layout.always_on_from() > 0)

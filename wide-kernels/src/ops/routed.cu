@@ -46,6 +46,24 @@ extern "C" __global__ void __launch_bounds__(1024) route_layout(const unsigned c
     block_partition(mask + g, NG, M, perm + (long long)g * M, count + g);
 }
 
+// The want-th (from 0) group of [0, FIXED) that is on (used) or, with !used, off, where
+// on_at(g0) gives this lane's bit for group g0 + lane; -1 if there are not that many. Every
+// lane of the warp calls it (ballots).
+template <class OnAt>
+__device__ __forceinline__ int gemv_nth_group(int FIXED, bool used, int want, OnAt on_at) {
+    int g = -1;
+    for (int g0 = 0; g0 < FIXED && g < 0; g0 += 32) {
+        const bool on = on_at(g0);
+        const unsigned valid = FIXED - g0 >= 32 ? 0xffffffffu : (1u << (FIXED - g0)) - 1u;
+        const unsigned ball = __ballot_sync(0xffffffffu, on);
+        const unsigned pick = used ? ball : ~ball & valid;
+        const int c = __popc(pick);
+        if (want < c) g = g0 + __fns(pick, 0, want + 1);
+        want -= c;
+    }
+    return g;
+}
+
 // ---------------------------------------------------------------------------------------
 // GEMV, output-width routed (small M): out[m, n] = x[m,:] . w[n,:] where mask[m, n/G], else 0.
 // A warp owns R consecutive rows of one group (R | G): a group no token uses is never loaded,
@@ -117,9 +135,8 @@ __device__ __forceinline__ void gemv_mn(const T* __restrict__ x, const T* __rest
 #pragma unroll
         for (int j = 0; j < GEMV_MASK_WORDS; ++j) n_on += __popc(__ballot_sync(0xffffffffu, (used >> j) & 1u));
         const bool loads = wd < n_on * wpg;
-        int want = loads ? wd / wpg : (wd - n_on * wpg) / wpg;  // rank among the used / unused groups
-        int g = -1;
-        for (int g0 = 0; g0 < FIXED && g < 0; g0 += 32) {
+        const int want = loads ? wd / wpg : (wd - n_on * wpg) / wpg;  // rank among the used / unused groups
+        const int g = gemv_nth_group(FIXED, loads, want, [&](int g0) {
             bool on = false;
             if (g0 < 32 * GEMV_MASK_WORDS) {
 #pragma unroll
@@ -129,13 +146,8 @@ __device__ __forceinline__ void gemv_mn(const T* __restrict__ x, const T* __rest
 #pragma unroll
                 for (int m = 0; m < MAXM; ++m) on |= m < M && mk((long long)m * NG + g0 + lane);
             }
-            const unsigned valid = FIXED - g0 >= 32 ? 0xffffffffu : (1u << (FIXED - g0)) - 1u;
-            const unsigned ball = __ballot_sync(0xffffffffu, on);
-            const unsigned pick = loads ? ball : ~ball & valid;
-            const int c = __popc(pick);
-            if (want < c) g = g0 + __fns(pick, 0, want + 1);
-            want -= c;
-        }
+            return on;
+        });
         if (g < 0) return;  // more warps than groups [0, FIXED) (cannot happen: wi < NG * wpg)
         n0 = g * G + (loads ? wd % wpg : (wd - n_on * wpg) % wpg) * R;
         act = 0;
@@ -456,54 +468,17 @@ GEMV_ENTRIES(16, 1)
 // of it reads the j-th eighth of every row, so all of a block's loads (16 a lane; 8 each matrix
 // when fused) go out at once; the warps' partial sums meet in shared memory.
 // ---------------------------------------------------------------------------------------
-template <int R, bool FUSE>
-__device__ __forceinline__ void gemv_mn_split(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ w2,
-                                              const unsigned char* __restrict__ mask, T* __restrict__ out, int N, int K,
-                                              int G, int NG, int FIXED, int EARLY) {
+// One row set of the split GEMV: rows n0 .. n0 + R - 1, warp j of the block reading the j-th
+// eighth of every row (U chunks a lane in flight), the warps' partial sums meeting in part;
+// writes out[n0 ..]. With !waited the first weight loads go out before the programmatic-launch
+// wait (and waited is set). All threads of the block take part; part is free again only after
+// a __syncthreads.
+template <int R, bool FUSE, int U>
+__device__ __forceinline__ void gemv_split_rowset(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ w2,
+                                                  T* __restrict__ out, int n0, int K, bool& waited,
+                                                  float (*part)[FUSE ? 2 * R : R]) {
     constexpr int WARPS = 8;
-    constexpr int U = (FUSE ? 8 : 16) / R > 0 ? (FUSE ? 8 : 16) / R : 1;
-    __shared__ float part[WARPS][FUSE ? 2 * R : R];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int upg = G / R;  // blocks a group
-    const int u = blockIdx.x;
-    if (u >= NG * upg) return;
-    const int nfix = (NG - FIXED) * upg;
-    const bool fixed = u < nfix;
-    int n0;
-    if (fixed) {
-        n0 = (FIXED + u / upg) * G + (u % upg) * R;
-    } else {
-        if (!EARLY) {
-            pdl_wait();
-            pdl_trigger();
-        }
-        auto mk = [&](int g) -> bool { return (EARLY ? __ldcg(mask + g) : mask[g]) != 0; };
-        const int ud = u - nfix;
-        int n_on = 0;
-        for (int g0 = 0; g0 < FIXED; g0 += 32) n_on += __popc(__ballot_sync(0xffffffffu, g0 + lane < FIXED && mk(g0 + lane)));
-        const bool loads = ud < n_on * upg;
-        int want = loads ? ud / upg : (ud - n_on * upg) / upg;
-        int g = -1;
-        for (int g0 = 0; g0 < FIXED && g < 0; g0 += 32) {
-            const bool on = g0 + lane < FIXED && mk(g0 + lane);
-            const unsigned valid = FIXED - g0 >= 32 ? 0xffffffffu : (1u << (FIXED - g0)) - 1u;
-            const unsigned ball = __ballot_sync(0xffffffffu, on);
-            const unsigned pick = loads ? ball : ~ball & valid;
-            const int c = __popc(pick);
-            if (want < c) g = g0 + __fns(pick, 0, want + 1);
-            want -= c;
-        }
-        if (g < 0) return;  // uniform over the block
-        n0 = g * G + (loads ? ud % upg : (ud - n_on * upg) % upg) * R;
-        if (!loads) {
-            if (EARLY) {
-                pdl_wait();
-                pdl_trigger();
-            }
-            if (warp == 0 && lane < R) out[n0 + lane] = (T)0.0f;
-            return;
-        }
-    }
     const int chunks = K >> 3;
     const int per = (chunks + WARPS - 1) / WARPS;
     const int cb = warp * per, ce = min(chunks, cb + per);
@@ -513,7 +488,6 @@ __device__ __forceinline__ void gemv_mn_split(const T* __restrict__ x, const T* 
         acc[r] = 0.f;
         if (FUSE) acc2[FUSE ? r : 0] = 0.f;
     }
-    bool waited = !(fixed || EARLY);
     for (int c0 = cb + lane; c0 < ce || !waited; c0 += 32 * U) {
         uint4 wv[U][R], wv2[U][FUSE ? R : 1];
 #pragma unroll
@@ -565,19 +539,63 @@ __device__ __forceinline__ void gemv_mn_split(const T* __restrict__ x, const T* 
         out[n0 + threadIdx.x] = (T)(FUSE ? silu(a) * b : a);
     }
 }
-#define GEMV_SPLIT_ENTRIES(R)                                                                                        \
-    extern "C" __global__ void __launch_bounds__(256) gemv_mn_split_##R(const T* x, const T* w, const unsigned char* mask, \
-                                                                        T* out, int M, int N, int K, int G, int NG, int FIXED, \
-                                                                        int EARLY) {                                   \
-        gemv_mn_split<R, false>(x, w, nullptr, mask, out, N, K, G, NG, FIXED, EARLY);                                 \
-    }                                                                                                                \
-    extern "C" __global__ void __launch_bounds__(256) gemv_mn_split_swiglu_##R(const T* x, const T* w, const T* w2,  \
-                                                                               const unsigned char* mask, T* out, int M, \
-                                                                               int N, int K, int G, int NG, int FIXED, \
-                                                                               int EARLY) {                            \
-        gemv_mn_split<R, true>(x, w, w2, mask, out, N, K, G, NG, FIXED, EARLY);                                       \
+
+template <int R, bool FUSE>
+__device__ __forceinline__ void gemv_mn_split(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ w2,
+                                              const unsigned char* __restrict__ mask, T* __restrict__ out, int N, int K,
+                                              int G, int NG, int FIXED, int EARLY) {
+    constexpr int WARPS = 8;
+    constexpr int U = (FUSE ? 8 : 16) / R > 0 ? (FUSE ? 8 : 16) / R : 1;
+    __shared__ float part[WARPS][FUSE ? 2 * R : R];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int upg = G / R;  // blocks a group
+    const int u = blockIdx.x;
+    if (u >= NG * upg) return;
+    const int nfix = (NG - FIXED) * upg;
+    const bool fixed = u < nfix;
+    int n0;
+    if (fixed) {
+        n0 = (FIXED + u / upg) * G + (u % upg) * R;
+    } else {
+        if (!EARLY) {
+            pdl_wait();
+            pdl_trigger();
+        }
+        auto mk = [&](int g) -> bool { return (EARLY ? __ldcg(mask + g) : mask[g]) != 0; };
+        const int ud = u - nfix;
+        int n_on = 0;
+        for (int g0 = 0; g0 < FIXED; g0 += 32) n_on += __popc(__ballot_sync(0xffffffffu, g0 + lane < FIXED && mk(g0 + lane)));
+        const bool loads = ud < n_on * upg;
+        const int want = loads ? ud / upg : (ud - n_on * upg) / upg;
+        const int g = gemv_nth_group(FIXED, loads, want, [&](int g0) { return g0 + lane < FIXED && mk(g0 + lane); });
+        if (g < 0) return;  // uniform over the block
+        n0 = g * G + (loads ? ud % upg : (ud - n_on * upg) % upg) * R;
+        if (!loads) {
+            if (EARLY) {
+                pdl_wait();
+                pdl_trigger();
+            }
+            if (warp == 0 && lane < R) out[n0 + lane] = (T)0.0f;
+            return;
+        }
     }
-GEMV_SPLIT_ENTRIES(8)
+    bool waited = !(fixed || EARLY);
+    gemv_split_rowset<R, FUSE, U>(x, w, w2, out, n0, K, waited, part);
+}
+// Entries of the split GEMV's two forms (KIND split or ps, FN its device function): plain and
+// fused gate+up (SwiGLU epilogue).
+#define GEMV_ROWSET_ENTRIES(KIND, FN, R)                                                                              \
+    extern "C" __global__ void __launch_bounds__(256) gemv_mn_##KIND##_##R(const T* x, const T* w, const unsigned char* mask, \
+                                                                           T* out, int M, int N, int K, int G, int NG,   \
+                                                                           int FIXED, int EARLY) {                       \
+        FN<R, false>(x, w, nullptr, mask, out, N, K, G, NG, FIXED, EARLY);                                            \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(256) gemv_mn_##KIND##_swiglu_##R(                                   \
+        const T* x, const T* w, const T* w2, const unsigned char* mask, T* out, int M, int N, int K, int G, int NG,  \
+        int FIXED, int EARLY) {                                                                                      \
+        FN<R, true>(x, w, w2, mask, out, N, K, G, NG, FIXED, EARLY);                                                  \
+    }
+GEMV_ROWSET_ENTRIES(split, gemv_mn_split, 8)
 
 // ---------------------------------------------------------------------------------------
 // GEMV, output-width routed, one token, persistent (`gemv_mn_ps`): the split kernel's row sets
@@ -645,12 +663,8 @@ __device__ __forceinline__ void gemv_mn_ps(const T* __restrict__ x, const T* __r
     constexpr int U = (FUSE ? 8 : 16) / R > 0 ? (FUSE ? 8 : 16) / R : 1;
     extern __shared__ int gemv_ps_list_smem[];  // FIXED ints
     __shared__ float part[WARPS][FUSE ? 2 * R : R];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int upg = G / R;
     const int nfix = (NG - FIXED) * upg;  // row sets of the always-on groups
-    const int chunks = K >> 3;
-    const int per = (chunks + WARPS - 1) / WARPS;
-    const int cb = warp * per, ce = min(chunks, cb + per);
     bool waited = false;
     // The list is needed for any row set past the always-on ones; it is read before the wait
     // only when the mask is early.
@@ -670,62 +684,7 @@ __device__ __forceinline__ void gemv_mn_ps(const T* __restrict__ x, const T* __r
         if (rs >= nfix + n_on * upg) break;  // uniform over the block
         const int n0 = rs < nfix ? (FIXED + rs / upg) * G + (rs % upg) * R
                                  : gemv_ps_list_smem[(rs - nfix) / upg] * G + ((rs - nfix) % upg) * R;
-        float acc[R], acc2[FUSE ? R : 1];
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-            acc[r] = 0.f;
-            if (FUSE) acc2[FUSE ? r : 0] = 0.f;
-        }
-        for (int c0 = cb + lane; c0 < ce || !waited; c0 += 32 * U) {
-            uint4 wv[U][R], wv2[U][FUSE ? R : 1];
-#pragma unroll
-            for (int v = 0; v < U; ++v) {
-                const int c = c0 + 32 * v;
-                if (c < ce) {
-#pragma unroll
-                    for (int r = 0; r < R; ++r) {
-                        wv[v][r] = ld_stream(w + (long long)(n0 + r) * K + (c << 3));
-                        if (FUSE) wv2[v][FUSE ? r : 0] = ld_stream(w2 + (long long)(n0 + r) * K + (c << 3));
-                    }
-                }
-            }
-            if (!waited) {  // the first weights are on their way: now wait for x
-                pdl_wait();
-                pdl_trigger();
-                waited = true;
-            }
-#pragma unroll
-            for (int v = 0; v < U; ++v) {
-                const int c = c0 + 32 * v;
-                if (c < ce) {
-                    const uint4 xv = ld_keep(x + (c << 3));
-#pragma unroll
-                    for (int r = 0; r < R; ++r) {
-                        acc[r] = dot8(wv[v][r], xv, acc[r]);
-                        if (FUSE) acc2[FUSE ? r : 0] = dot8(wv2[v][FUSE ? r : 0], xv, acc2[FUSE ? r : 0]);
-                    }
-                }
-            }
-        }
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-            const float a = warp_sum(acc[r]);
-            const float b = FUSE ? warp_sum(acc2[FUSE ? r : 0]) : 0.f;
-            if (lane == 0) {
-                part[warp][r] = a;
-                if (FUSE) part[warp][FUSE ? R + r : 0] = b;
-            }
-        }
-        __syncthreads();
-        if (threadIdx.x < R) {
-            float a = 0.f, b = 0.f;
-#pragma unroll
-            for (int j = 0; j < WARPS; ++j) {
-                a += part[j][threadIdx.x];
-                if (FUSE) b += part[j][FUSE ? R + threadIdx.x : 0];
-            }
-            out[n0 + threadIdx.x] = (T)(FUSE ? silu(a) * b : a);
-        }
+        gemv_split_rowset<R, FUSE, U>(x, w, w2, out, n0, K, waited, part);
         __syncthreads();  // part is reused by the next row set
     }
     if (!waited) {  // no row set for this block: nothing is stored before the wait
@@ -740,19 +699,7 @@ __device__ __forceinline__ void gemv_mn_ps(const T* __restrict__ x, const T* __r
             out[(long long)gemv_ps_list_smem[n_on + i / G] * G + i % G] = (T)0.0f;
     }
 }
-#define GEMV_PS_ENTRIES(R)                                                                                           \
-    extern "C" __global__ void __launch_bounds__(256) gemv_mn_ps_##R(const T* x, const T* w, const unsigned char* mask,    \
-                                                                     T* out, int M, int N, int K, int G, int NG, int FIXED,    \
-                                                                     int EARLY) {                                      \
-        gemv_mn_ps<R, false>(x, w, nullptr, mask, out, N, K, G, NG, FIXED, EARLY);                                    \
-    }                                                                                                                \
-    extern "C" __global__ void __launch_bounds__(256) gemv_mn_ps_swiglu_##R(const T* x, const T* w, const T* w2,     \
-                                                                            const unsigned char* mask, T* out, int M,  \
-                                                                            int N, int K, int G, int NG, int FIXED,    \
-                                                                            int EARLY) {                               \
-        gemv_mn_ps<R, true>(x, w, w2, mask, out, N, K, G, NG, FIXED, EARLY);                                          \
-    }
-GEMV_PS_ENTRIES(8)
+GEMV_ROWSET_ENTRIES(ps, gemv_mn_ps, 8)
 
 // ---------------------------------------------------------------------------------------
 // gemm_k GEMV of one token with the next sublayer's router folded in (decode). That router
