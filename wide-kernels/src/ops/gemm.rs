@@ -193,8 +193,8 @@ fn launch_gemv(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layou
     let ng = gemv_groups(s)?;
     let mm = [1, 2, 4, 8, 16].into_iter().find(|&v| v >= s.m).unwrap();
     let r = gemv_rows_override(mm, s.n).unwrap_or_else(|| if s.op.reduces_over_groups() { gemv_k_rows_per_block(mm, s.n) } else { gemv_rows_per_warp(mm, s.n) });
-    let ps = gemv_persistent(s, layout);
-    let split = !ps && gemv_split(s, layout);
+    let form = gemv_form(s, layout);
+    let (ps, split) = (form == GemvForm::Persistent, form == GemvForm::Split);
     let r = if split || ps { GEMV_SPLIT_ROWS } else { r };
     let entry = match s.op {
         RoutedOp::Mn if ps => format!("gemv_mn_ps_{r}"),
@@ -434,17 +434,50 @@ pub fn gemv_k_rows_per_block(mm: i64, n: i64) -> i64 {
 /// each reading one eighth of every row, partial sums meeting in shared memory).
 pub const GEMV_SPLIT_ROWS: i64 = 8;
 
-/// Does a one-token gemm_mn GEMV take the split kernel? By default where every group is on for
-/// every token (a dense projection: no mask to read, and all of a block's loads go out at once);
-/// with a mask to read, each of its many short-lived blocks waits for the mask before its first
-/// load, and the persistent form (`gemv_persistent`) takes it. Measured on the H200 (2026-12-03): dense decode step 4.208 -> 4.025 ms
-/// (gate+up 56.7 -> 51.7 us a call); routed up at one token 23.7 -> 26.2 us cold, the routed
-/// gate+up in the step 32.2 -> 45.2 us. `WIDE_GEMV_SPLIT=0|1` (read once) forces it off or on
-/// wherever the group size allows, for sweeps.
-fn gemv_split(s: &GemmShape, layout: &RouteLayout) -> bool {
-    static V: OnceLock<Option<bool>> = OnceLock::new();
-    let forced = *V.get_or_init(|| env_switch("WIDE_GEMV_SPLIT"));
-    s.m == 1 && !s.op.reduces_over_groups() && s.group % GEMV_SPLIT_ROWS == 0 && forced.unwrap_or(layout.always_on_from() == 0)
+/// Which gemm_mn GEMV kernel a call takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum GemvForm {
+    /// `gemv_mn_{M}_{R}`: each warp streams whole rows (any token count up to 16, any group size).
+    Rows,
+    /// `gemv_mn_split_8`: one token; 8 warps a block share 8 rows, each warp reading an eighth of
+    /// every row, so all of a block's loads go out at once.
+    Split,
+    /// `gemv_mn_ps_8`: the split kernel's row sets on a grid of a few resident blocks a
+    /// multiprocessor; each block reads the mask once, lists the used groups in shared memory and
+    /// walks its row sets; the unused groups' zeros are written by the whole grid.
+    Persistent,
+}
+
+/// The GEMV form of a call, from its shape, the layout's count of routed groups
+/// (`always_on_from`: groups below it are routed, the rest on for every token) and the
+/// environment's forcing knobs (`WIDE_GEMV_PS=0|1`, `WIDE_GEMV_SPLIT=0|1`, read once).
+fn gemv_form(s: &GemmShape, layout: &RouteLayout) -> GemvForm {
+    static V: OnceLock<(Option<bool>, Option<bool>)> = OnceLock::new();
+    let (ps, split) = *V.get_or_init(|| (env_switch("WIDE_GEMV_PS"), env_switch("WIDE_GEMV_SPLIT")));
+    gemv_form_for(s, layout.always_on_from(), ps, split)
+}
+
+/// The policy behind [`gemv_form`]. The split forms need one token, a gemm_mn and groups of a
+/// multiple of 8 rows. By default a projection with routed groups (a mask to read) takes the
+/// persistent form: the split grid's many short-lived blocks each waited for the mask before
+/// their first load, the persistent grid pays that wait once a block; a dense projection (no
+/// mask) takes the plain split form. Measured on the H200 (2026-12-03, NOTES v25): dense decode
+/// step 4.208 -> 4.025 ms with the split form (gate+up 56.7 -> 51.7 us a call), 3.965 against
+/// 3.920 ms with the persistent one; routed, the split form lost (up at one token 23.7 -> 26.2
+/// us cold, gate+up in the step 32.2 -> 45.2 us), the persistent one won (up 23.7 -> 23.2 us, Q
+/// 14.7 -> 11.5 us; in the step gate+up 32.3 -> 27.2 us, Q|K|V 10.3 -> 8.8 us, wide step 2.844 ->
+/// 2.775 ms). `ps` / `split` force a form on (`Some(true)`, where the shape allows; ps first)
+/// or off. The persistent form's used-group list takes 4 bytes a routed group of shared memory,
+/// so it takes at most 8192 routed groups.
+fn gemv_form_for(s: &GemmShape, always_on_from: i64, ps: Option<bool>, split: Option<bool>) -> GemvForm {
+    let splittable = s.m == 1 && !s.op.reduces_over_groups() && s.group % GEMV_SPLIT_ROWS == 0;
+    if splittable && always_on_from <= 8192 && ps.unwrap_or(always_on_from > 0) {
+        GemvForm::Persistent
+    } else if splittable && split.unwrap_or(always_on_from == 0) {
+        GemvForm::Split
+    } else {
+        GemvForm::Rows
+    }
 }
 
 /// `0` or `1` in the environment variable `name` (surrounding spaces ignored): forced off or on;
@@ -455,25 +488,6 @@ fn env_switch(name: &str) -> Option<bool> {
         Some("1") => Some(true),
         _ => None,
     }
-}
-
-/// Does a one-token gemm_mn GEMV take the persistent split kernel (`gemv_mn_ps_8` in
-/// routed.cu: the split kernel's 8-row sets on a grid of a few blocks a multiprocessor, all
-/// resident from the start; each block reads the mask once, builds the list of used groups in
-/// shared memory and walks its row sets of those groups; the unused groups' zeros are written by
-/// the whole grid)? By default where some group is routed (a mask to read): the split kernel's
-/// many short-lived blocks each waited for the mask before their first load, the persistent
-/// grid pays that wait once a block. Measured on the H200 (2026-12-03, cold L2, s = 0.5,
-/// G = 128): routed up at one token 23.7 -> 23.2 us, Q 14.7 -> 11.5 us; in the decode step
-/// gate+up 32.3 -> 27.2 us, QKV 10.3 -> 8.8 us, wide step 2.844 -> 2.775 ms. A dense projection
-/// keeps the plain split kernel (no mask to wait for; 3.920 vs 3.965 ms a dense step).
-/// `WIDE_GEMV_PS=0|1` (read once) forces it off or on wherever the group size allows.
-fn gemv_persistent(s: &GemmShape, layout: &RouteLayout) -> bool {
-    static V: OnceLock<Option<bool>> = OnceLock::new();
-    let forced = *V.get_or_init(|| env_switch("WIDE_GEMV_PS"));
-    // The used-group list takes 4 bytes a routed group of shared memory: at most 32 KiB.
-    let fits = layout.always_on_from() <= 8192;
-    s.m == 1 && !s.op.reduces_over_groups() && s.group % GEMV_SPLIT_ROWS == 0 && fits && forced.unwrap_or(layout.always_on_from() > 0)
 }
 
 /// Blocks a multiprocessor of the persistent split GEMV: `WIDE_GEMV_PS_BPS` (1 to 8; read
@@ -765,6 +779,28 @@ mod tests {
             let r = gemv_rows_per_warp(mm, n);
             assert!(n % r == 0 && r * mm <= 16 && r <= 8);
         }
+    }
+
+    #[test]
+    fn one_token_gemv_form_follows_the_mask_and_the_knobs() {
+        let shape = |op, m, group| GemmShape { op, m, n: 14336, k: 4096, group };
+        let up = shape(RoutedOp::Mn, 1, 128);
+        // Routed groups: persistent; a dense projection (no routed group): split.
+        assert_eq!(gemv_form_for(&up, 112, None, None), GemvForm::Persistent);
+        assert_eq!(gemv_form_for(&shape(RoutedOp::MnSwiglu, 1, 128), 8, None, None), GemvForm::Persistent);
+        assert_eq!(gemv_form_for(&up, 0, None, None), GemvForm::Split);
+        // Forced off or on.
+        assert_eq!(gemv_form_for(&up, 112, Some(false), None), GemvForm::Rows);
+        assert_eq!(gemv_form_for(&up, 112, Some(false), Some(true)), GemvForm::Split);
+        assert_eq!(gemv_form_for(&up, 0, Some(true), None), GemvForm::Persistent);
+        assert_eq!(gemv_form_for(&up, 0, None, Some(false)), GemvForm::Rows);
+        // Shapes the split forms cannot take: several tokens, gemm_k, groups not of 8 rows, a
+        // used-group list over 32 KiB of shared memory.
+        assert_eq!(gemv_form_for(&shape(RoutedOp::Mn, 2, 128), 112, None, None), GemvForm::Rows);
+        assert_eq!(gemv_form_for(&shape(RoutedOp::K, 1, 128), 112, Some(true), Some(true)), GemvForm::Rows);
+        assert_eq!(gemv_form_for(&shape(RoutedOp::Mn, 1, 4), 3584, None, None), GemvForm::Rows);
+        assert_eq!(gemv_form_for(&shape(RoutedOp::Mn, 1, 8), 8193, None, None), GemvForm::Rows);
+        assert_eq!(gemv_form_for(&shape(RoutedOp::Mn, 1, 8), 8192, None, None), GemvForm::Persistent);
     }
 
     #[test]
