@@ -591,6 +591,8 @@ fn sanitizer_small_all_ops() {
     run_fold_case(Kind::BFloat16, 512, 1024, 64, 512, 32, 12, 4, 0.5);
     run_decode_case(Kind::BFloat16, 2, 8, 2, 300, 128, 2, &[1, 300], 0.5);
     run_decode_case(Kind::BFloat16, 1, 16, 2, 200, 64, 4, &[150], 0.5);
+    run_decode_rope_case(Kind::BFloat16, 2, 8, 2, 300, 128, 2, &[1, 300], 0.5);
+    run_decode_rope_case(Kind::Half, 1, 16, 2, 1200, 64, 4, &[1100], 0.5);
     prefill_small_cases();
     let msk = mask(1000, 112, 0.5);
     let l = route_layout(&msk).unwrap();
@@ -666,6 +668,59 @@ fn attention_decode_matches_reference() {
         run_decode_case(kind, 40, 32, 8, 1500, 128, 4, &lens, 0.5);
         // Fewer blocks a sequence than KV heads would leave heads unread: all of them active.
         run_decode_case(kind, 40, 32, 8, 1500, 128, 4, &lens, 1.0);
+    }
+}
+
+/// A decode step with the new token's RoPE and cache write fused into the attention launch
+/// (`attention_decode_step_rope`) against the two launches it replaces (`rope_qkv_cache`, then
+/// `attention_decode_step`): the output and both caches bit for bit. The fused call's caches
+/// hold NaN in each sequence's newest row until it writes it, so a read of that row from the
+/// cache (instead of from qkv) shows.
+#[allow(clippy::too_many_arguments)]
+fn run_decode_rope_case(kind: Kind, b: i64, hq: i64, hkv: i64, tcap: i64, d: i64, gh: i64, lengths: &[i32], p_active: f64) {
+    let dev = gpu();
+    let qkv = Tensor::randn([b, (hq + 2 * hkv) * d], (kind, dev));
+    let k = Tensor::randn([b, hkv, tcap, d], (kind, dev));
+    let v = Tensor::randn([b, hkv, tcap, d], (kind, dev));
+    let len = Tensor::from_slice(lengths).to_device(dev);
+    let pos = Tensor::from_slice(&lengths.iter().map(|l| l - 1).collect::<Vec<i32>>()).to_device(dev);
+    let inv_freq = (Tensor::arange(d / 2, (Kind::Float, dev)) * (-2.0 * (500000f64).ln() / d as f64)).exp();
+    let msk = mask(b, hq / gh, p_active);
+    let scale = 1.0 / (d as f64).sqrt();
+    let shape = fused::QkvShape { batch: b, tokens: 1, q_heads: hq, kv_heads: hkv, head_dim: d };
+    let what = format!("attention_decode_step_rope {kind:?} B={b} HQ={hq} HKV={hkv} T={tcap} D={d} gh={gh} lens={lengths:?} active={p_active}");
+    let (k1, v1) = (k.copy(), v.copy());
+    let q = fused::rope_qkv_cache(&qkv, &pos, &inv_freq, &shape, &k1, &v1).unwrap();
+    let y1 = wide_kernels::attention_decode_step(&q.view([b, hq, d]), &k1, &v1, &len, &msk, gh, scale).unwrap();
+    let (k2, v2) = (k.copy(), v.copy());
+    for (i, &l) in lengths.iter().enumerate() {
+        let _ = k2.get(i as i64).narrow(1, l as i64 - 1, 1).fill_(f64::NAN);
+        let _ = v2.get(i as i64).narrow(1, l as i64 - 1, 1).fill_(f64::NAN);
+    }
+    poison(b * hq, d, kind);
+    let y2 = wide_kernels::attention_decode_step_rope(&qkv, &inv_freq, &k2, &v2, &len, &msk, gh, scale).unwrap();
+    assert!(i64::try_from(y2.isnan().sum(Kind::Int64)).unwrap() == 0, "{what}: NaN in the output");
+    assert!(y2.equal(&y1), "{what}: output differs from RoPE + attention (max |diff| {})", (&y2 - &y1).abs().max().double_value(&[]));
+    assert!(k2.equal(&k1) && v2.equal(&v1), "{what}: caches differ from rope_qkv_cache's");
+}
+
+#[test]
+fn attention_decode_step_rope_matches_the_two_launches() {
+    let _ = gpu(); // the device first (one GPU test at a time)
+    tch::manual_seed(19);
+    for kind in [Kind::BFloat16, Kind::Half] {
+        // Llama-3.1-8B heads: one block a KV head (short cache), split and merged in the
+        // kernel, merged by the second launch (> 16 splits); the newest row at the last slot.
+        for p in [0.5, 0.0, 1.0] {
+            run_decode_rope_case(kind, 1, 32, 8, 256, 128, 4, &[200], p);
+        }
+        run_decode_rope_case(kind, 1, 32, 8, 1024, 128, 4, &[1000], 0.5);
+        run_decode_rope_case(kind, 1, 32, 8, 4096, 128, 4, &[4096], 0.5);
+        let lens16: Vec<i32> = (0..16).map(|i| 129 + 8 * i).collect();
+        run_decode_rope_case(kind, 16, 32, 8, 256, 128, 4, &lens16, 0.5);
+        // head_dim 64, groups straddling KV heads, ragged lengths (one token).
+        run_decode_rope_case(kind, 3, 8, 2, 1000, 64, 2, &[1, 513, 1000], 0.5);
+        run_decode_rope_case(kind, 2, 16, 2, 777, 64, 8, &[700, 5], 0.5);
     }
 }
 

@@ -563,8 +563,14 @@ impl<'m> Engine<'m> {
             // from which they may run, routed attention is SDPA + the zero pass too.
             let head_major = self.routed_prefill_attention(i, t, attn_d.as_ref(), &qkv) && wide_kernels::ops::attention::prefill_routed_possible(t);
             let token_major = lengths.is_none() && !head_major;
-            let q = self.timed("rope_kv", || fused::rope_qkv_cache_settled(&qkv, pos, &self.inv_freq, &shape, &cache.keys[i], &cache.values[i], token_major))?;
-            let attn = self.timed("attention", || self.attention(i, &q, (b, t), lengths, cache, attn_d.as_ref()))?;
+            let attn = match lengths {
+                // A decode step on the kernel: RoPE and the cache write inside the attention launch.
+                Some(len) if self.decode_kernel_ok(i, &qkv, cache) => self.timed("attention", || self.attention_decode_rope(i, &qkv, b, len, cache, attn_d.as_ref()))?,
+                _ => {
+                    let q = self.timed("rope_kv", || fused::rope_qkv_cache_settled(&qkv, pos, &self.inv_freq, &shape, &cache.keys[i], &cache.values[i], token_major))?;
+                    self.timed("attention", || self.attention(i, &q, (b, t), lengths, cache, attn_d.as_ref()))?
+                }
+            };
             let next = (i, RouterKind::Ffn, &x);
             let o = self.timed("o_proj", || self.project_k(&attn, &layer.self_attn.o_proj.weight, layer.self_attn.o_proj.bias.as_ref(), attn_d.as_ref(), c.head_dim, 0, Some(next), rc))?;
             let (xr, h2) = self.timed("norm", || self.norm_and_router(i, RouterKind::Ffn, &x, Some(&o), &layer.post_attention_layernorm.weight, rc))?;
@@ -1001,15 +1007,8 @@ impl<'m> Engine<'m> {
                 o.transpose(1, 2).reshape([b * t, nh * hd])
             }
             Some(len) => {
-                let qpk = nh / nkv;
-                let kernel_ok = is_fast_dtype(q)
-                    && window.is_none_or(|w| w >= cache.capacity)
-                    && matches!((hd, qpk), (64, 1 | 2 | 4 | 8) | (128, 1 | 2 | 4));
-                if kernel_ok {
-                    let (mask, gh) = match d {
-                        Some(d) => (d.mask.shallow_clone(), d.group),
-                        None => (self.ones_mask(b, q.device()), nh),
-                    };
+                if self.decode_kernel_ok(i, q, cache) {
+                    let (mask, gh) = self.decode_mask(b, d, q.device());
                     // In the step, RoPE and the cache write (the launch just before) wrote only q and the
                     // newest rows; the mask and lengths are older.
                     let o = wide_kernels::attention_decode_step(&q.view([b, nh, hd]), kc, vc, len, &mask, gh, self.scale)?;
@@ -1033,6 +1032,32 @@ impl<'m> Engine<'m> {
             }
             None => out,
         })
+    }
+
+    /// Whether a decode step's attention runs the decode kernel: bf16/f16, no sliding window
+    /// shorter than the cache, head_dim 64 (up to 8 query heads a KV head) or 128 (up to 4).
+    fn decode_kernel_ok(&self, i: usize, x: &Tensor, cache: &EngineCache) -> bool {
+        let c = &self.model.config;
+        let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        is_fast_dtype(x) && self.model.layers[i].self_attn.window.is_none_or(|w| w >= cache.capacity) && matches!((hd, nh / nkv), (64, 1 | 2 | 4 | 8) | (128, 1 | 2 | 4))
+    }
+
+    /// The decode kernel's head-group mask and group size: the routed decision's, or every head
+    /// on in one group.
+    fn decode_mask(&self, b: i64, d: Option<&Decision>, dev: Device) -> (Tensor, i64) {
+        match d {
+            Some(d) => (d.mask.shallow_clone(), d.group),
+            None => (self.ones_mask(b, dev), self.model.config.num_attention_heads),
+        }
+    }
+
+    /// A decode step's attention with the new token's RoPE and cache write in the same launch
+    /// (`attention_decode_step_rope`): qkv `[B, (HQ + 2 HKV) D]` straight from the projection.
+    fn attention_decode_rope(&self, i: usize, qkv: &Tensor, b: i64, len: &Tensor, cache: &EngineCache, d: Option<&Decision>) -> Result<Tensor> {
+        let c = &self.model.config;
+        let (mask, gh) = self.decode_mask(b, d, qkv.device());
+        let o = wide_kernels::attention_decode_step_rope(qkv, &self.inv_freq, &cache.keys[i], &cache.values[i], len, &mask, gh, self.scale)?;
+        Ok(o.view([b, c.num_attention_heads * c.head_dim]))
     }
 
     /// Whether a prefill's attention goes to `attention_prefill_with` (routed, head-major q)

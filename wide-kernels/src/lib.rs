@@ -18,7 +18,7 @@ pub use cuda::{CudaKernel, GpuTimer, KernelArg, LaunchConfig};
 pub use ops::dispatch::{choose, GemmPath, GemmShape, RoutedOp, TileConfig, Tuned};
 pub use ops::gemm::{gemm_k, gemm_k_premasked, gemm_k_reference, gemm_mn, gemm_mn_reference, gemm_mn_swiglu, routed_gemm};
 pub use ops::attention::{
-    attention_decode, attention_decode_reference, attention_decode_step, attention_decode_with, attention_prefill, attention_prefill_dense, attention_prefill_reference,
+    attention_decode, attention_decode_reference, attention_decode_step, attention_decode_step_rope, attention_decode_with, attention_prefill, attention_prefill_dense, attention_prefill_reference,
     attention_prefill_routed, attention_prefill_with, DecodeMerge, PrefillTile,
 };
 pub use ops::layout::{route_layout, route_layout_reference, RouteLayout};

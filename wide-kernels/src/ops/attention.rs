@@ -99,7 +99,7 @@ impl DecodeMerge {
 /// reference).
 #[allow(clippy::too_many_arguments)]
 pub fn attention_decode_with(q: &Tensor, k: &Tensor, v: &Tensor, lengths: &Tensor, mask: &Tensor, group_heads: i64, scale: f64, merge: DecodeMerge) -> Result<Tensor> {
-    decode(q, k, v, lengths, mask, group_heads, scale, merge, false)
+    decode(q, k, v, lengths, mask, group_heads, scale, merge, false, None)
 }
 
 /// [`attention_decode`] inside a decode step, where the caller promises that the launch just
@@ -111,7 +111,7 @@ pub fn attention_decode_with(q: &Tensor, k: &Tensor, v: &Tensor, lengths: &Tenso
 /// that promise cannot hold, and it runs as [`attention_decode`].
 pub fn attention_decode_step(q: &Tensor, k: &Tensor, v: &Tensor, lengths: &Tensor, mask: &Tensor, group_heads: i64, scale: f64) -> Result<Tensor> {
     let settled = early_loads() && lengths.kind() == Kind::Int && lengths.is_contiguous() && mask.is_contiguous() && matches!(mask.kind(), Kind::Bool | Kind::Uint8);
-    decode(q, k, v, lengths, mask, group_heads, scale, DecodeMerge::default_policy(), settled)
+    decode(q, k, v, lengths, mask, group_heads, scale, DecodeMerge::default_policy(), settled, None)
 }
 
 /// `WIDE_DECODE_EARLY=0`: [`attention_decode_step`] waits for the launch before like
@@ -121,8 +121,60 @@ fn early_loads() -> bool {
     *V.get_or_init(|| std::env::var("WIDE_DECODE_EARLY").map(|v| v != "0").unwrap_or(true))
 }
 
+/// One decode step's RoPE, cache write and attention in one launch: `qkv` `[B, (HQ + 2 HKV) D]`
+/// is each sequence's new token (position `lengths - 1`, unrotated, straight from the Q|K|V
+/// projection), `inv_freq` f32 `[D / 2]` the RoPE frequencies; q and k are rotated (rotate_half,
+/// in the storage dtype like [`crate::ops::fused::rope_qkv_cache`]), k and v written into the
+/// caches at slot `lengths - 1`, and q attends over the cache's first `lengths` rows, the newest
+/// one included. The result and the caches are those of `rope_qkv_cache` followed by
+/// [`attention_decode_step`], bit for bit on CUDA, where the caller promises, as for
+/// `attention_decode_step`, that the launch just before wrote only `qkv` and that the mask and
+/// lengths are older. Inputs the fused kernel does not take (not CUDA, not bf16 / f16, head_dim
+/// other than 64 / 128, caches or qkv not contiguous, lengths not i32, `WIDE_DECODE_ROPE=0`) run
+/// those two calls.
 #[allow(clippy::too_many_arguments)]
-fn decode(q: &Tensor, k: &Tensor, v: &Tensor, lengths: &Tensor, mask: &Tensor, group_heads: i64, scale: f64, merge: DecodeMerge, settled: bool) -> Result<Tensor> {
+pub fn attention_decode_step_rope(qkv: &Tensor, inv_freq: &Tensor, k: &Tensor, v: &Tensor, lengths: &Tensor, mask: &Tensor, group_heads: i64, scale: f64) -> Result<Tensor> {
+    let ks = k.size();
+    ensure!(ks.len() == 4, "attention_decode_step_rope: k cache must be [batch, kv_heads, capacity, head_dim], got {ks:?}");
+    let (b, hkv, d) = (ks[0], ks[1], ks[3]);
+    let (qb, w) = qkv.size2().map_err(|_| anyhow::anyhow!("attention_decode_step_rope: qkv must be [batch, (q_heads + 2 kv_heads) head_dim], got {:?}", qkv.size()))?;
+    ensure!(qb == b && d > 0 && w % d == 0 && w / d > 2 * hkv, "attention_decode_step_rope: qkv {:?} does not fit a cache of {b} sequences, {hkv} KV heads of {d}", qkv.size());
+    let hq = w / d - 2 * hkv;
+    ensure!(inv_freq.size() == [d / 2], "attention_decode_step_rope: inv_freq {:?} must be [{}]", inv_freq.size(), d / 2);
+    let fused = rope_fused()
+        && matches!(qkv.device(), Device::Cuda(_))
+        && matches!(qkv.kind(), Kind::BFloat16 | Kind::Half)
+        && qkv.kind() == k.kind()
+        && hq % hkv == 0
+        && matches!((d, hq / hkv), (64 | 128, 1 | 2 | 4 | 8))
+        && qkv.is_contiguous()
+        && k.is_contiguous()
+        && v.is_contiguous()
+        && inv_freq.kind() == Kind::Float
+        && inv_freq.is_contiguous()
+        && lengths.kind() == Kind::Int
+        && lengths.is_contiguous();
+    if !fused {
+        let shape = crate::ops::fused::QkvShape { batch: b, tokens: 1, q_heads: hq, kv_heads: hkv, head_dim: d };
+        let pos = (lengths.to_kind(Kind::Int) - 1).contiguous();
+        let q = crate::ops::fused::rope_qkv_cache(qkv, &pos, inv_freq, &shape, k, v)?;
+        return attention_decode_step(&q.view([b, hq, d]), k, v, lengths, mask, group_heads, scale);
+    }
+    // q's shape for the checks: the first HQ heads of each row (a view; never copied).
+    let q = qkv.view([b, hq + 2 * hkv, d]).narrow(1, 0, hq);
+    let settled = early_loads() && mask.is_contiguous() && matches!(mask.kind(), Kind::Bool | Kind::Uint8);
+    decode(&q, k, v, lengths, mask, group_heads, scale, DecodeMerge::default_policy(), settled, Some((qkv, inv_freq)))
+}
+
+/// `WIDE_DECODE_ROPE=0`: [`attention_decode_step_rope`] runs RoPE and the cache write as their
+/// own launch before the attention (read once; for A/B benchmarks).
+fn rope_fused() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("WIDE_DECODE_ROPE").map(|v| v != "0").unwrap_or(true))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn decode(q: &Tensor, k: &Tensor, v: &Tensor, lengths: &Tensor, mask: &Tensor, group_heads: i64, scale: f64, merge: DecodeMerge, settled: bool, rope: Option<(&Tensor, &Tensor)>) -> Result<Tensor> {
     let s = decode_shape(q, k, v, lengths, mask, group_heads)?;
     let device = match q.device() {
         Device::Cuda(dv) if matches!(q.kind(), Kind::BFloat16 | Kind::Half) => dv,
@@ -134,7 +186,9 @@ fn decode(q: &Tensor, k: &Tensor, v: &Tensor, lengths: &Tensor, mask: &Tensor, g
     }
     ensure!(s.tcap <= i32::MAX as i64 / s.d, "attention_decode: cache too long for the kernel");
     let f16 = q.kind() == Kind::Half;
-    let (q, k, v) = (q.contiguous(), k.contiguous(), v.contiguous());
+    // With the RoPE fused in, q is a view of qkv (read by the kernel from qkv) and the caches
+    // are written in place (the caller checked that they are contiguous).
+    let (q, k, v) = (if rope.is_some() { q.shallow_clone() } else { q.contiguous() }, k.contiguous(), v.contiguous());
     let lengths = lengths.to_kind(Kind::Int).contiguous();
     let mask = match mask.kind() {
         Kind::Bool => mask.contiguous().view_dtype(Kind::Uint8),
@@ -168,7 +222,7 @@ fn decode(q: &Tensor, k: &Tensor, v: &Tensor, lengths: &Tensor, mask: &Tensor, g
         split.launch_pdl(
             LaunchConfig { grid: (nb as u32, 1, s.b as u32), block: (128, 1, 1), shared_mem_bytes: 0 },
             &[
-                KernelArg::tensor(&q)?,
+                if rope.is_some() { KernelArg::Ptr(0) } else { KernelArg::tensor(&q)? },
                 KernelArg::tensor(&k)?,
                 KernelArg::tensor(&v)?,
                 KernelArg::tensor(&lengths)?,
@@ -185,6 +239,14 @@ fn decode(q: &Tensor, k: &Tensor, v: &Tensor, lengths: &Tensor, mask: &Tensor, g
                 KernelArg::F32((scale * std::f64::consts::LOG2_E) as f32),
                 KernelArg::I32(settled as i32),
                 KernelArg::I32(if merged { single_max as i32 } else { 0 }),
+                match rope {
+                    Some((qkv, _)) => KernelArg::tensor(qkv)?,
+                    None => KernelArg::Ptr(0),
+                },
+                match rope {
+                    Some((_, f)) => KernelArg::tensor(f)?,
+                    None => KernelArg::Ptr(0),
+                },
             ],
         )?;
         if merged {
@@ -720,6 +782,34 @@ pub fn kernel_variants() -> Vec<KernelSource> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn decode_step_rope_off_cuda_is_rope_then_attention_and_checks_shapes() {
+        tch::manual_seed(5);
+        let (b, hq, hkv, cap, d, gh) = (2, 8, 2, 12, 16, 2);
+        let opts = (Kind::Float, Device::Cpu);
+        let qkv = Tensor::randn([b, (hq + 2 * hkv) * d], opts);
+        let (k, v) = (Tensor::randn([b, hkv, cap, d], opts), Tensor::randn([b, hkv, cap, d], opts));
+        let inv_freq = (Tensor::arange(d / 2, opts) * -0.5).exp();
+        let len = Tensor::from_slice(&[5i32, 12]);
+        let mask = Tensor::rand([b, hq / gh], opts).lt(0.5);
+        let (k1, v1) = (k.copy(), v.copy());
+        let y = attention_decode_step_rope(&qkv, &inv_freq, &k1, &v1, &len, &mask, gh, 0.25).unwrap();
+        // By hand: the reference RoPE + cache write at position lengths - 1, then the reference attention.
+        let (k2, v2) = (k.copy(), v.copy());
+        let shape = crate::ops::fused::QkvShape { batch: b, tokens: 1, q_heads: hq, kv_heads: hkv, head_dim: d };
+        let q = crate::ops::fused::rope_qkv_cache_reference(&qkv, &Tensor::from_slice(&[4i32, 11]), &inv_freq, &shape, &k2, &v2);
+        let r = attention_decode_reference(&q.view([b, hq, d]), &k2, &v2, &len, &mask, gh, 0.25);
+        assert!(y.allclose(&r, 1e-6, 1e-6, false));
+        assert!(k1.equal(&k2) && v1.equal(&v2), "the newest cache rows were not written as rope_qkv_cache writes them");
+        // The newest row really was written (it differs from the random row it replaced).
+        assert!(!k1.get(0).narrow(1, 4, 1).equal(&k.get(0).narrow(1, 4, 1)));
+        // Shapes that do not fit: one clear error each.
+        let e = attention_decode_step_rope(&qkv.narrow(1, 0, (hq + 2 * hkv) * d - 1), &inv_freq, &k1, &v1, &len, &mask, gh, 0.25).unwrap_err();
+        assert!(e.to_string().contains("does not fit"), "{e}");
+        let e = attention_decode_step_rope(&qkv, &inv_freq.narrow(0, 0, 4), &k1, &v1, &len, &mask, gh, 0.25).unwrap_err();
+        assert!(e.to_string().contains("inv_freq"), "{e}");
+    }
 
     #[test]
     fn decode_reference_matches_prefill_last_row_and_masks_heads() {

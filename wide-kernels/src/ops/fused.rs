@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 use tch::{Device, Kind, Tensor};
 
-const SOURCE: &str = concat!(include_str!("mma_sync.cuh"), include_str!("pdl.cuh"), include_str!("router_gate.cuh"), include_str!("mbarrier.cuh"), include_str!("infer.cu"));
+const SOURCE: &str = concat!(include_str!("mma_sync.cuh"), include_str!("pdl.cuh"), include_str!("router_gate.cuh"), include_str!("mbarrier.cuh"), include_str!("rope.cuh"), include_str!("infer.cu"));
 
 pub fn source(f16: bool) -> KernelSource {
     KernelSource::new("infer", SOURCE).define("WIDE_F16", f16 as u32)

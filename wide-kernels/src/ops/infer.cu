@@ -2,7 +2,7 @@
 // RMSNorm, RoPE + KV-cache write, SwiGLU with the FFN routing mask, and the two-layer token
 // router with its deterministic gate. bf16 (WIDE_F16=0) or f16 (1) storage, f32 arithmetic,
 // rounding to the storage type where the tch reference rounds. mma_sync.cuh (storage type T),
-// pdl.cuh and router_gate.cuh (conversions, the gate) are prepended.
+// pdl.cuh, router_gate.cuh (conversions, the gate), mbarrier.cuh and rope.cuh are prepended.
 __device__ __forceinline__ float block_sum(float v, float* sh) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -378,25 +378,15 @@ extern "C" __global__ void rope_qkv_cache(const T* __restrict__ qkv, const int* 
 }
 
 // rope_qkv_cache with 16-byte accesses (D % 16 == 0, qkv, q_out and the caches 16-byte aligned):
-// a thread rotates 8 consecutive pairs (i, i + D/2) of one head of one token; consecutive
-// threads take consecutive pieces of a head, then heads, then tokens, so a warp reads whole
-// head rows. The same arithmetic and rounding as rope_qkv_cache, element for element.
-// Grid ceil(M (HQ + HKV) D / 16 / 256), 256 threads.
-__device__ __forceinline__ void rope8(const T* x1p, const T* x2p, const float* c, const float* s, T* o1, T* o2) {
-    const uint4 a = *reinterpret_cast<const uint4*>(x1p), bq = *reinterpret_cast<const uint4*>(x2p);
-    const T* x1 = reinterpret_cast<const T*>(&a);
-    const T* x2 = reinterpret_cast<const T*>(&bq);
-    uint4 r1, r2;
-    T* y1 = reinterpret_cast<T*>(&r1);
-    T* y2 = reinterpret_cast<T*>(&r2);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        const float u = tf(x1[j]), v = tf(x2[j]);
-        y1[j] = ft(rt(u * c[j]) + rt(-v * s[j]));
-        y2[j] = ft(rt(v * c[j]) + rt(u * s[j]));
-    }
-    *reinterpret_cast<uint4*>(o1) = r1;
-    *reinterpret_cast<uint4*>(o2) = r2;
+// a thread rotates 8 consecutive pairs (i, i + D/2) of one head of one token (rope.cuh);
+// consecutive threads take consecutive pieces of a head, then heads, then tokens, so a warp
+// reads whole head rows. The same arithmetic and rounding as rope_qkv_cache, element for
+// element. Grid ceil(M (HQ + HKV) D / 16 / 256), 256 threads.
+__device__ __forceinline__ void rope8(const T* x1p, const T* x2p, const float (&c)[8], const float (&s)[8], T* o1, T* o2) {
+    uint4 a = *reinterpret_cast<const uint4*>(x1p), bq = *reinterpret_cast<const uint4*>(x2p);
+    rope_rotate8(a, bq, c, s);
+    *reinterpret_cast<uint4*>(o1) = a;
+    *reinterpret_cast<uint4*>(o2) = bq;
 }
 
 extern "C" __global__ void __launch_bounds__(256) rope_qkv_cache8(const T* __restrict__ qkv, const int* __restrict__ pos, int pos_add,
@@ -419,12 +409,7 @@ extern "C" __global__ void __launch_bounds__(256) rope_qkv_cache8(const T* __res
     const int b = (int)(m / T_), t = (int)(m - (long long)b * T_);
     const int p = pos[m] + pos_add;
     float c[8], s[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        sincosf((float)p * inv_freq[i0 + j], &s[j], &c[j]);
-        c[j] = rt(c[j]);
-        s[j] = rt(s[j]);
-    }
+    rope_cos_sin8(p, inv_freq, i0, c, s);
     if (pre) {
         pdl_wait();
         pdl_trigger();

@@ -18,7 +18,7 @@ use dispatch::{TileConfig, TILES};
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 
-const ROUTED_SOURCE: &str = concat!(include_str!("mma_sync.cuh"), include_str!("pdl.cuh"), include_str!("partition.cuh"), include_str!("router_gate.cuh"), include_str!("routed.cu"));
+const ROUTED_SOURCE: &str = concat!(include_str!("mma_sync.cuh"), include_str!("pdl.cuh"), include_str!("partition.cuh"), include_str!("router_gate.cuh"), include_str!("rope.cuh"), include_str!("routed.cu"));
 
 /// The routed module for a dtype: without a tile, the layout and GEMV entries; with a tile
 /// (and gate+up fusion flag), the `mma.sync` tiled entries.
