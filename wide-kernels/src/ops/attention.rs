@@ -126,10 +126,10 @@ fn early_loads() -> bool {
 /// projection), `inv_freq` f32 `[D / 2]` the RoPE frequencies; q and k are rotated (rotate_half,
 /// in the storage dtype like [`crate::ops::fused::rope_qkv_cache`]), k and v written into the
 /// caches at slot `lengths - 1`, and q attends over the cache's first `lengths` rows, the newest
-/// one included. The result and the caches are those of `rope_qkv_cache` followed by
-/// [`attention_decode_step`], bit for bit on CUDA, where the caller promises, as for
-/// `attention_decode_step`, that the launch just before wrote only `qkv` and that the mask and
-/// lengths are older. Inputs the fused kernel does not take (not CUDA, not bf16 / f16, head_dim
+/// one included: what `rope_qkv_cache` followed by [`attention_decode_step`] gives (the caches bit
+/// for bit; on CUDA the new token is a tile of its own, so the softmax sums in another order).
+/// The caller promises, as for `attention_decode_step`, that the launch just before wrote only
+/// `qkv` and that the mask and lengths are older. Inputs the fused kernel does not take (not CUDA, not bf16 / f16, head_dim
 /// other than 64 / 128, caches or qkv not contiguous, lengths not i32, `WIDE_DECODE_ROPE=0`) run
 /// those two calls.
 #[allow(clippy::too_many_arguments)]
@@ -208,7 +208,7 @@ fn decode(q: &Tensor, k: &Tensor, v: &Tensor, lengths: &Tensor, mask: &Tensor, g
     let part_o = Tensor::empty([s.b, s.hq, nb, s.d], (Kind::Float, q.device()));
     let part_ml = Tensor::empty([s.b, s.hq, nb, 2], (Kind::Float, q.device()));
     let out = Tensor::empty([s.b, s.hq, s.d], (q.kind(), q.device()));
-    let split = routed_kernel(f16, None, &format!("attn_decode_split_{}_{qpk}", s.d), device)?;
+    let split = routed_kernel(f16, None, &format!("attn_decode_{}_{}_{qpk}", if rope.is_some() { "rope" } else { "split" }, s.d), device)?;
     // Short caches (at most MERGE_MAX_SPLITS splits of 64 tokens): the last split block of each
     // KV head merges that head's splits, one launch. Longer ones: a second launch merges them
     // over many blocks (one block's serial pass over many splits would cost more than the launch:
@@ -218,11 +218,13 @@ fn decode(q: &Tensor, k: &Tensor, v: &Tensor, lengths: &Tensor, mask: &Tensor, g
         DecodeMerge::Separate => (false, 0),
         DecodeMerge::InKernel { single_max } => (s.b * s.hkv <= ATTN_TICKETS && (s.tcap + 63) / 64 <= MERGE_MAX_SPLITS, single_max.clamp(0, i32::MAX as i64)),
     };
+    // attn_decode_rope takes qkv and inv_freq in q's place.
+    let mut args = match rope {
+        Some((qkv, f)) => vec![KernelArg::tensor(qkv)?, KernelArg::tensor(f)?],
+        None => vec![KernelArg::tensor(&q)?],
+    };
     unsafe {
-        split.launch_pdl(
-            LaunchConfig { grid: (nb as u32, 1, s.b as u32), block: (128, 1, 1), shared_mem_bytes: 0 },
-            &[
-                if rope.is_some() { KernelArg::Ptr(0) } else { KernelArg::tensor(&q)? },
+        args.extend([
                 KernelArg::tensor(&k)?,
                 KernelArg::tensor(&v)?,
                 KernelArg::tensor(&lengths)?,
@@ -239,16 +241,8 @@ fn decode(q: &Tensor, k: &Tensor, v: &Tensor, lengths: &Tensor, mask: &Tensor, g
                 KernelArg::F32((scale * std::f64::consts::LOG2_E) as f32),
                 KernelArg::I32(settled as i32),
                 KernelArg::I32(if merged { single_max as i32 } else { 0 }),
-                match rope {
-                    Some((qkv, _)) => KernelArg::tensor(qkv)?,
-                    None => KernelArg::Ptr(0),
-                },
-                match rope {
-                    Some((_, f)) => KernelArg::tensor(f)?,
-                    None => KernelArg::Ptr(0),
-                },
-            ],
-        )?;
+        ]);
+        split.launch_pdl(LaunchConfig { grid: (nb as u32, 1, s.b as u32), block: (128, 1, 1), shared_mem_bytes: 0 }, &args)?;
         if merged {
             return Ok(out);
         }

@@ -222,7 +222,7 @@ fn launch_gemv(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layou
     } else if ps {
         // A few blocks a multiprocessor, all resident at once, at most one a row set; the list
         // of groups [0, FIXED) in dynamic shared memory.
-        let blocks = (gemv_ps_blocks_per_sm(s.n) * crate::cuda::multiprocessor_count(device)? as i64).min(s.n / r);
+        let blocks = (gemv_ps_blocks_per_sm(s.n, layout.early()) * crate::cuda::multiprocessor_count(device)? as i64).min(s.n / r);
         (blocks as u32, 256, 4 * layout.always_on_from() as u32)
     } else if split {
         ((s.n / r) as u32, 256, 0)
@@ -491,27 +491,29 @@ fn env_switch(name: &str) -> Option<bool> {
 }
 
 /// Blocks a multiprocessor of the persistent split GEMV for a projection of `n` output rows
-/// (per matrix when fused): [`gemv_ps_blocks_for`] with the knobs `WIDE_GEMV_PS_BPS` (1 to 8,
-/// every projection) and `WIDE_GEMV_PS_BPS_WIDE` (1 to 8, projections of at least
-/// [`GEMV_PS_WIDE_ROWS`] rows), read once.
-fn gemv_ps_blocks_per_sm(n: i64) -> i64 {
+/// (per matrix when fused) whose mask is early or not: [`gemv_ps_blocks_for`] with the knobs
+/// `WIDE_GEMV_PS_BPS` (1 to 8, every projection) and `WIDE_GEMV_PS_BPS_WIDE` (1 to 8, projections
+/// of at least [`GEMV_PS_WIDE_ROWS`] rows without an early mask), read once.
+fn gemv_ps_blocks_per_sm(n: i64, early: bool) -> i64 {
     static V: OnceLock<(Option<i64>, Option<i64>)> = OnceLock::new();
     let knob = |name: &str| std::env::var(name).ok().and_then(|v| v.trim().parse().ok()).filter(|b| (1..=8).contains(b));
     let (all, wide) = *V.get_or_init(|| (knob("WIDE_GEMV_PS_BPS"), knob("WIDE_GEMV_PS_BPS_WIDE")));
-    gemv_ps_blocks_for(n, all, wide)
+    gemv_ps_blocks_for(n, early, all, wide)
 }
 
 /// Output rows from which the persistent GEMV takes more blocks a multiprocessor.
 pub const GEMV_PS_WIDE_ROWS: i64 = 8192;
 
 /// The policy behind [`gemv_ps_blocks_per_sm`]: `all` forces one count; otherwise 2 blocks a
-/// multiprocessor below [`GEMV_PS_WIDE_ROWS`] rows and `wide` (default 5) from there. Measured on
-/// the H200 (2026-12-04, NOTES v26), one token, s = 0.5, G = 128: cold and alone, up (14336 rows)
-/// 23.4 / 23.0-23.2 / 22.4 us and the fused gate+up 38.8-38.9 / 38.3-38.5 / 37.6-37.8 at 2 / 4 / 5,
-/// but Q (4096 rows) 11.5 us at 2 against 12.4 at 4 and 5; in the decode step gate+up 27.3 us a
-/// call at 2 against 26.5 at 4, the fused Q|K|V (6144 rows) 8.7 against 10.7.
-fn gemv_ps_blocks_for(n: i64, all: Option<i64>, wide: Option<i64>) -> i64 {
-    all.unwrap_or(if n >= GEMV_PS_WIDE_ROWS { wide.unwrap_or(5) } else { 2 })
+/// multiprocessor for a projection with an early mask (a decode step's: its launch starts while
+/// the one before drains, programmatic dependent launch) or below [`GEMV_PS_WIDE_ROWS`] rows,
+/// and `wide` (default 5) for the others. Measured on the H200 (2026-12-04, NOTES v26), one
+/// token, s = 0.5, G = 128: cold and alone, up (14336 rows) 23.4 / 23.0-23.2 / 22.4 us and the
+/// fused gate+up 38.8-38.9 / 38.3-38.5 / 37.6-37.8 at 2 / 4 / 5, but Q (4096 rows) 11.5 us at 2
+/// against 12.4 at 4 and 5; in the decode step the gate+up at 5 (Q|K|V at 2) made the step 3.082
+/// -3.083 ms against 3.075-3.076 at 2.
+fn gemv_ps_blocks_for(n: i64, early: bool, all: Option<i64>, wide: Option<i64>) -> i64 {
+    all.unwrap_or(if !early && n >= GEMV_PS_WIDE_ROWS { wide.unwrap_or(5) } else { 2 })
 }
 
 /// Warps a block of the gemm_mn GEMV: `WIDE_GEMV_WARPS` (1, 2 or 4; read once), default 4.
@@ -820,17 +822,21 @@ mod tests {
 
     #[test]
     fn persistent_gemv_blocks_follow_the_rows_and_the_knobs() {
-        // Q|K|V (6144 rows), Q alone (4096): 2; up and gate+up (14336): 5.
-        assert_eq!(gemv_ps_blocks_for(6144, None, None), 2);
-        assert_eq!(gemv_ps_blocks_for(4096, None, None), 2);
-        assert_eq!(gemv_ps_blocks_for(14336, None, None), 5);
-        assert_eq!(gemv_ps_blocks_for(GEMV_PS_WIDE_ROWS - 1, None, None), 2);
-        assert_eq!(gemv_ps_blocks_for(GEMV_PS_WIDE_ROWS, None, None), 5);
-        // WIDE_GEMV_PS_BPS_WIDE moves only the wide ones; WIDE_GEMV_PS_BPS forces every one.
-        assert_eq!(gemv_ps_blocks_for(14336, None, Some(4)), 4);
-        assert_eq!(gemv_ps_blocks_for(6144, None, Some(4)), 2);
-        assert_eq!(gemv_ps_blocks_for(6144, Some(3), Some(4)), 3);
-        assert_eq!(gemv_ps_blocks_for(14336, Some(3), Some(4)), 3);
+        // Q|K|V (6144 rows), Q alone (4096): 2; up and gate+up (14336): 5, but 2 in a decode
+        // step (early mask).
+        assert_eq!(gemv_ps_blocks_for(6144, false, None, None), 2);
+        assert_eq!(gemv_ps_blocks_for(4096, false, None, None), 2);
+        assert_eq!(gemv_ps_blocks_for(14336, false, None, None), 5);
+        assert_eq!(gemv_ps_blocks_for(14336, true, None, None), 2);
+        assert_eq!(gemv_ps_blocks_for(GEMV_PS_WIDE_ROWS - 1, false, None, None), 2);
+        assert_eq!(gemv_ps_blocks_for(GEMV_PS_WIDE_ROWS, false, None, None), 5);
+        // WIDE_GEMV_PS_BPS_WIDE moves only the wide ones without an early mask; WIDE_GEMV_PS_BPS
+        // forces every one.
+        assert_eq!(gemv_ps_blocks_for(14336, false, None, Some(4)), 4);
+        assert_eq!(gemv_ps_blocks_for(14336, true, None, Some(4)), 2);
+        assert_eq!(gemv_ps_blocks_for(6144, false, None, Some(4)), 2);
+        assert_eq!(gemv_ps_blocks_for(6144, false, Some(3), Some(4)), 3);
+        assert_eq!(gemv_ps_blocks_for(14336, true, Some(3), Some(4)), 3);
     }
 
     #[test]

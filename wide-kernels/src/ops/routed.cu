@@ -998,53 +998,52 @@ __device__ __forceinline__ void attn_decode_merge_head(const float* part_o, cons
 // Loads of one 16-token tile at tb for lane (g, t) (tokens at or past t1 read as zeros):
 // K: tokens tb + 8j + g, dims 32c + 8t .. +8.   V: tokens tb + {2t, 2t+1, 2t+8, 2t+9}, dims
 // [CW g, +CW) and [CW (g+8), +CW). 8 KB a warp at D = 128.
-// The newest token of a sequence when decode attention does its RoPE and cache write itself
-// (fused): its k and v rows come raw from the projection's output (k rotated here), not from
-// the cache. k == nullptr: not fused (every row from the cache). Lane t of a K row or of q holds
-// dims [32 c + 8 t, + 8) (c < D / 32), so the RoPE pairs (i, i + D / 2) are its chunks c and
-// c + D / 64. The cosines and sines are computed where a row is rotated (once a block for the
-// newest K row and for q), not held across the tile loop, whose registers are full.
-template <int D>
-struct DecodeNewest {
-    static constexpr int DH = D / 64;
-    int tok;  // position (= the newest row), or -1
-    const T* k;
-    const T* v;
-    const float* inv_freq;
-    __device__ __forceinline__ void rotate(unsigned (&w)[D / 32][4], int t) const {
-#pragma unroll
-        for (int cc = 0; cc < DH; ++cc) {
-            float c[8], s[8];
-            rope_cos_sin8(tok, inv_freq, 32 * cc + 8 * t, c, s);
-            uint4 a = make_uint4(w[cc][0], w[cc][1], w[cc][2], w[cc][3]);
-            uint4 b = make_uint4(w[cc + DH][0], w[cc + DH][1], w[cc + DH][2], w[cc + DH][3]);
-            rope_rotate8(a, b, c, s);
-            w[cc][0] = a.x; w[cc][1] = a.y; w[cc][2] = a.z; w[cc][3] = a.w;
-            w[cc + DH][0] = b.x; w[cc + DH][1] = b.y; w[cc + DH][2] = b.z; w[cc + DH][3] = b.w;
-        }
-    }
-};
-
 template <int D>
 __device__ __forceinline__ void decode_tile_loads(unsigned (&kr)[2][D / 32][4], unsigned (&vr)[4][2][D / 32], const T* kb, const T* vb,
-                                                  int tb, int t1, int g, int t, const DecodeNewest<D>& nw) {
+                                                  int tb, int t1, int g, int t) {
     constexpr int DC = D / 32, CW = D / 16, VW = CW / 2;
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
         const int tok = tb + 8 * j + g;
-        const bool fresh = nw.k != nullptr && tok == nw.tok;
-        const T* kt = fresh ? nw.k : kb + (long long)tok * D;
 #pragma unroll
-        for (int c = 0; c < DC; ++c) ld_words<4>(kr[j][c], kt + 32 * c + 8 * t, tok < t1);
-        if (fresh) nw.rotate(kr[j], t);
+        for (int c = 0; c < DC; ++c) ld_words<4>(kr[j][c], kb + (long long)tok * D + 32 * c + 8 * t, tok < t1);
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
         const int tok = tb + 2 * t + (e & 1) + 8 * (e >> 1);
-        const T* vt = nw.v != nullptr && tok == nw.tok ? nw.v : vb + (long long)tok * D;
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) ld_words<VW>(vr[e][hh], vt + CW * (g + 8 * hh), tok < t1);
+        for (int hh = 0; hh < 2; ++hh) ld_words<VW>(vr[e][hh], vb + (long long)tok * D + CW * (g + 8 * hh), tok < t1);
     }
+}
+
+// The tile of one token whose k and v rows are at krow / vrow (decode attention with the RoPE
+// fused in: the new token, from the projection's output): as decode_tile_loads with that token
+// first in the tile and the other 15 zero; its k rotated by position p (lane t holds dims
+// [32 c + 8 t, + 8), so the RoPE pairs (i, i + D / 2) are its chunks c and c + D / 64).
+template <int D>
+__device__ __forceinline__ void decode_newest_loads(unsigned (&kr)[2][D / 32][4], unsigned (&vr)[4][2][D / 32], const T* krow, const T* vrow,
+                                                    int p, const float* __restrict__ inv_freq, int g, int t) {
+    constexpr int DC = D / 32, DH = D / 64, CW = D / 16, VW = CW / 2;
+#pragma unroll
+    for (int c = 0; c < DC; ++c) ld_words<4>(kr[0][c], krow + 32 * c + 8 * t, g == 0);
+#pragma unroll
+    for (int c = 0; c < DC; ++c) kr[1][c][0] = kr[1][c][1] = kr[1][c][2] = kr[1][c][3] = 0u;
+    if (g == 0) {
+#pragma unroll
+        for (int cc = 0; cc < DH; ++cc) {
+            float cs[8], sn[8];
+            rope_cos_sin8(p, inv_freq, 32 * cc + 8 * t, cs, sn);
+            uint4 a = make_uint4(kr[0][cc][0], kr[0][cc][1], kr[0][cc][2], kr[0][cc][3]);
+            uint4 b = make_uint4(kr[0][cc + DH][0], kr[0][cc + DH][1], kr[0][cc + DH][2], kr[0][cc + DH][3]);
+            rope_rotate8(a, b, cs, sn);
+            kr[0][cc][0] = a.x; kr[0][cc][1] = a.y; kr[0][cc][2] = a.z; kr[0][cc][3] = a.w;
+            kr[0][cc + DH][0] = b.x; kr[0][cc + DH][1] = b.y; kr[0][cc + DH][2] = b.z; kr[0][cc + DH][3] = b.w;
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) ld_words<VW>(vr[e][hh], vrow + CW * (g + 8 * hh), t == 0 && e == 0);
 }
 
 // One tile (tb < t1) into the running softmax state of this lane: m (head g's running max,
@@ -1101,13 +1100,13 @@ __device__ __forceinline__ void decode_tile_compute(const unsigned (&qa)[D / 32]
     }
 }
 
-template <int D, int QPK>
+template <int D, int QPK, bool ROPE>
 __device__ __forceinline__ void attn_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                                   const int* __restrict__ lengths, const unsigned char* __restrict__ mask,
                                                   float* __restrict__ part_o, float* __restrict__ part_ml, T* __restrict__ out,
                                                   int HQ, int HKV, int TCAP, int NB, int GH, int NG, float scale_log2, int settled,
                                                   int single_max, const T* __restrict__ qkv, const float* __restrict__ inv_freq) {
-    static_assert(QPK <= 8 && D % 64 == 0, "at most 8 query heads a KV head, head_dim a multiple of 64");
+    static_assert(QPK <= 8 && D % 32 == 0 && (!ROPE || D % 64 == 0), "at most 8 query heads a KV head, head_dim a multiple of 32 (64 with RoPE)");
     constexpr int DC = D / 32;     // 32-dim blocks of K (2 mma k-steps each)
     constexpr int CW = D / 16;     // dims a lane holds per V row chunk = PV mmas
     constexpr int VW = CW / 2;     // 32-bit words per V chunk
@@ -1119,12 +1118,12 @@ __device__ __forceinline__ void attn_decode_split(const T* __restrict__ q, const
     // lengths[b] - 1), and the mask and lengths are two or more launches old. Then the mask,
     // the length and the first tiles of the older rows are loaded before the wait, the newest
     // row after it; nothing is stored before the wait either way.
-    // qkv != null (RoPE fused in): q and the newest token's k and v are that token's row of the
-    // projection's output qkv [B, (HQ + 2 HKV) D], unrotated; q and k are rotated here by the
-    // position lengths[b] - 1 (rope.cuh, as rope_qkv_cache8 does), the newest tile takes its k
-    // and v from there, and block x < HKV writes KV head x's newest cache row (no block of this
-    // launch reads that row from the cache). Then `settled` promises that the launch just before
-    // wrote only qkv.
+    // ROPE (attn_decode_rope): q and the new token's k and v are that token's row of the
+    // projection's output qkv [B, (HQ + 2 HKV) D], unrotated, at position p = lengths[b] - 1.
+    // q and that k are rotated here (rope.cuh, as rope_qkv_cache8 does); block x < HKV writes KV
+    // head x's cache row p; the split holding p runs its tiles over the rows before it (all
+    // older, loaded before the wait when settled) and the new token as one more tile of its own,
+    // from qkv, after the loop. `settled` then promises that the launch just before wrote only qkv.
     if (!settled) {
         pdl_wait();
         pdl_trigger();
@@ -1151,31 +1150,25 @@ __device__ __forceinline__ void attn_decode_split(const T* __restrict__ q, const
     const T* kb = k + head * D;
     const T* vb = v + head * D;
     const long long qkv_row = (long long)b * (HQ + 2 * HKV) * D;
-    DecodeNewest<D> nw;
-    nw.tok = -1;
-    nw.k = nw.v = nullptr;
-    nw.inv_freq = inv_freq;
-    if (qkv != nullptr && len_b - 1 < TCAP) {
-        nw.tok = len_b - 1;
-        nw.k = qkv + qkv_row + (long long)(HQ + h) * D;
-        nw.v = qkv + qkv_row + (long long)(HQ + HKV + h) * D;
-    }
+    // ROPE: the new token's row, when this split holds it, is not read from the cache.
+    const bool has_new = ROPE && work && len_b - 1 >= t0 && len_b - 1 < t1;
+    const int te = has_new ? len_b - 1 : t1;  // the tiles' end
     // Two register slots of tiles: tile k + 2's loads are issued into the slot of tile k as soon
     // as tile k is consumed (ptxas hoists them above tile k's PV products once its K registers
     // are free), so a warp has one tile in flight while it computes and two while it waits.
     constexpr int ST = 16 * NW;  // tokens between a warp's tiles
     unsigned kr[2][2][DC][4], vr[2][4][2][VW];
     int tb = t0 + 16 * warp;
-    const int tp = settled ? min(t1, len - 1) : t1;  // settled: the rows written before the last launch
-    decode_tile_loads<D>(kr[0], vr[0], kb, vb, tb, tp, g, t, nw);
-    decode_tile_loads<D>(kr[1], vr[1], kb, vb, tb + ST, tp, g, t, nw);
+    const int tp = ROPE ? te : settled ? min(t1, len - 1) : t1;  // settled: the rows written before the last launch
+    decode_tile_loads<D>(kr[0], vr[0], kb, vb, tb, tp, g, t);
+    decode_tile_loads<D>(kr[1], vr[1], kb, vb, tb + ST, tp, g, t);
     if (settled) {
         pdl_wait();
         pdl_trigger();
         // The newest row, in this split's range when tp < t1: its tile again, now in full.
         const int nt = len - 1;
-        if (tp < t1 && nt >= tb && nt < tb + 16) decode_tile_loads<D>(kr[0], vr[0], kb, vb, tb, t1, g, t, nw);
-        if (tp < t1 && nt >= tb + ST && nt < tb + ST + 16) decode_tile_loads<D>(kr[1], vr[1], kb, vb, tb + ST, t1, g, t, nw);
+        if (!ROPE && tp < t1 && nt >= tb && nt < tb + 16) decode_tile_loads<D>(kr[0], vr[0], kb, vb, tb, t1, g, t);
+        if (!ROPE && tp < t1 && nt >= tb + ST && nt < tb + ST + 16) decode_tile_loads<D>(kr[1], vr[1], kb, vb, tb + ST, t1, g, t);
     }
     if (out != nullptr) {
         // Merged here: block x writes the zeros of the x-th KV head with no active query head
@@ -1186,55 +1179,62 @@ __device__ __forceinline__ void attn_decode_split(const T* __restrict__ q, const
             for (int i = threadIdx.x; i < QPK * D; i += blockDim.x) o[i] = (T)0.0f;
         }
     }
-    if (qkv != nullptr && (int)blockIdx.x < HKV && len_b >= 1 && len_b - 1 < TCAP) {
-        // KV head blockIdx.x's newest cache row: D / 16 threads rotate 8 pairs of k each, D / 8
-        // copy 8 values of v each.
+    if (ROPE && (int)blockIdx.x < HKV && len_b >= 1 && len_b - 1 < TCAP) {
+        // KV head blockIdx.x's cache row p: D / 16 threads rotate 8 pairs of k each, D / 8 copy
+        // 8 values of v each.
         const int kh = blockIdx.x, p = len_b - 1, i = threadIdx.x;
         const long long dst = (((long long)b * HKV + kh) * TCAP + p) * D;
-        const T* kr0 = qkv + qkv_row + (long long)(HQ + kh) * D;
-        const T* vr0 = qkv + qkv_row + (long long)(HQ + HKV + kh) * D;
+        const T* ks = qkv + qkv_row + (long long)(HQ + kh) * D;
+        const T* vs = qkv + qkv_row + (long long)(HQ + HKV + kh) * D;
         if (i < D / 16) {
-            float c[8], sn[8];
-            rope_cos_sin8(p, inv_freq, 8 * i, c, sn);
-            uint4 a = *reinterpret_cast<const uint4*>(kr0 + 8 * i), bq = *reinterpret_cast<const uint4*>(kr0 + D / 2 + 8 * i);
-            rope_rotate8(a, bq, c, sn);
+            float cs[8], sn[8];
+            rope_cos_sin8(p, inv_freq, 8 * i, cs, sn);
+            uint4 a = *reinterpret_cast<const uint4*>(ks + 8 * i), bq = *reinterpret_cast<const uint4*>(ks + D / 2 + 8 * i);
+            rope_rotate8(a, bq, cs, sn);
             T* kd = const_cast<T*>(k) + dst;
             *reinterpret_cast<uint4*>(kd + 8 * i) = a;
             *reinterpret_cast<uint4*>(kd + D / 2 + 8 * i) = bq;
         } else if (i < D / 16 + D / 8) {
             const int j = i - D / 16;
-            *reinterpret_cast<uint4*>(const_cast<T*>(v) + dst + 8 * j) = *reinterpret_cast<const uint4*>(vr0 + 8 * j);
+            *reinterpret_cast<uint4*>(const_cast<T*>(v) + dst + 8 * j) = *reinterpret_cast<const uint4*>(vs + 8 * j);
         }
     }
     if (!work) return;
     // Q A-fragments: row g = query head g (zero past QPK); a1, a3 (rows g + 8) stay zero.
     unsigned qa[DC][4];
-    {
-        uint4 w[DC];
-        const T* qr = qkv != nullptr ? qkv + qkv_row + (long long)(h * QPK + g) * D : q + ((long long)b * HQ + h * QPK + g) * D;
 #pragma unroll
-        for (int c = 0; c < DC; ++c) w[c] = g < QPK ? ld_keep(qr + 32 * c + 8 * t) : make_uint4(0, 0, 0, 0);
-        if (qkv != nullptr) {
+    for (int c = 0; c < DC; ++c) {
+        uint4 w = make_uint4(0, 0, 0, 0);
+        if (g < QPK) w = ld_keep((ROPE ? qkv + qkv_row : q + (long long)b * HQ * D) + (long long)(h * QPK + g) * D + 32 * c + 8 * t);
+        qa[c][0] = w.x; qa[c][1] = w.y; qa[c][2] = w.z; qa[c][3] = w.w;
+    }
+    if (ROPE && g < QPK) {
 #pragma unroll
-            for (int cc = 0; cc < DC / 2; ++cc) {
-                float c[8], sn[8];
-                rope_cos_sin8(len_b - 1, inv_freq, 32 * cc + 8 * t, c, sn);
-                rope_rotate8(w[cc], w[cc + DC / 2], c, sn);
-            }
+        for (int cc = 0; cc < DC / 2; ++cc) {
+            float cs[8], sn[8];
+            rope_cos_sin8(len_b - 1, inv_freq, 32 * cc + 8 * t, cs, sn);
+            uint4 a = make_uint4(qa[cc][0], qa[cc][1], qa[cc][2], qa[cc][3]);
+            uint4 bq = make_uint4(qa[cc + DC / 2][0], qa[cc + DC / 2][1], qa[cc + DC / 2][2], qa[cc + DC / 2][3]);
+            rope_rotate8(a, bq, cs, sn);
+            qa[cc][0] = a.x; qa[cc][1] = a.y; qa[cc][2] = a.z; qa[cc][3] = a.w;
+            qa[cc + DC / 2][0] = bq.x; qa[cc + DC / 2][1] = bq.y; qa[cc + DC / 2][2] = bq.z; qa[cc + DC / 2][3] = bq.w;
         }
-#pragma unroll
-        for (int c = 0; c < DC; ++c) { qa[c][0] = w[c].x; qa[c][1] = w[c].y; qa[c][2] = w[c].z; qa[c][3] = w[c].w; }
     }
     float o[CW][4];
 #pragma unroll
     for (int i = 0; i < CW; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
     float m = NEG_INF, l = 0.f;  // head g's running max (log2 domain) and this lane's share of the sum
-    for (; tb < t1; tb += 2 * ST) {  // uniform in the warp
-        decode_tile_compute<D>(qa, kr[0], vr[0], tb, t1, scale_log2, t, o, m, l);
-        decode_tile_loads<D>(kr[0], vr[0], kb, vb, tb + 2 * ST, t1, g, t, nw);
-        if (tb + ST >= t1) break;
-        decode_tile_compute<D>(qa, kr[1], vr[1], tb + ST, t1, scale_log2, t, o, m, l);
-        decode_tile_loads<D>(kr[1], vr[1], kb, vb, tb + 3 * ST, t1, g, t, nw);
+    for (; tb < te; tb += 2 * ST) {  // uniform in the warp
+        decode_tile_compute<D>(qa, kr[0], vr[0], tb, te, scale_log2, t, o, m, l);
+        decode_tile_loads<D>(kr[0], vr[0], kb, vb, tb + 2 * ST, te, g, t);
+        if (tb + ST >= te) break;
+        decode_tile_compute<D>(qa, kr[1], vr[1], tb + ST, te, scale_log2, t, o, m, l);
+        decode_tile_loads<D>(kr[1], vr[1], kb, vb, tb + 3 * ST, te, g, t);
+    }
+    if (has_new && warp == NW - 1) {  // ROPE: the new token, one more tile (the loop's registers are free)
+        const int p = len_b - 1;
+        decode_newest_loads<D>(kr[0], vr[0], qkv + qkv_row + (long long)(HQ + h) * D, qkv + qkv_row + (long long)(HQ + HKV + h) * D, p, inv_freq, g, t);
+        decode_tile_compute<D>(qa, kr[0], vr[0], p, p + 1, scale_log2, t, o, m, l);
     }
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
@@ -1417,10 +1417,16 @@ __device__ __forceinline__ void attn_decode_combine(const float* __restrict__ pa
 #define ATTN_DECODE(D, QPK)                                                                                         \
     extern "C" __global__ void __launch_bounds__(128) attn_decode_split_##D##_##QPK(                                 \
         const T* q, const T* k, const T* v, const int* lengths, const unsigned char* mask, float* part_o, float* part_ml, \
-        T* out, int HQ, int HKV, int TCAP, int NB, int GH, int NG, float scale_log2, int settled, int single_max,     \
-        const T* qkv, const float* inv_freq) {                                                                       \
-        attn_decode_split<D, QPK>(q, k, v, lengths, mask, part_o, part_ml, out, HQ, HKV, TCAP, NB, GH, NG, scale_log2, settled, \
-                                  single_max, qkv, inv_freq);                                                        \
+        T* out, int HQ, int HKV, int TCAP, int NB, int GH, int NG, float scale_log2, int settled, int single_max) {   \
+        attn_decode_split<D, QPK, false>(q, k, v, lengths, mask, part_o, part_ml, out, HQ, HKV, TCAP, NB, GH, NG, scale_log2, \
+                                         settled, single_max, nullptr, nullptr);                                     \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(128) attn_decode_rope_##D##_##QPK(                                  \
+        const T* qkv, const float* inv_freq, T* k, T* v, const int* lengths, const unsigned char* mask, float* part_o,  \
+        float* part_ml, T* out, int HQ, int HKV, int TCAP, int NB, int GH, int NG, float scale_log2, int settled,      \
+        int single_max) {                                                                                            \
+        attn_decode_split<D, QPK, true>(nullptr, k, v, lengths, mask, part_o, part_ml, out, HQ, HKV, TCAP, NB, GH, NG, scale_log2, \
+                                        settled, single_max, qkv, inv_freq);                                         \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(256) attn_decode_combine_##D##_##QPK(                               \
         const float* part_o, const float* part_ml, const int* lengths, const unsigned char* mask, T* out, int HQ, int HKV,     \
