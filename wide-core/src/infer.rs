@@ -565,7 +565,7 @@ impl<'m> Engine<'m> {
             let token_major = lengths.is_none() && !head_major;
             let attn = match lengths {
                 // A decode step on the kernel: RoPE and the cache write inside the attention launch.
-                Some(len) if self.decode_kernel_ok(i, &qkv, cache) => self.timed("attention", || self.attention_decode_rope(i, &qkv, b, len, cache, attn_d.as_ref()))?,
+                Some(len) if wide_kernels::ops::attention::decode_rope_enabled() && self.decode_kernel_ok(i, &qkv, cache) => self.timed("attention", || self.attention_decode_rope(i, &qkv, b, len, cache, attn_d.as_ref()))?,
                 _ => {
                     let q = self.timed("rope_kv", || fused::rope_qkv_cache_settled(&qkv, pos, &self.inv_freq, &shape, &cache.keys[i], &cache.values[i], token_major))?;
                     self.timed("attention", || self.attention(i, &q, (b, t), lengths, cache, attn_d.as_ref()))?

@@ -141,7 +141,7 @@ pub fn attention_decode_step_rope(qkv: &Tensor, inv_freq: &Tensor, k: &Tensor, v
     ensure!(qb == b && d > 0 && w % d == 0 && w / d > 2 * hkv, "attention_decode_step_rope: qkv {:?} does not fit a cache of {b} sequences, {hkv} KV heads of {d}", qkv.size());
     let hq = w / d - 2 * hkv;
     ensure!(inv_freq.size() == [d / 2], "attention_decode_step_rope: inv_freq {:?} must be [{}]", inv_freq.size(), d / 2);
-    let fused = rope_fused()
+    let fused = decode_rope_enabled()
         && matches!(qkv.device(), Device::Cuda(_))
         && matches!(qkv.kind(), Kind::BFloat16 | Kind::Half)
         && qkv.kind() == k.kind()
@@ -167,8 +167,9 @@ pub fn attention_decode_step_rope(qkv: &Tensor, inv_freq: &Tensor, k: &Tensor, v
 }
 
 /// `WIDE_DECODE_ROPE=0`: [`attention_decode_step_rope`] runs RoPE and the cache write as their
-/// own launch before the attention (read once; for A/B benchmarks).
-fn rope_fused() -> bool {
+/// own launch before the attention, and the engine's decode step keeps its separate RoPE launch
+/// (read once; for A/B benchmarks).
+pub fn decode_rope_enabled() -> bool {
     static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *V.get_or_init(|| std::env::var("WIDE_DECODE_ROPE").map(|v| v != "0").unwrap_or(true))
 }

@@ -1016,34 +1016,30 @@ __device__ __forceinline__ void decode_tile_loads(unsigned (&kr)[2][D / 32][4], 
     }
 }
 
-// The tile of one token whose k and v rows are at krow / vrow (decode attention with the RoPE
-// fused in: the new token, from the projection's output): as decode_tile_loads with that token
-// first in the tile and the other 15 zero; its k rotated by position p (lane t holds dims
-// [32 c + 8 t, + 8), so the RoPE pairs (i, i + D / 2) are its chunks c and c + D / 64).
+// The cosines and sines of dims [i0, i0 + 8) from the block's RoPE table (rc, rs).
+__device__ __forceinline__ void rope_table8(const float* rc, const float* rs, int i0, float (&cs)[8], float (&sn)[8]) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) { cs[j] = rc[i0 + j]; sn[j] = rs[i0 + j]; }
+}
+
+// The tile of one token whose (rotated) k and v rows the block staged in shared memory (decode
+// attention with the RoPE fused in: the new token): as decode_tile_loads with that token first
+// in the tile and the other 15 zero.
 template <int D>
-__device__ __forceinline__ void decode_newest_loads(unsigned (&kr)[2][D / 32][4], unsigned (&vr)[4][2][D / 32], const T* krow, const T* vrow,
-                                                    int p, const float* __restrict__ inv_freq, int g, int t) {
-    constexpr int DC = D / 32, DH = D / 64, CW = D / 16, VW = CW / 2;
+__device__ __forceinline__ void decode_newest_loads(unsigned (&kr)[2][D / 32][4], unsigned (&vr)[4][2][D / 32], const T* sk, const T* sv, int g, int t) {
+    constexpr int DC = D / 32, CW = D / 16, VW = CW / 2;
 #pragma unroll
-    for (int c = 0; c < DC; ++c) ld_words<4>(kr[0][c], krow + 32 * c + 8 * t, g == 0);
-#pragma unroll
-    for (int c = 0; c < DC; ++c) kr[1][c][0] = kr[1][c][1] = kr[1][c][2] = kr[1][c][3] = 0u;
-    if (g == 0) {
-#pragma unroll
-        for (int cc = 0; cc < DH; ++cc) {
-            float cs[8], sn[8];
-            rope_cos_sin8(p, inv_freq, 32 * cc + 8 * t, cs, sn);
-            uint4 a = make_uint4(kr[0][cc][0], kr[0][cc][1], kr[0][cc][2], kr[0][cc][3]);
-            uint4 b = make_uint4(kr[0][cc + DH][0], kr[0][cc + DH][1], kr[0][cc + DH][2], kr[0][cc + DH][3]);
-            rope_rotate8(a, b, cs, sn);
-            kr[0][cc][0] = a.x; kr[0][cc][1] = a.y; kr[0][cc][2] = a.z; kr[0][cc][3] = a.w;
-            kr[0][cc + DH][0] = b.x; kr[0][cc + DH][1] = b.y; kr[0][cc + DH][2] = b.z; kr[0][cc + DH][3] = b.w;
-        }
+    for (int c = 0; c < DC; ++c) {
+        const uint4 w = g == 0 ? *reinterpret_cast<const uint4*>(sk + 32 * c + 8 * t) : make_uint4(0, 0, 0, 0);
+        kr[0][c][0] = w.x; kr[0][c][1] = w.y; kr[0][c][2] = w.z; kr[0][c][3] = w.w;
+        kr[1][c][0] = kr[1][c][1] = kr[1][c][2] = kr[1][c][3] = 0u;
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e)
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) ld_words<VW>(vr[e][hh], vrow + CW * (g + 8 * hh), t == 0 && e == 0);
+        for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+            for (int w = 0; w < VW; ++w) vr[e][hh][w] = t == 0 && e == 0 ? reinterpret_cast<const unsigned*>(sv + CW * (g + 8 * hh))[w] : 0u;
 }
 
 // One tile (tb < t1) into the running softmax state of this lane: m (head g's running max,
@@ -1150,6 +1146,18 @@ __device__ __forceinline__ void attn_decode_split(const T* __restrict__ q, const
     const T* kb = k + head * D;
     const T* vb = v + head * D;
     const long long qkv_row = (long long)b * (HQ + 2 * HKV) * D;
+    // ROPE: the cosines and sines of position lengths[b] - 1 (older than the launch before when
+    // settled), one dim a thread, before the wait; every rotation below reads them.
+    __shared__ float rope_c[ROPE ? D / 2 : 1], rope_s[ROPE ? D / 2 : 1];
+    if (ROPE) {
+        for (int i = threadIdx.x; i < D / 2; i += blockDim.x) {
+            float c, sv;
+            sincosf((float)(len_b - 1) * inv_freq[i], &sv, &c);
+            rope_c[i] = rt(c);
+            rope_s[i] = rt(sv);
+        }
+        __syncthreads();
+    }
     // ROPE: the new token's row, when this split holds it, is not read from the cache.
     const bool has_new = ROPE && work && len_b - 1 >= t0 && len_b - 1 < t1;
     const int te = has_new ? len_b - 1 : t1;  // the tiles' end
@@ -1179,6 +1187,25 @@ __device__ __forceinline__ void attn_decode_split(const T* __restrict__ q, const
             for (int i = threadIdx.x; i < QPK * D; i += blockDim.x) o[i] = (T)0.0f;
         }
     }
+    __shared__ __align__(16) T new_k[ROPE ? D : 8], new_v[ROPE ? D : 8];
+    if (has_new) {  // uniform over the block
+        // The new token's k (rotated) and v of this block's KV head, for the tile after the loop.
+        const int i = threadIdx.x;
+        const T* ks = qkv + qkv_row + (long long)(HQ + h) * D;
+        const T* vs = qkv + qkv_row + (long long)(HQ + HKV + h) * D;
+        if (i < D / 16) {
+            float cs[8], sn[8];
+            rope_table8(rope_c, rope_s, 8 * i, cs, sn);
+            uint4 a = *reinterpret_cast<const uint4*>(ks + 8 * i), bq = *reinterpret_cast<const uint4*>(ks + D / 2 + 8 * i);
+            rope_rotate8(a, bq, cs, sn);
+            *reinterpret_cast<uint4*>(new_k + 8 * i) = a;
+            *reinterpret_cast<uint4*>(new_k + D / 2 + 8 * i) = bq;
+        } else if (i < D / 16 + D / 8) {
+            const int j = i - D / 16;
+            *reinterpret_cast<uint4*>(new_v + 8 * j) = *reinterpret_cast<const uint4*>(vs + 8 * j);
+        }
+        __syncthreads();
+    }
     if (ROPE && (int)blockIdx.x < HKV && len_b >= 1 && len_b - 1 < TCAP) {
         // KV head blockIdx.x's cache row p: D / 16 threads rotate 8 pairs of k each, D / 8 copy
         // 8 values of v each.
@@ -1188,7 +1215,7 @@ __device__ __forceinline__ void attn_decode_split(const T* __restrict__ q, const
         const T* vs = qkv + qkv_row + (long long)(HQ + HKV + kh) * D;
         if (i < D / 16) {
             float cs[8], sn[8];
-            rope_cos_sin8(p, inv_freq, 8 * i, cs, sn);
+            rope_table8(rope_c, rope_s, 8 * i, cs, sn);
             uint4 a = *reinterpret_cast<const uint4*>(ks + 8 * i), bq = *reinterpret_cast<const uint4*>(ks + D / 2 + 8 * i);
             rope_rotate8(a, bq, cs, sn);
             T* kd = const_cast<T*>(k) + dst;
@@ -1212,7 +1239,7 @@ __device__ __forceinline__ void attn_decode_split(const T* __restrict__ q, const
 #pragma unroll
         for (int cc = 0; cc < DC / 2; ++cc) {
             float cs[8], sn[8];
-            rope_cos_sin8(len_b - 1, inv_freq, 32 * cc + 8 * t, cs, sn);
+            rope_table8(rope_c, rope_s, 32 * cc + 8 * t, cs, sn);
             uint4 a = make_uint4(qa[cc][0], qa[cc][1], qa[cc][2], qa[cc][3]);
             uint4 bq = make_uint4(qa[cc + DC / 2][0], qa[cc + DC / 2][1], qa[cc + DC / 2][2], qa[cc + DC / 2][3]);
             rope_rotate8(a, bq, cs, sn);
@@ -1233,7 +1260,7 @@ __device__ __forceinline__ void attn_decode_split(const T* __restrict__ q, const
     }
     if (has_new && warp == NW - 1) {  // ROPE: the new token, one more tile (the loop's registers are free)
         const int p = len_b - 1;
-        decode_newest_loads<D>(kr[0], vr[0], qkv + qkv_row + (long long)(HQ + h) * D, qkv + qkv_row + (long long)(HQ + HKV + h) * D, p, inv_freq, g, t);
+        decode_newest_loads<D>(kr[0], vr[0], new_k, new_v, g, t);
         decode_tile_compute<D>(qa, kr[0], vr[0], p, p + 1, scale_log2, t, o, m, l);
     }
     l += __shfl_xor_sync(0xffffffffu, l, 1);
