@@ -29,6 +29,14 @@ use wide_kernels::ops::fused::{self, QkvShape, RouterWeights};
 use wide_kernels::ops::gemm::{choose_path, fold_rank_ok, gemm_k_fold_router, RouterFold};
 use wide_kernels::{route_layout, routed_gemm, RouteLayout};
 
+/// Whether a decode step's attention (routed or dense) takes the new token's RoPE and cache write
+/// into its own launch (`attention_decode_step_rope`): `WIDE_DECODE_ROPE=0|1` forces it off / on
+/// for both, by default both.
+fn decode_rope_fused(routed: bool) -> bool {
+    let _ = routed;
+    wide_kernels::ops::attention::decode_rope_knob().unwrap_or(true)
+}
+
 /// One layer's fused projection weights (the model's q/k/v and gate/up weights are views).
 pub struct FusedLayer {
     /// `[q_heads * head_dim + 2 * kv_heads * head_dim, hidden]`.
@@ -565,7 +573,7 @@ impl<'m> Engine<'m> {
             let token_major = lengths.is_none() && !head_major;
             let attn = match lengths {
                 // A decode step on the kernel: RoPE and the cache write inside the attention launch.
-                Some(len) if wide_kernels::ops::attention::decode_rope_enabled() && self.decode_kernel_ok(i, &qkv, cache) => self.timed("attention", || self.attention_decode_rope(i, &qkv, b, len, cache, attn_d.as_ref()))?,
+                Some(len) if decode_rope_fused(attn_d.is_some()) && self.decode_kernel_ok(i, &qkv, cache) => self.timed("attention", || self.attention_decode_rope(i, &qkv, b, len, cache, attn_d.as_ref()))?,
                 _ => {
                     let q = self.timed("rope_kv", || fused::rope_qkv_cache_settled(&qkv, pos, &self.inv_freq, &shape, &cache.keys[i], &cache.values[i], token_major))?;
                     self.timed("attention", || self.attention(i, &q, (b, t), lengths, cache, attn_d.as_ref()))?

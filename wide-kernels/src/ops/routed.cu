@@ -1187,53 +1187,64 @@ __device__ __forceinline__ void attn_decode_split(const T* __restrict__ q, const
             for (int i = threadIdx.x; i < QPK * D; i += blockDim.x) o[i] = (T)0.0f;
         }
     }
-    __shared__ __align__(16) T new_k[ROPE ? D : 8], new_v[ROPE ? D : 8];
-    if (has_new) {  // uniform over the block
-        // The new token's k (rotated) and v of this block's KV head, for the tile after the loop.
-        const int i = threadIdx.x;
-        const T* ks = qkv + qkv_row + (long long)(HQ + h) * D;
-        const T* vs = qkv + qkv_row + (long long)(HQ + HKV + h) * D;
-        if (i < D / 16) {
-            float cs[8], sn[8];
-            rope_table8(rope_c, rope_s, 8 * i, cs, sn);
-            uint4 a = *reinterpret_cast<const uint4*>(ks + 8 * i), bq = *reinterpret_cast<const uint4*>(ks + D / 2 + 8 * i);
-            rope_rotate8(a, bq, cs, sn);
-            *reinterpret_cast<uint4*>(new_k + 8 * i) = a;
-            *reinterpret_cast<uint4*>(new_k + D / 2 + 8 * i) = bq;
-        } else if (i < D / 16 + D / 8) {
-            const int j = i - D / 16;
-            *reinterpret_cast<uint4*>(new_v + 8 * j) = *reinterpret_cast<const uint4*>(vs + 8 * j);
+    // Q A-fragments: row g = query head g (zero past QPK); a1, a3 (rows g + 8) stay zero. ROPE:
+    // q comes unrotated from qkv, its loads issued before the new token's rows below.
+    unsigned qa[DC][4];
+    if (ROPE && work) {
+#pragma unroll
+        for (int c = 0; c < DC; ++c) {
+            uint4 w = make_uint4(0, 0, 0, 0);
+            if (g < QPK) w = ld_keep(qkv + qkv_row + (long long)(h * QPK + g) * D + 32 * c + 8 * t);
+            qa[c][0] = w.x; qa[c][1] = w.y; qa[c][2] = w.z; qa[c][3] = w.w;
         }
-        __syncthreads();
     }
-    if (ROPE && (int)blockIdx.x < HKV && len_b >= 1 && len_b - 1 < TCAP) {
-        // KV head blockIdx.x's cache row p: D / 16 threads rotate 8 pairs of k each, D / 8 copy
-        // 8 values of v each.
-        const int kh = blockIdx.x, p = len_b - 1, i = threadIdx.x;
-        const long long dst = (((long long)b * HKV + kh) * TCAP + p) * D;
-        const T* ks = qkv + qkv_row + (long long)(HQ + kh) * D;
-        const T* vs = qkv + qkv_row + (long long)(HQ + HKV + kh) * D;
-        if (i < D / 16) {
-            float cs[8], sn[8];
-            rope_table8(rope_c, rope_s, 8 * i, cs, sn);
-            uint4 a = *reinterpret_cast<const uint4*>(ks + 8 * i), bq = *reinterpret_cast<const uint4*>(ks + D / 2 + 8 * i);
-            rope_rotate8(a, bq, cs, sn);
-            T* kd = const_cast<T*>(k) + dst;
-            *reinterpret_cast<uint4*>(kd + 8 * i) = a;
-            *reinterpret_cast<uint4*>(kd + D / 2 + 8 * i) = bq;
-        } else if (i < D / 16 + D / 8) {
-            const int j = i - D / 16;
-            *reinterpret_cast<uint4*>(const_cast<T*>(v) + dst + 8 * j) = *reinterpret_cast<const uint4*>(vs + 8 * j);
+    __shared__ __align__(16) T new_k[ROPE ? D : 8], new_v[ROPE ? D : 8];
+    if (ROPE) {
+        // The new token's rows at position p: this block's KV head h staged in shared memory for
+        // the tile after the loop (has_new), KV head blockIdx.x written to the cache (block x <
+        // HKV; every head, active or not); one load when both are the same head. D / 16 threads
+        // rotate 8 pairs of k each, D / 8 copy 8 values of v each.
+        const int i = threadIdx.x, kh = blockIdx.x, p = len_b - 1;
+        const bool wr = kh < HKV && len_b >= 1 && p < TCAP;
+        const bool same = has_new && wr && kh == h;
+        for (int r = 0; r < 2; ++r) {
+            const bool stage = r == 0 && has_new, write = r == 0 ? same : wr && !same;
+            if (!stage && !write) continue;  // uniform over the block
+            const int hh = r == 0 ? h : kh;
+            const T* ks = qkv + qkv_row + (long long)(HQ + hh) * D;
+            const T* vs = qkv + qkv_row + (long long)(HQ + HKV + hh) * D;
+            const long long dst = (((long long)b * HKV + hh) * TCAP + p) * D;
+            if (i < D / 16) {
+                float cs[8], sn[8];
+                rope_table8(rope_c, rope_s, 8 * i, cs, sn);
+                uint4 a = *reinterpret_cast<const uint4*>(ks + 8 * i), bq = *reinterpret_cast<const uint4*>(ks + D / 2 + 8 * i);
+                rope_rotate8(a, bq, cs, sn);
+                if (stage) {
+                    *reinterpret_cast<uint4*>(new_k + 8 * i) = a;
+                    *reinterpret_cast<uint4*>(new_k + D / 2 + 8 * i) = bq;
+                }
+                if (write) {
+                    T* kd = const_cast<T*>(k) + dst;
+                    *reinterpret_cast<uint4*>(kd + 8 * i) = a;
+                    *reinterpret_cast<uint4*>(kd + D / 2 + 8 * i) = bq;
+                }
+            } else if (i < D / 16 + D / 8) {
+                const int j = i - D / 16;
+                const uint4 w = *reinterpret_cast<const uint4*>(vs + 8 * j);
+                if (stage) *reinterpret_cast<uint4*>(new_v + 8 * j) = w;
+                if (write) *reinterpret_cast<uint4*>(const_cast<T*>(v) + dst + 8 * j) = w;
+            }
         }
+        if (has_new) __syncthreads();  // uniform over the block
     }
     if (!work) return;
-    // Q A-fragments: row g = query head g (zero past QPK); a1, a3 (rows g + 8) stay zero.
-    unsigned qa[DC][4];
+    if (!ROPE) {
 #pragma unroll
-    for (int c = 0; c < DC; ++c) {
-        uint4 w = make_uint4(0, 0, 0, 0);
-        if (g < QPK) w = ld_keep((ROPE ? qkv + qkv_row : q + (long long)b * HQ * D) + (long long)(h * QPK + g) * D + 32 * c + 8 * t);
-        qa[c][0] = w.x; qa[c][1] = w.y; qa[c][2] = w.z; qa[c][3] = w.w;
+        for (int c = 0; c < DC; ++c) {
+            uint4 w = make_uint4(0, 0, 0, 0);
+            if (g < QPK) w = ld_keep(q + ((long long)b * HQ + h * QPK + g) * D + 32 * c + 8 * t);
+            qa[c][0] = w.x; qa[c][1] = w.y; qa[c][2] = w.z; qa[c][3] = w.w;
+        }
     }
     if (ROPE && g < QPK) {
 #pragma unroll
