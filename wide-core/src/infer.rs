@@ -30,11 +30,15 @@ use wide_kernels::ops::gemm::{choose_path, fold_rank_ok, gemm_k_fold_router, Rou
 use wide_kernels::{route_layout, routed_gemm, RouteLayout};
 
 /// Whether a decode step's attention (routed or dense) takes the new token's RoPE and cache write
-/// into its own launch (`attention_decode_step_rope`): `WIDE_DECODE_ROPE=0|1` forces it off / on
-/// for both, by default both.
+/// into its own launch (`attention_decode_step_rope`): `WIDE_DECODE_ROPE=0|1|routed` forces it
+/// off / on / on for routed attention only; by default both.
 fn decode_rope_fused(routed: bool) -> bool {
-    let _ = routed;
-    wide_kernels::ops::attention::decode_rope_knob().unwrap_or(true)
+    let (dense, rt) = wide_kernels::ops::attention::decode_rope_knob().unwrap_or((true, true));
+    if routed {
+        rt
+    } else {
+        dense
+    }
 }
 
 /// One layer's fused projection weights (the model's q/k/v and gate/up weights are views).

@@ -170,17 +170,18 @@ pub fn attention_decode_step_rope(qkv: &Tensor, inv_freq: &Tensor, k: &Tensor, v
 /// own launch before the attention, and the engine's decode step keeps its separate RoPE launch
 /// (read once; for A/B benchmarks).
 pub fn decode_rope_enabled() -> bool {
-    decode_rope_knob() != Some(false)
+    decode_rope_knob() != Some((false, false))
 }
 
-/// `WIDE_DECODE_ROPE=0|1` (read once): `Some(false)` / `Some(true)` force the fused decode RoPE
-/// off / on for every attention the engine runs; unset (or another value): `None`, the engine's
-/// default policy.
-pub fn decode_rope_knob() -> Option<bool> {
-    static V: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+/// `WIDE_DECODE_ROPE` (read once): `0` / `1` force the fused decode RoPE off / on for every
+/// attention the engine runs, `routed` on for routed attention only; unset (or another value):
+/// `None`, the engine's default policy. Returns (dense, routed) when set.
+pub fn decode_rope_knob() -> Option<(bool, bool)> {
+    static V: std::sync::OnceLock<Option<(bool, bool)>> = std::sync::OnceLock::new();
     *V.get_or_init(|| match std::env::var("WIDE_DECODE_ROPE").ok().as_deref().map(str::trim) {
-        Some("0") => Some(false),
-        Some("1") => Some(true),
+        Some("0") => Some((false, false)),
+        Some("1") => Some((true, true)),
+        Some("routed") => Some((false, true)),
         _ => None,
     })
 }
