@@ -350,12 +350,8 @@ extern "C" __global__ void rope_qkv_cache(const T* __restrict__ qkv, const int* 
     const int b = m / T_, t = m - b * T_;
     const int p = pos[m] + pos_add;
     const long long src = (long long)m * (HQ + 2 * HKV) * D;
-    // cos/sin computed in f32 then rounded to storage (as the reference's tables are).
-    const float f = (float)p * inv_freq[i];
     float s, c;
-    sincosf(f, &s, &c);
-    c = rt(c);
-    s = rt(s);
+    rope_cos_sin(p, inv_freq[i], c, s);
     if (h < HQ) {
         const T* q = qkv + src + (long long)h * D;
         const float x1 = tf(q[i]), x2 = tf(q[i + half]);

@@ -1,15 +1,17 @@
 // Rotary position embedding (rotate_half) of one token's head, shared by the RoPE + cache-write
 // kernel (infer.cu) and decode attention with the RoPE fused in (routed.cu). Prepended after
 // router_gate.cuh (the storage conversions).
-// cos and sin of position p times inv_freq[i0 .. i0 + 8), computed in f32 then rounded to
-// storage (as the reference's tables are).
+// cos and sin of position p times frequency f, computed in f32 then rounded to storage (as the
+// reference's tables are).
+__device__ __forceinline__ void rope_cos_sin(int p, float f, float& c, float& s) {
+    sincosf((float)p * f, &s, &c);
+    c = rt(c);
+    s = rt(s);
+}
+// rope_cos_sin of inv_freq[i0 .. i0 + 8).
 __device__ __forceinline__ void rope_cos_sin8(int p, const float* __restrict__ inv_freq, int i0, float (&c)[8], float (&s)[8]) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        sincosf((float)p * inv_freq[i0 + j], &s[j], &c[j]);
-        c[j] = rt(c[j]);
-        s[j] = rt(s[j]);
-    }
+    for (int j = 0; j < 8; ++j) rope_cos_sin(p, inv_freq[i0 + j], c[j], s[j]);
 }
 // Rotates in place the 8 pairs held as two 16-byte words, a = dims i0 .. i0 + 8 and b = the same
 // dims + D / 2: a' = a c - b s, b' = b c + a s, each product rounded to storage and the sum

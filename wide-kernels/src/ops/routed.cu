@@ -1150,12 +1150,7 @@ __device__ __forceinline__ void attn_decode_split(const T* __restrict__ q, const
     // settled), one dim a thread, before the wait; every rotation below reads them.
     __shared__ float rope_c[ROPE ? D / 2 : 1], rope_s[ROPE ? D / 2 : 1];
     if (ROPE) {
-        for (int i = threadIdx.x; i < D / 2; i += blockDim.x) {
-            float c, sv;
-            sincosf((float)(len_b - 1) * inv_freq[i], &sv, &c);
-            rope_c[i] = rt(c);
-            rope_s[i] = rt(sv);
-        }
+        for (int i = threadIdx.x; i < D / 2; i += blockDim.x) rope_cos_sin(len_b - 1, inv_freq[i], rope_c[i], rope_s[i]);
         __syncthreads();
     }
     // ROPE: the new token's row, when this split holds it, is not read from the cache.
