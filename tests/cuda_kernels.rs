@@ -478,6 +478,61 @@ fn gemm_mn_wgmma_tiny_tiles_match_reference() {
     }
 }
 
+/// Tall last tiles (`tall`: a group's last computing tile takes up to 64 rows past the 256-token
+/// tile, the extra rows as a column-split sub-tile of both consumers, the zero tile after it
+/// starting at the count) against the f32 reference, with and without contiguous tiles by TMA:
+/// group counts whose last tile keeps 1, 63, 64 and 65 rows past a whole tile (tall, tall, tall,
+/// a tile of its own), none or a whole tile, 64 and 1 rows alone; bands the host picks and bands
+/// of 1 and 3 token tiles; every group on with the tall tile running past M; random masks at
+/// 2500 and 4096 tokens. bf16 and f16, k loops of three steps and of 64. Outputs poisoned before
+/// every call. Hopper only.
+#[test]
+fn gemm_mn_wgmma_tall_tiles_match_reference() {
+    let dev = gpu();
+    if !wide_kernels::ops::wgmma::supported(0) {
+        eprintln!("skipped: the wgmma kernel needs a compute capability 9.0 GPU");
+        return;
+    }
+    tch::manual_seed(25);
+    let d = WgmmaConfig { tall: true, ..WgmmaConfig::default_for(false) };
+    let cfgs = [d, WgmmaConfig { row_tma: false, ..d }];
+    assert!(cfgs.iter().all(|c| c.valid(false) && c.row_tma_on() == c.row_tma), "{cfgs:?}");
+    assert!(!WgmmaConfig { tall: true, ..WgmmaConfig::default_for(true) }.valid(true), "the fused tile has no room for the extra rows");
+    let bm = d.bm();
+    let counts = [bm + 1, 2 * bm + 63, bm + 64, 2 * bm + 65, 0, 3 * bm, 64, 1, 2 * bm + 17];
+    for (kind, m, n, k, g) in [(Kind::BFloat16, 900, 2048, 192, 128), (Kind::Half, 1000, 14336, 4096, 128), (Kind::BFloat16, 777, 4096, 1024, 512)] {
+        let MnCase { x, w, l, r, off, .. } = mn_case_masked(kind, mask_with_counts(m, n / g, &counts), n, k, g, false);
+        let l = l.with_sparsity_hint(0.5);
+        for &cfg in &cfgs {
+            for band in [None, Some(1), Some(3)] {
+                for call in 0..2 {
+                    poison(m, n, kind);
+                    let y = wide_kernels::ops::wgmma::gemm_mn_banded(cfg, band, &x, &w, None, &l, g).unwrap();
+                    check(&y, &r, Some(&off), &format!("{} band {band:?} counts {kind:?} M={m} N={n} K={k} G={g} call {call}", cfg.label()));
+                }
+            }
+        }
+    }
+    // Every group on: one tall tile past M (300 tokens), eight tiles whose last keeps 308 (2100).
+    for (kind, m, n, k) in [(Kind::BFloat16, 300, 2048, 192), (Kind::Half, 2100, 1024, 256)] {
+        let all = Tensor::ones([m, n / 128], (Kind::Bool, dev));
+        let MnCase { x, w, l, r, off, .. } = mn_case_masked(kind, all, n, k, 128, false);
+        for &cfg in &cfgs {
+            for call in 0..2 {
+                poison(m, n, kind);
+                let y = wide_kernels::ops::wgmma::gemm_mn_with(cfg, &x, &w, None, &l, 128).unwrap();
+                check(&y, &r, Some(&off), &format!("{} all on {kind:?} M={m} N={n} K={k} call {call}", cfg.label()));
+            }
+        }
+    }
+    for &cfg in &cfgs {
+        for (kind, m, p) in [(Kind::BFloat16, 2500, 0.5), (Kind::BFloat16, 4096, 0.5), (Kind::Half, 1000, 0.3)] {
+            run_wgmma_config_case(cfg, kind, m, 14336, 4096, 128, p, false);
+        }
+        run_wgmma_config_case(cfg, Kind::BFloat16, 515, 1024, 64, 128, 0.5, false);
+    }
+}
+
 /// One product on the wgmma kernel in a given configuration against the f32 reference, twice.
 #[allow(clippy::too_many_arguments)]
 fn run_wgmma_config_case(cfg: WgmmaConfig, kind: Kind, m: i64, n: i64, k: i64, g: i64, p_active: f64, fused: bool) {
@@ -577,6 +632,13 @@ fn sanitizer_small_all_ops() {
         // The stream-K schedule: tiles cut into many segments (fewer tiles than multiprocessors).
         run_wgmma_config_case(WgmmaConfig { stream_k: true, ..WgmmaConfig::default_for(false) }, Kind::BFloat16, 700, 4096, 192, 128, 0.5, false);
         run_wgmma_config_case(WgmmaConfig { stream_k: true, ..WgmmaConfig::default_for(true) }, Kind::Half, 700, 4096, 128, 128, 0.5, true);
+        // Tall last tiles: one past M (every group on), counts 1, 64 and 65 rows past a tile.
+        let tall = WgmmaConfig { tall: true, ..WgmmaConfig::default_for(false) };
+        run_wgmma_config_case(tall, Kind::BFloat16, 300, 512, 128, 128, 1.0, false);
+        let msk = mask_with_counts(700, 4, &[257, 320, 321, 0]);
+        let x = Tensor::randn([700, 192], (Kind::Half, gpu()));
+        let w = Tensor::randn([512, 192], (Kind::Half, gpu())) * 0.05;
+        let _ = wide_kernels::ops::wgmma::gemm_mn_banded(tall, Some(1), &x, &w, None, &route_layout(&msk).unwrap(), 128).unwrap();
         // Tiles of a few rows in bands of 3 token tiles (a partial last band), an odd k loop.
         let msk = mask_with_counts(600, 4, &[257, 17, 64, 0]);
         let l = route_layout(&msk).unwrap();

@@ -196,6 +196,11 @@ mod tests {
                     let fused = k.defines.iter().any(|(d, v)| d == "FUSED" && v == "1");
                     let inst = if fused { "wgmma.mma_async.sync.aligned.m64n256k16.f32" } else { "wgmma.mma_async.sync.aligned.m64n128k16.f32" };
                     assert!(text.contains(inst), "wgmma variant without {inst}: {:?}", k.defines);
+                    // Tall last tiles: the extra rows' m64n64 and the registers moved to the consumers.
+                    if k.defines.iter().any(|(d, v)| d == "TALL" && v == "1") {
+                        let ok = text.contains("wgmma.mma_async.sync.aligned.m64n64k16.f32") && text.contains("setmaxnreg.inc.sync.aligned.u32 200");
+                        assert!(ok, "tall wgmma variant without the extra sub-tile or setmaxnreg: {:?}", k.defines);
+                    }
                     let desc = super::wgmma::sw128_desc(0).to_string();
                     assert!(text.contains(&desc), "wgmma descriptor constant {desc} (wgmma::sw128_desc) not in the PTX: {:?}", k.defines);
                     assert!(!text.contains(".local"), "wgmma variant spills to local memory: {:?}", k.defines);

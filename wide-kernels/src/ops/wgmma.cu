@@ -102,6 +102,21 @@
 #if ROW_TMA && (!TMA_B || PERSIST || STREAMK)
 #error "ROW_TMA needs TMA_B and the plain entry"
 #endif
+// TALL 1 (plain entry, MI 2, no FUSED, TMA_B, no L2_HINT): a group's last computing tile takes
+// up to 64 list entries more than BM (a 320-token tile), so a group whose count passes a
+// multiple of BM by at most 64 needs no tile of its own for those few rows. Such a tile runs the
+// extra 64 rows as one more sub-tile split by columns: each consumer warpgroup multiplies them
+// with its half of the weight tile (m64n64k16, 32 more accumulators a thread, 160 in all, which
+// setmaxnreg makes room for). The tile after it (a zero tile) writes its zeros from the group's
+// count on. At 50% of 4096 tokens every group keeps 2048 +- 32 tokens: the ~56 partial tiles of
+// about 32 rows become the last tiles of their groups, 952 computing tiles become ~898 (7.2
+// waves of 132 to 6.8); for Q (N = 4096) at 2048 tokens, 144 tiles become 128 (one wave).
+#ifndef TALL
+#define TALL 0
+#endif
+#if TALL && (MI != 2 || FUSED || !TMA_B || PERSIST || STREAMK || L2_HINT)
+#error "TALL needs MI 2, no FUSED, TMA_B, the plain entry and no L2_HINT"
+#endif
 // The weight tiles come by TMA (one producer thread, an expect_tx arrival on the stage barrier).
 #define B_BY_TMA (CLUSTER == 2 || TMA_B)
 
@@ -109,7 +124,9 @@
 #define BN 128
 #define BK 64  // one 128-byte swizzle row of 2-byte elements
 #define NB (FUSED ? 2 : 1)
-#define A_BYTES (BM * BK * 2)
+// Rows of the x stage: a tall tile's 64 extra rows follow the BM rows of every stage.
+#define BMA (TALL ? BM + 64 : BM)
+#define A_BYTES (BMA * BK * 2)
 #define B_BYTES (BN * BK * 2)
 #define STAGE_BYTES (A_BYTES + NB * B_BYTES)
 #define THREADS 384
@@ -214,10 +231,10 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], unsigned long 
 // Row r0 + 16 i of the tile (chunk c a k step): its source (row 0 of x when inactive, a valid
 // address that the zero-byte copy does not read) and its copy size (16 or 0 bytes: zero-filled),
 // both fixed for the k loop, so each copy is one address add.
-__device__ __forceinline__ void row_sources(const T* x, const int* pg, int m0, int nact, int K, int r0, int c, const T* (&asrc)[BM / 16],
-                                            int (&asz)[BM / 16]) {
+__device__ __forceinline__ void row_sources(const T* x, const int* pg, int m0, int nact, int K, int r0, int c, const T* (&asrc)[BMA / 16],
+                                            int (&asz)[BMA / 16]) {
 #pragma unroll
-    for (int i = 0; i < BM / 16; ++i) {
+    for (int i = 0; i < BMA / 16; ++i) {
         const int r = r0 + 16 * i;
         const bool v = r < nact;
         asz[i] = v ? 16 : 0;
@@ -248,14 +265,16 @@ __device__ __forceinline__ void stage_subtile(unsigned sbase, const float (&acc)
     }
 }
 
-// A tile's rows out, 16 bytes a thread (threads `first`, `first + stride`, ...), a row's 256
-// bytes by 16 consecutive threads: the results staged at `sbase` for the active rows (r < nact),
-// zeros for the inactive tokens listed after them; rows[r] < 0 (past M) are skipped.
-__device__ __forceinline__ void write_rows(T* out, const int* rows, int nact, unsigned sbase, int N, int n0, int first, int stride) {
+// A tile's rows [rbeg, rend) out (BM rows but for a tall tile's last rows and the zero tile after
+// it), 16 bytes a thread (threads `first`, `first + stride`, ...), a row's 256 bytes by 16
+// consecutive threads: the results staged at `sbase` for the active rows (r < nact), zeros for
+// the inactive tokens listed after them; rows[r] < 0 (past M) are skipped.
+__device__ __forceinline__ void write_rows(T* out, const int* rows, int nact, unsigned sbase, int N, int n0, int first, int stride, int rbeg = 0,
+                                           int rend = BM) {
 #if L2_HINT
     const unsigned long long opol = l2_policy_evict_first();
 #endif
-    for (int i = first; i < BM * (BN / 8); i += stride) {
+    for (int i = rbeg * (BN / 8) + first; i < rend * (BN / 8); i += stride) {
         const int r = i / (BN / 8), c = i % (BN / 8);
         const int tok = rows[r];
         if (tok < 0) continue;
@@ -282,18 +301,49 @@ __device__ __forceinline__ void stage_barriers() {
     __syncthreads();
 }
 
-// One consumer warpgroup's k loop over its first NS sub-tiles (rows (cw + 2 i) * 64, i < NS),
-// then its results (with the SwiGLU applied) into the staging area at `base`, between the two
-// block barriers every thread of a computing block passes (see `stage_barriers`).
-template <int NS>
+// D[64 x 64] (f32) += A[64 x 16] * B[16 x 64], both K-major in shared memory: a tall tile's
+// extra rows times one consumer's half of the weight tile.
+__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], unsigned long long da, unsigned long long db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32." WG_TYPE "." WG_TYPE " "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}"
+        : WG_ACC32(0)
+        : "l"(da), "l"(db), "r"(1));
+}
+
+// A consumer thread's accumulators of a tall tile's extra sub-tile (rows BM to BM + 63, this
+// warpgroup's 64 columns from `col0`) into the staging area, in `stage_subtile`'s layout.
+__device__ __forceinline__ void stage_extra(unsigned sbase, const float (&acc)[32], int col0) {
+    const int warp = (threadIdx.x & 127) >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = BM + warp * 16 + (lane >> 2) + 8 * h;
+        const unsigned srow = sbase + r * (BN * 2) + (lane & 3) * 4;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int chunk = col0 / 8 + j;
+            asm volatile("st.shared.u32 [%0], %1;" ::"r"(srow + ((chunk ^ (r & 7)) << 4)), "r"(pack2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1])) : "memory");
+        }
+    }
+}
+
+// One consumer warpgroup's k loop over its first NS sub-tiles (rows (cw + 2 i) * 64, i < NS) and,
+// with X (a tall tile), the extra rows BM to BM + 63 times its half cw of the weight tile's
+// columns, then its results (with the SwiGLU applied) into the staging area at `base`, between
+// the two block barriers every thread of a computing block passes (see `stage_barriers`).
+template <int NS, bool X = false>
 __device__ __forceinline__ void consume(unsigned base, const unsigned long long* full_bar, const unsigned long long* empty_bar, int cw, int KT) {
     const int lane = threadIdx.x & 31;
     // Sub-tile i's accumulators: the gate (or only) tile in 0-63, the up tile in 64-127.
     float acc[NS][NB * 64];
+    float accx[X ? 32 : 1];
 #pragma unroll
     for (int i = 0; i < NS; ++i)
 #pragma unroll
         for (int e = 0; e < NB * 64; ++e) acc[i][e] = 0.f;
+#pragma unroll
+    for (int e = 0; e < (X ? 32 : 1); ++e) accx[e] = 0.f;
     int s = 0, prev = STAGES - 1;
     unsigned ph = 0;
     for (int kt = 0; kt < KT; ++kt) {
@@ -305,6 +355,7 @@ __device__ __forceinline__ void consume(unsigned base, const unsigned long long*
         const unsigned sb = base + s * STAGE_BYTES + A_BYTES;
 #pragma unroll
         for (int i = 0; i < NS; ++i) fence_acc(acc[i]);
+        if constexpr (X) fence_acc(accx);
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk) {
@@ -318,13 +369,18 @@ __device__ __forceinline__ void consume(unsigned base, const unsigned long long*
                 wgmma_m64n128k16(acc[i], da, sw128_desc(sb + kk * 32));
 #endif
             }
+            // The extra rows (after the BM rows of the stage) times weight rows 64 cw to 64 cw + 63
+            // (8 KiB into the tile: the swizzle pattern repeats every 1 KiB).
+            if constexpr (X) wgmma_m64n64k16(accx, sw128_desc(base + s * STAGE_BYTES + BM * 128 + kk * 32), sw128_desc(sb + cw * 64 * 128 + kk * 32));
         }
         wg_commit();
 #pragma unroll
         for (int i = 0; i < NS; ++i) fence_acc(acc[i]);
+        if constexpr (X) fence_acc(accx);
         wg_wait<1>();  // the group of stage kt - 1 has completed
 #pragma unroll
         for (int i = 0; i < NS; ++i) fence_acc(acc[i]);
+        if constexpr (X) fence_acc(accx);
         __syncwarp();
         if (kt > 0 && lane == 0) release_stage(smem_u32(&empty_bar[prev]));
         prev = s;
@@ -336,12 +392,14 @@ __device__ __forceinline__ void consume(unsigned base, const unsigned long long*
     wg_wait<0>();
 #pragma unroll
     for (int i = 0; i < NS; ++i) fence_acc(acc[i]);
+    if constexpr (X) fence_acc(accx);
     // Every wgmma of both consumers has read its operands once all 384 threads pass this
     // barrier (the producer's copies completed before the last stage was consumed), so the
     // stage memory is free for the staged results.
     __syncthreads();
 #pragma unroll
     for (int i = 0; i < NS; ++i) stage_subtile(base, acc[i], (cw + 2 * i) * 64);
+    if constexpr (X) stage_extra(base, accx, cw * 64);
     __syncthreads();
 }
 
@@ -373,7 +431,7 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
                                                                       const __grid_constant__ TmaDesc tmap_x,
                                                                       int band) {  // token tiles a band of the tile order
     extern __shared__ unsigned char smem_raw[];
-    __shared__ int rows[BM];
+    __shared__ int rows[BMA];
     __shared__ __align__(8) unsigned long long full_bar[STAGES], empty_bar[STAGES];
     // Stages start 1024-aligned (the swizzle pattern is defined on absolute address bits); the
     // launch asks for 1024 bytes of slack.
@@ -393,10 +451,23 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
     // the wgmma instructions as warp-uniform (in a path it thinks divergent, ptxas serialises
     // every wgmma: warning C7518).
     const int cnt = __shfl_sync(0xffffffffu, count[g], 0);
+#if TALL
+    // The group's computing tiles: the last one takes up to 64 rows past BM. This tile computes
+    // nact rows (up to BMA) and writes rows [rbeg, rend): a zero tile after a tall one starts at
+    // the count.
+    const int ntc = cnt > 0 ? max(1, (cnt + BM - 65) / BM) : 0;
+    const int nact = mt < ntc - 1 ? BM : (mt == ntc - 1 ? cnt - m0 : 0);
+    const bool tall = nact > BM;
+    const int rbeg = mt >= ntc ? max(0, cnt - m0) : 0;
+    const int rend = max(nact, BM);
+    const bool run = nact > 0;
+#else
     const int nact = min(BM, cnt - m0);
+    const int rbeg = 0, rend = BM;
     // The blocks of a cluster run the k loop together (each loads half of the shared weight
     // tiles) if any of them has an active row; a block without one computes nothing.
     const bool run = cnt - mu * CLUSTER * BM > 0;
+#endif
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(smem_u32(&full_bar[s]), 128 + B_BY_TMA);  // every producer thread (+ the expect_tx)
@@ -416,10 +487,15 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
     // the first stage arrives; BM <= 256), read after the stage barriers (or the barrier of a
     // block that computes nothing). The producer reads its own rows from global memory, so its
     // first copies wait for nothing but those loads.
-    for (int i = tid - 128; i >= 0 && i < BM; i += THREADS - 128) rows[i] = (m0 + i < M) ? pg[m0 + i] : -1;
+    for (int i = tid - 128; i >= 0 && i < rend; i += THREADS - 128) rows[i] = (m0 + i < M) ? pg[m0 + i] : -1;
     if (run) {
         const int KT = K / BK;
         if (wg == 0) {
+#if TALL
+            // Registers to the consumers (a tall tile's hold 160 accumulators a thread):
+            // 384 threads launch with 168 each; 104 + 2 x 200 = 504 = 3 x 168 (no spills at 104).
+            asm volatile("setmaxnreg.dec.sync.aligned.u32 104;" ::: "memory");
+#endif
             // Producer: thread t copies chunk c = t % 8 of rows t / 8 + 16 i.
             const int c = tid & 7, r0 = tid >> 3;
 #if TMA_B
@@ -428,16 +504,21 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
             if (tid == 0)
                 for (int kt = 0; kt < min(STAGES, KT); ++kt) load_weights_tma(base + kt * STAGE_BYTES, smem_u32(&full_bar[kt]), &tmap_w, &tmap_w2, kt * BK, n0);
 #endif
-            const T* asrc[BM / 16];
-            int asz[BM / 16];
+            const T* asrc[BMA / 16];
+            int asz[BMA / 16];
             row_sources(x, pg, m0, nact, K, r0, c, asrc, asz);
 #if ROW_TMA
+#if TALL
+            const int nrows = tall ? BMA : BM;  // x rows a stage
+#else
+            const int nrows = BM;
+#endif
             // Consecutive tokens from the tile's first listed one (rows past the active ones
             // then load tokens this group skips, or zeros past M: computed, never written).
             const int row0 = pg[m0];
             bool seq = true;
 #pragma unroll
-            for (int i = 0; i < BM / 16; ++i) {
+            for (int i = 0; i < BMA / 16; ++i) {
                 const int r = r0 + 16 * i;
                 if (r < nact) seq &= pg[m0 + r] == row0 + r;
             }
@@ -460,18 +541,25 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
                 if (rowtma) {
                     if (tid == 0) {
                         const unsigned fb = smem_u32(&full_bar[s]);
-                        mbar_expect_tx(fb, A_BYTES);  // before this thread's arrival below
-#pragma unroll
-                        for (int h = 0; h < BM / 64; ++h) tma_load_2d(sa + h * 64 * 128, &tmap_x, k0, row0 + 64 * h, fb);
+                        mbar_expect_tx(fb, nrows * BK * 2);  // before this thread's arrival below
+                        for (int h = 0; h < nrows / 64; ++h) tma_load_2d(sa + h * 64 * 128, &tmap_x, k0, row0 + 64 * h, fb);
                     }
                 } else
 #endif
+                {
 #pragma unroll
-                for (int i = 0; i < BM / 16; ++i) {
+                    for (int i = 0; i < BM / 16; ++i) {
 #if L2_HINT
-                    cp_async16_hint(sa + sw128_off(r0 + 16 * i, c), asrc[i] + k0, asz[i], xpol);
+                        cp_async16_hint(sa + sw128_off(r0 + 16 * i, c), asrc[i] + k0, asz[i], xpol);
 #else
-                    cp_async16_sz(sa + sw128_off(r0 + 16 * i, c), asrc[i] + k0, asz[i]);
+                        cp_async16_sz(sa + sw128_off(r0 + 16 * i, c), asrc[i] + k0, asz[i]);
+#endif
+                    }
+#if TALL
+                    if (tall) {
+#pragma unroll
+                        for (int i = BM / 16; i < BMA / 16; ++i) cp_async16_sz(sa + sw128_off(r0 + 16 * i, c), asrc[i] + k0, asz[i]);
+                    }
 #endif
                 }
 #if CLUSTER == 2
@@ -522,6 +610,9 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
 #endif
             stage_barriers();
         } else {
+#if TALL
+            asm volatile("setmaxnreg.inc.sync.aligned.u32 200;" ::: "memory");
+#endif
             const int cw = wg - 1;
             const int lane = tid & 31;
             // Sub-tiles of this warpgroup that hold active rows.
@@ -543,6 +634,11 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
                 }
                 stage_barriers();
             }
+#if TALL
+            else if (tall) {
+                consume<2, true>(base, full_bar, empty_bar, cw, KT);
+            }
+#endif
 #if MI >= 2
             else if (ns == 2) {
                 consume<2>(base, full_bar, empty_bar, cw, KT);
@@ -555,7 +651,7 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
     }
     if (!run) __syncthreads();  // the rows filled above
     // All rows when the tile has no active one (nothing was staged then).
-    write_rows(out, rows, nact, base, N, n0, tid, THREADS);
+    write_rows(out, rows, nact, base, N, n0, tid, THREADS, rbeg, rend);
 #if CLUSTER == 2
     // The other block may still arrive on this block's barriers: leave together.
     cluster_sync();

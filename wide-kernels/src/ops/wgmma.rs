@@ -76,6 +76,12 @@ pub struct WgmmaConfig {
     /// blocks with an f32 fix-up, so that every multiprocessor ends at about the same time;
     /// needs tma, no cluster, no persist, no l2_hint.
     pub stream_k: bool,
+    /// A group's last computing tile takes up to 64 list entries past the tile height (a
+    /// 320-token tile; the extra rows run as one more sub-tile split by columns over the two
+    /// consumer warpgroups, 160 accumulators a thread by `setmaxnreg`), so the few rows by which
+    /// a group's count passes a multiple of the tile need no tile of their own. Plain 256-token
+    /// tiles on the TMA path of the plain entry, without L2 hints.
+    pub tall: bool,
 }
 
 impl WgmmaConfig {
@@ -90,16 +96,31 @@ impl WgmmaConfig {
     /// routed ms up 0.204 / 0.356 at 2048 / 4096 tokens against 0.205 / 0.358 with the cp.async
     /// gather, gate+up 0.367 / 0.736 against 0.369 / 0.749, Q 0.065 / 0.112 against 0.071 / 0.113.
     pub fn default_for(fused: bool) -> Self {
-        Self { mi: if fused { 1 } else { 2 }, stages: 4, async_arrive: true, cluster: 1, tma: true, l2_hint: false, persist: false, row_tma: true, stream_k: false }
+        Self { mi: if fused { 1 } else { 2 }, stages: 4, async_arrive: true, cluster: 1, tma: true, l2_hint: false, persist: false, row_tma: true, stream_k: false, tall: false }
     }
-    /// Token rows of a tile.
+    /// Token rows of a tile (the step between a group's tiles; a tall last tile has 64 more).
     pub fn bm(&self) -> i64 {
         WGMMA_BM * self.mi as i64
+    }
+    /// Token rows of a stage's x tile: [`WgmmaConfig::bm`], 64 more with `tall`.
+    pub fn stage_rows(&self) -> i64 {
+        self.bm() + if self.tall { 64 } else { 0 }
     }
     /// Dynamic shared memory of a launch: the stages plus 1 KiB so that they start 1024-aligned.
     pub fn smem_bytes(&self, fused: bool) -> u32 {
         let b_tiles = if fused { 2 } else { 1 };
-        ((self.bm() + b_tiles * WGMMA_BN) * WGMMA_BK * 2) as u32 * self.stages + 1024
+        ((self.stage_rows() + b_tiles * WGMMA_BN) * WGMMA_BK * 2) as u32 * self.stages + 1024
+    }
+    /// A group's computing tiles for `count` listed active tokens: ceil(count / bm), or with
+    /// `tall` the fewest whose last one takes at most 64 rows past bm.
+    pub fn computing_tiles(&self, count: i64) -> i64 {
+        if count <= 0 {
+            0
+        } else if self.tall {
+            ((count - 64 + self.bm() - 1) / self.bm()).max(1)
+        } else {
+            (count + self.bm() - 1) / self.bm()
+        }
     }
     /// Can this configuration run (registers: at most 128 accumulators a consumer thread;
     /// shared memory: 227 KiB a block; the producer hand-over needs 3 stages)?
@@ -113,6 +134,7 @@ impl WgmmaConfig {
             && (!self.tma || (self.cluster == 1 && self.async_arrive))
             && (!self.persist || (self.mi == 1 && self.tma && !self.l2_hint))
             && (!self.stream_k || (self.tma && self.cluster == 1 && !self.persist && !self.l2_hint))
+            && (!self.tall || (self.mi == 2 && !fused && self.tma && !self.persist && !self.stream_k && !self.l2_hint))
     }
     /// Does this configuration load contiguous tiles' x rows by TMA (`ROW_TMA`)?
     pub fn row_tma_on(&self) -> bool {
@@ -130,8 +152,9 @@ impl WgmmaConfig {
     }
     pub fn label(&self) -> String {
         format!(
-            "wgmma{}x128x64s{}{}{}{}{}{}{}{}",
+            "wgmma{}{}x128x64s{}{}{}{}{}{}{}{}",
             self.bm(),
+            if self.tall { "+64" } else { "" },
             self.stages,
             if self.async_arrive { "" } else { "w" },
             if self.cluster == 2 { "c2" } else { "" },
@@ -151,7 +174,7 @@ pub fn sweep(fused: bool) -> Vec<WgmmaConfig> {
     for mi in [1, 2] {
         for (stages, async_arrive, cluster, tma) in [(4, true, 1, true), (4, true, 1, false), (4, false, 1, false), (5, true, 1, true), (6, true, 1, true), (7, true, 1, true), (4, true, 2, false), (5, true, 2, false)] {
             for l2_hint in [false, true] {
-                let c = WgmmaConfig { mi, stages, async_arrive, cluster, tma, l2_hint, persist: false, row_tma: true, stream_k: false };
+                let c = WgmmaConfig { mi, stages, async_arrive, cluster, tma, l2_hint, persist: false, row_tma: true, stream_k: false, tall: false };
                 if c.valid(fused) && !v.contains(&c) && (!l2_hint || (stages == 4 && tma)) {
                     v.push(c);
                 }
@@ -169,6 +192,13 @@ pub fn sweep(fused: bool) -> Vec<WgmmaConfig> {
                 let r = WgmmaConfig { row_tma: false, ..c };
                 if !l2_hint && c.row_tma_on() && (stages == 4 || stages == 7) && r.valid(fused) && !v.contains(&r) {
                     v.push(r);
+                }
+                // Tall last tiles, with and without contiguous tiles by TMA (and the plain tile
+                // when they are the default).
+                for t in [WgmmaConfig { tall: !c.tall, ..c }, WgmmaConfig { tall: !c.tall, row_tma: false, ..c }] {
+                    if stages == 4 && t.valid(fused) && !v.contains(&t) {
+                        v.push(t);
+                    }
                 }
             }
         }
@@ -190,7 +220,23 @@ pub fn sweep(fused: bool) -> Vec<WgmmaConfig> {
 /// once the band kept the partial tiles with their groups (`band_tiles`; 2026-12-02), so the
 /// bound is 2 tiles a multiprocessor, not 1.75; up 4096 (896) 0.389-0.394 -> 0.434-0.443 and Q
 /// 16384 (1024) 0.435-0.440 -> 0.490 stay on the default.
+///
+/// Before that rule, tall last tiles ([`WgmmaConfig::tall`]) where they take a wave off the
+/// expected grid ([`expected_tiles`], waves of `sms` tiles): a tall tile costs more than a
+/// plain one, so they pay only by removing the last wave. Measured on the H200 (s = 0.25 / 0.5 /
+/// 0.75, G = 128, cold, two calls each, routed ms with the rule above -> tall; 2026-12-04):
+/// every case where the expected waves drop was faster (Q 2048 tokens, s = 0.5, 2 -> 1 waves:
+/// 0.089 -> 0.071; Q 4096: 0.190 / 0.133 / 0.095 -> 0.175 / 0.126 / 0.081; up 1024, s = 0.75:
+/// 0.094 -> 0.083; up 4096, s = 0.5: 0.391-0.399 -> 0.378-0.386) and every case where they do not
+/// was slower or equal (Q 1024: +6-76%; up 2048, s = 0.5: 0.209 -> 0.221; up 1024, s = 0.25:
+/// 0.154 -> 0.167).
 pub fn config_for(s: &GemmShape, sparsity: f64, sms: i64) -> WgmmaConfig {
+    config_for_groups(s, sparsity, 0, sms)
+}
+
+/// [`config_for`] for a layout whose last `on_groups` groups keep every token (the fused
+/// Q|K|V's K|V), `sparsity` the skip rate of the others.
+pub fn config_for_groups(s: &GemmShape, sparsity: f64, on_groups: i64, sms: i64) -> WgmmaConfig {
     let fused = s.op == RoutedOp::MnSwiglu;
     if let Some(c) = env_config(fused) {
         return c;
@@ -199,7 +245,18 @@ pub fn config_for(s: &GemmShape, sparsity: f64, sms: i64) -> WgmmaConfig {
     if fused || s.m < 512 {
         return d;
     }
-    let active = (s.m as f64 * (1.0 - sparsity.clamp(0.0, 1.0))).ceil() as i64;
+    let tiles = s.n / WGMMA_BN;
+    let on_tiles = (on_groups * s.group.max(0) / WGMMA_BN).clamp(0, tiles);
+    let tall = WgmmaConfig { tall: true, ..d };
+    if tall.valid(fused) && tall_allowed() {
+        let waves = |c: &WgmmaConfig| (expected_tiles(c, s.m, tiles - on_tiles, sparsity, on_tiles) / sms.max(1) as f64 - 1e-6).ceil();
+        if waves(&tall) < waves(&d) {
+            return tall;
+        }
+    }
+    // The rule below counts every group at the layout's overall skip rate.
+    let overall = sparsity.clamp(0.0, 1.0) * (tiles - on_tiles) as f64 / tiles.max(1) as f64;
+    let active = (s.m as f64 * (1.0 - overall)).ceil() as i64;
     let tiles = (s.n / WGMMA_BN) * ((active + d.bm() - 1) / d.bm()).max(1);
     let small = WgmmaConfig { mi: 1, stages: 7, ..d };
     if tiles <= 2 * sms && small.valid(fused) {
@@ -209,7 +266,55 @@ pub fn config_for(s: &GemmShape, sparsity: f64, sms: i64) -> WgmmaConfig {
     }
 }
 
-/// `WIDE_WGMMA` (`mi=1,stages=5,arrive=wait,cluster=2`, `tma=1`, `hint=1`, `persist=1`, `rowtma=0`, `sk=1`; read once), over the
+/// `WIDE_WGMMA_TALL=0` (read once) keeps [`config_for`] off tall last tiles, for A/B runs.
+fn tall_allowed() -> bool {
+    static V: OnceLock<bool> = OnceLock::new();
+    *V.get_or_init(|| std::env::var("WIDE_WGMMA_TALL").map_or(true, |v| v != "0"))
+}
+
+/// Expected computing tiles of a grid in configuration `c` at `m` tokens: `routed_tiles` channel
+/// tiles whose group keeps each token with probability 1 - `sparsity` (the count binomial, taken
+/// as normal with a continuity correction) and `on_tiles` that keep all `m`. A plain grid runs
+/// ceil(count / bm) tiles a group, a tall one max(1, ceil((count - 64) / bm)) for a count above 0.
+pub fn expected_tiles(c: &WgmmaConfig, m: i64, routed_tiles: i64, sparsity: f64, on_tiles: i64) -> f64 {
+    let bm = c.bm();
+    let tiles_of = |count: i64| c.computing_tiles(count) as f64;
+    let p = 1.0 - sparsity.clamp(0.0, 1.0);
+    let (mu, sd) = (m as f64 * p, (m as f64 * p * (1.0 - p)).sqrt());
+    // P(count > x) for an integer x.
+    let above = |x: i64| -> f64 {
+        if sd < 1e-9 {
+            return if mu > x as f64 { 1.0 } else { 0.0 };
+        }
+        0.5 * erfc((x as f64 + 0.5 - mu) / (sd * std::f64::consts::SQRT_2))
+    };
+    // E[T(count)] as a sum of the thresholds T steps over: count > k bm (+ 64 with tall, k >= 1).
+    let extra = if c.tall { 64 } else { 0 };
+    let mut e = above(0);
+    let mut k = 1;
+    while k * bm + extra < m {
+        e += above(k * bm + extra);
+        k += 1;
+    }
+    routed_tiles as f64 * e + on_tiles as f64 * tiles_of(m)
+}
+
+/// The complementary error function (W. J. Cody's rational Chebyshev form as in Numerical
+/// Recipes' `erfcc`: relative error below 1.2e-7 everywhere).
+fn erfc(x: f64) -> f64 {
+    let z = x.abs();
+    let t = 1.0 / (1.0 + 0.5 * z);
+    let r = t * (-z * z - 1.26551223
+        + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (-0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (-0.82215223 + t * 0.17087277)))))))))
+        .exp();
+    if x >= 0.0 {
+        r
+    } else {
+        2.0 - r
+    }
+}
+
+/// `WIDE_WGMMA` (`mi=1,stages=5,arrive=wait,cluster=2`, `tma=1`, `hint=1`, `persist=1`, `rowtma=0`, `sk=1`, `tall=1`; read once), over the
 /// default of this op; an invalid one gives the default.
 fn env_config(fused: bool) -> Option<WgmmaConfig> {
     static V: OnceLock<Option<String>> = OnceLock::new();
@@ -227,6 +332,7 @@ fn env_config(fused: bool) -> Option<WgmmaConfig> {
             Some(("persist", v)) => c.persist = v == "1",
             Some(("rowtma", v)) => c.row_tma = v == "1",
             Some(("sk", v)) => c.stream_k = v == "1",
+            Some(("tall", v)) => c.tall = v == "1",
             _ => {}
         }
     }
@@ -301,6 +407,7 @@ pub fn source(f16: bool, fused: bool, c: WgmmaConfig) -> KernelSource {
         .define("PERSIST", c.persist as u32)
         .define("ROW_TMA", c.row_tma_on() as u32)
         .define("STREAMK", c.stream_k as u32)
+        .define("TALL", c.tall as u32)
 }
 
 /// Every variant shipped (the defaults and the sweep), for the compile-everything test.
@@ -423,15 +530,15 @@ fn launch_config(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, lay
     ensure!(supported(device), "the wgmma kernel needs a compute capability 9.0 (Hopper) GPU; device {device} is not one");
     let fused = s.op == RoutedOp::MnSwiglu;
     let sms = crate::cuda::multiprocessor_count(device)? as u64;
-    let c = match config {
-        Some(c) => c,
-        None => config_for(s, layout.sparsity_hint().unwrap_or(0.5), sms as i64),
-    };
-    // The tile order's band, and for the stream-K schedule the shared memory it needs (a
-    // launch whose schedule does not fit next to the stages takes the plain grid).
     // The routed groups' skip rate (always-on groups, such as the fused Q|K|V's K|V, keep every
     // token and have no partial tile).
     let routed = layout.sparsity_hint().map(|h| (h * layout.groups() as f64 / layout.always_on_from().max(1) as f64).min(1.0));
+    let c = match config {
+        Some(c) => c,
+        None => config_for_groups(s, routed.unwrap_or(0.5), layout.groups() - layout.always_on_from(), sms as i64),
+    };
+    // The tile order's band, and for the stream-K schedule the shared memory it needs (a
+    // launch whose schedule does not fit next to the stages takes the plain grid).
     let band = band.unwrap_or_else(|| band_tiles(c.bm(), c.cluster, s.m, routed));
     let band = if c.cluster == 2 { (band - band % 2).max(2) } else { band };
     let mut smem = c.smem_bytes(fused);
@@ -535,18 +642,62 @@ mod tests {
         use crate::ops::dispatch::GemmShape;
         let sh = |op, m, n| GemmShape { op, m, n, k: 4096, group: 128 };
         let small = |op, m, n| config_for(&sh(op, m, n), 0.5, 132).mi == 1 && config_for(&sh(op, m, n), 0.5, 132).stages == 7;
-        if std::env::var("WIDE_WGMMA").is_ok() {
+        if std::env::var("WIDE_WGMMA").is_ok() || std::env::var("WIDE_WGMMA_TALL").is_ok() {
             return; // the override wins everywhere
         }
-        // Where the H200 measured the 128-token, 7-stage tile faster (up: N 14336; Q: N 4096).
-        assert!(small(RoutedOp::Mn, 512, 14336) && small(RoutedOp::Mn, 1024, 14336));
-        assert!(small(RoutedOp::Mn, 512, 4096) && small(RoutedOp::Mn, 2048, 4096));
+        // Where the H200 measured the 128-token, 7-stage tile faster (up: N 14336; Q: N 4096),
+        // but where tall last tiles take a wave off (measured faster still; see
+        // `tall_tiles_where_they_take_a_wave_off`): up at 512 / 1024 and Q at 2048 / 4096 tokens.
+        assert!(small(RoutedOp::Mn, 512, 4096) && small(RoutedOp::Mn, 1024, 4096));
+        assert!(!small(RoutedOp::Mn, 512, 14336) && !small(RoutedOp::Mn, 1024, 14336) && !small(RoutedOp::Mn, 2048, 4096) && !small(RoutedOp::Mn, 4096, 4096));
         // And where it measured it slower.
-        assert!(small(RoutedOp::Mn, 4096, 4096));
         assert!(!small(RoutedOp::Mn, 2048, 14336) && !small(RoutedOp::Mn, 4096, 14336) && !small(RoutedOp::Mn, 16384, 4096) && !small(RoutedOp::Mn, 256, 14336));
         // The fused kernel keeps its one configuration (4 stages of 48 KiB fill the memory).
         assert_eq!(config_for(&sh(RoutedOp::MnSwiglu, 1024, 14336), 0.5, 132), WgmmaConfig::default_for(true));
         assert!(config_for(&sh(RoutedOp::Mn, 1024, 14336), 0.5, 132).valid(false));
+    }
+
+    #[test]
+    fn tall_tiles_where_they_take_a_wave_off() {
+        use crate::ops::dispatch::GemmShape;
+        if std::env::var("WIDE_WGMMA").is_ok() || std::env::var("WIDE_WGMMA_TALL").is_ok() {
+            return; // the overrides win everywhere
+        }
+        let sh = |m, n| GemmShape { op: RoutedOp::Mn, m, n, k: 4096, group: 128 };
+        let tall = |m, n, s| config_for(&sh(m, n), s, 132).tall;
+        // Where the H200 measured them faster (the expected waves drop; Q: N 4096, up: N 14336).
+        for (m, n, s) in [(2048, 4096, 0.5), (4096, 4096, 0.25), (4096, 4096, 0.5), (4096, 4096, 0.75), (1024, 14336, 0.5), (1024, 14336, 0.75), (2048, 14336, 0.75), (4096, 14336, 0.5)] {
+            assert!(tall(m, n, s), "m {m} n {n} s {s}");
+        }
+        // And where slower or equal (the waves stay).
+        for (m, n, s) in [(1024, 4096, 0.25), (1024, 4096, 0.5), (1024, 4096, 0.75), (2048, 4096, 0.25), (2048, 4096, 0.75), (1024, 14336, 0.25), (2048, 14336, 0.25), (2048, 14336, 0.5), (4096, 14336, 0.25), (4096, 14336, 0.75), (16384, 14336, 0.5), (16384, 4096, 0.5)] {
+            assert!(!tall(m, n, s), "m {m} n {n} s {s}");
+        }
+        // Never for the fused kernel or below 512 tokens.
+        assert!(!config_for(&GemmShape { op: RoutedOp::MnSwiglu, m: 4096, n: 14336, k: 4096, group: 128 }, 0.5, 132).tall);
+        assert!(!tall(300, 4096, 0.5));
+        // The fused Q|K|V at 2048 tokens: 16 always-on K|V tiles of 8 and 32 routed Q tiles of
+        // about 4.5 (3 waves) or 4 (2 waves).
+        let qkv = GemmShape { op: RoutedOp::Mn, m: 2048, n: 6144, k: 4096, group: 512 };
+        assert!(config_for_groups(&qkv, 0.5, 4, 132).tall);
+    }
+
+    #[test]
+    fn expected_tiles_follow_the_counts() {
+        let d = WgmmaConfig::default_for(false);
+        let t = WgmmaConfig { tall: true, ..d };
+        assert_eq!((d.computing_tiles(0), d.computing_tiles(1), d.computing_tiles(256), d.computing_tiles(257)), (0, 1, 1, 2));
+        assert_eq!((t.computing_tiles(0), t.computing_tiles(1), t.computing_tiles(320), t.computing_tiles(321), t.computing_tiles(576), t.computing_tiles(577)), (0, 1, 1, 2, 2, 3));
+        // All on or all off: exact.
+        assert!((expected_tiles(&d, 4096, 10, 0.0, 0) - 160.0).abs() < 1e-9);
+        assert!((expected_tiles(&t, 4100, 10, 0.0, 0) - 160.0).abs() < 1e-9, "4100 = 15 x 256 + 260");
+        assert!(expected_tiles(&d, 4096, 10, 1.0, 0).abs() < 1e-9);
+        // 50% of 4096: 2048 +- 32 a group, half of them a partial ninth tile (plain), almost none tall.
+        let (ed, et) = (expected_tiles(&d, 4096, 112, 0.5, 0), expected_tiles(&t, 4096, 112, 0.5, 0));
+        assert!((ed - 112.0 * 8.5).abs() < 1.0 && (et - 112.0 * 8.0).abs() < 3.0, "{ed} {et}");
+        // Always-on tiles count whole.
+        assert!((expected_tiles(&d, 2048, 0, 0.5, 16) - 128.0).abs() < 1e-9);
+        assert!((erfc(0.0) - 1.0).abs() < 1e-7 && (erfc(1.0) - 0.157_299_207).abs() < 1e-7 && (erfc(-1.0) - 1.842_700_793).abs() < 1e-7);
     }
 
     #[test]
@@ -588,12 +739,12 @@ mod tests {
         assert_eq!(WgmmaConfig::default_for(true).smem_bytes(true), 4 * (16384 + 32768) + 1024);
         assert_eq!(WgmmaConfig::default_for(false).bm(), 256);
         // Fused with 256-token tiles would need 256 accumulators a thread.
-        assert!(!WgmmaConfig { mi: 2, stages: 3, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false, row_tma: false, stream_k: false }.valid(true));
-        assert!(!WgmmaConfig { mi: 1, stages: 2, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false, row_tma: false, stream_k: false }.valid(false));
-        assert!(!WgmmaConfig { mi: 2, stages: 5, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false, row_tma: false, stream_k: false }.valid(false), "240 KiB");
-        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 2, tma: false, l2_hint: false, persist: false, row_tma: false, stream_k: false }.valid(false), "clusters need the async arrive");
-        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 1, tma: true, l2_hint: false, persist: false, row_tma: false, stream_k: false }.valid(false), "TMA weights need the async arrive");
-        assert!(!WgmmaConfig { mi: 1, stages: 4, async_arrive: true, cluster: 2, tma: true, l2_hint: false, persist: false, row_tma: false, stream_k: false }.valid(true), "TMA weights are the cluster-free path");
+        assert!(!WgmmaConfig { mi: 2, stages: 3, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false, row_tma: false, stream_k: false, tall: false }.valid(true));
+        assert!(!WgmmaConfig { mi: 1, stages: 2, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false, row_tma: false, stream_k: false, tall: false }.valid(false));
+        assert!(!WgmmaConfig { mi: 2, stages: 5, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false, row_tma: false, stream_k: false, tall: false }.valid(false), "240 KiB");
+        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 2, tma: false, l2_hint: false, persist: false, row_tma: false, stream_k: false, tall: false }.valid(false), "clusters need the async arrive");
+        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 1, tma: true, l2_hint: false, persist: false, row_tma: false, stream_k: false, tall: false }.valid(false), "TMA weights need the async arrive");
+        assert!(!WgmmaConfig { mi: 1, stages: 4, async_arrive: true, cluster: 2, tma: true, l2_hint: false, persist: false, row_tma: false, stream_k: false, tall: false }.valid(true), "TMA weights are the cluster-free path");
         assert!(sweep(false).iter().any(|c| !c.tma && c.cluster == 1) && sweep(true).iter().any(|c| !c.tma && c.cluster == 1), "the cp.async weight path stays in the sweep");
         assert!(WgmmaConfig::default_for(true).tma && WgmmaConfig::default_for(false).tma);
         assert!(sweep(false).iter().any(|c| c.cluster == 2) && sweep(true).iter().any(|c| c.cluster == 2));
