@@ -58,15 +58,6 @@ __device__ __forceinline__ unsigned long long sw128_desc_mn(unsigned addr, unsig
            ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
 }
 
-// S[64 x 64] (f32) += A[64 x 16] * B[16 x 64], A and B K-major in shared memory (descriptors).
-__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], unsigned long long da, unsigned long long db) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32." WG_TYPE "." WG_TYPE " "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}"
-        : WG_ACC32(0)
-        : "l"(da), "l"(db), "r"(1));
-}
 // O[64 x 128] (f32) += P[64 x 16] * V[16 x 128]: P in registers (the m16n8k16 A-fragment layout
 // in each warp's 16 rows), V in shared memory MN-major (rows of keys, head dim contiguous:
 // transpose flag 1).
@@ -92,7 +83,7 @@ __device__ __forceinline__ void issue_qk(float (&sc)[KN / 2], unsigned sqw, unsi
 #pragma unroll
     for (int kk = 0; kk < HD / 16; ++kk)
 #if KN == 64
-        wgmma_m64n64k16_ss(sc, sw128_desc(sqw + (kk >> 2) * Q_HALF + (kk & 3) * 32), sw128_desc(skt + (kk >> 2) * KV_HALF + (kk & 3) * 32));
+        wgmma_m64n64k16(sc, sw128_desc(sqw + (kk >> 2) * Q_HALF + (kk & 3) * 32), sw128_desc(skt + (kk >> 2) * KV_HALF + (kk & 3) * 32));
 #else
         wgmma_m64n128k16(sc, sw128_desc(sqw + (kk >> 2) * Q_HALF + (kk & 3) * 32), sw128_desc(skt + (kk >> 2) * KV_HALF + (kk & 3) * 32));
 #endif

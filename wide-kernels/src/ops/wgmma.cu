@@ -242,28 +242,32 @@ __device__ __forceinline__ void row_sources(const T* x, const int* pg, int m0, i
     }
 }
 
-// A consumer thread's accumulators of one 64-row sub-tile (rows from `row0`; the SwiGLU applied)
-// into the staging area at `sbase`. Fragment: register 4j + e holds row 16 warp + lane / 4 (+8
-// for e >= 2), column 8 j + 2 (lane % 4) + (e % 2). Staged as [BM rows][BN columns] of T, 256
-// bytes a row, 16-byte chunk j of row r at chunk j ^ (r % 8): a warp's eight rows of one chunk
-// then fall on 32 different banks.
-__device__ __forceinline__ void stage_subtile(unsigned sbase, const float (&acc)[NB * 64], int row0) {
+// A consumer thread's accumulators of one 64-row sub-tile, NJ 8-column chunks of them from
+// chunk `chunk0` of the tile (rows from `row0`; with SWIGLU, silu(gate) * up of registers e and
+// 64 + e), into the staging area at `sbase`. Fragment: register 4j + e holds row 16 warp + lane /
+// 4 (+8 for e >= 2), column 8 j + 2 (lane % 4) + (e % 2). Staged as [BM rows][BN columns] of T,
+// 256 bytes a row, 16-byte chunk j of row r at chunk j ^ (r % 8): a warp's eight rows of one
+// chunk then fall on 32 different banks.
+template <int NJ, bool SWIGLU, int NA>
+__device__ __forceinline__ void stage_frag(unsigned sbase, const float (&acc)[NA], int row0, int chunk0) {
     const int warp = (threadIdx.x & 127) >> 5, lane = threadIdx.x & 31;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int r = row0 + warp * 16 + (lane >> 2) + 8 * h;
         const unsigned srow = sbase + r * (BN * 2) + (lane & 3) * 4;
 #pragma unroll
-        for (int j = 0; j < 16; ++j) {
+        for (int j = 0; j < NJ; ++j) {
             float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
-#if FUSED
-            v0 = silu(v0) * acc[64 + 4 * j + 2 * h];
-            v1 = silu(v1) * acc[64 + 4 * j + 2 * h + 1];
-#endif
-            asm volatile("st.shared.u32 [%0], %1;" ::"r"(srow + ((j ^ (r & 7)) << 4)), "r"(pack2(v0, v1)) : "memory");
+            if constexpr (SWIGLU) {
+                v0 = silu(v0) * acc[64 + 4 * j + 2 * h];
+                v1 = silu(v1) * acc[64 + 4 * j + 2 * h + 1];
+            }
+            asm volatile("st.shared.u32 [%0], %1;" ::"r"(srow + (((chunk0 + j) ^ (r & 7)) << 4)), "r"(pack2(v0, v1)) : "memory");
         }
     }
 }
+// A 64-row sub-tile's results (all BN columns; the SwiGLU applied when fused).
+__device__ __forceinline__ void stage_subtile(unsigned sbase, const float (&acc)[NB * 64], int row0) { stage_frag<16, FUSED>(sbase, acc, row0, 0); }
 
 // A tile's rows [rbeg, rend) out (BM rows but for a tall tile's last rows and the zero tile after
 // it), 16 bytes a thread (threads `first`, `first + stride`, ...), a row's 256 bytes by 16
@@ -301,32 +305,8 @@ __device__ __forceinline__ void stage_barriers() {
     __syncthreads();
 }
 
-// D[64 x 64] (f32) += A[64 x 16] * B[16 x 64], both K-major in shared memory: a tall tile's
-// extra rows times one consumer's half of the weight tile.
-__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], unsigned long long da, unsigned long long db) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32." WG_TYPE "." WG_TYPE " "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}"
-        : WG_ACC32(0)
-        : "l"(da), "l"(db), "r"(1));
-}
-
-// A consumer thread's accumulators of a tall tile's extra sub-tile (rows BM to BM + 63, this
-// warpgroup's 64 columns from `col0`) into the staging area, in `stage_subtile`'s layout.
-__device__ __forceinline__ void stage_extra(unsigned sbase, const float (&acc)[32], int col0) {
-    const int warp = (threadIdx.x & 127) >> 5, lane = threadIdx.x & 31;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int r = BM + warp * 16 + (lane >> 2) + 8 * h;
-        const unsigned srow = sbase + r * (BN * 2) + (lane & 3) * 4;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const int chunk = col0 / 8 + j;
-            asm volatile("st.shared.u32 [%0], %1;" ::"r"(srow + ((chunk ^ (r & 7)) << 4)), "r"(pack2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1])) : "memory");
-        }
-    }
-}
+// A tall tile's extra sub-tile (rows BM to BM + 63, this warpgroup's 64 columns from `col0`).
+__device__ __forceinline__ void stage_extra(unsigned sbase, const float (&acc)[32], int col0) { stage_frag<8, false>(sbase, acc, BM, col0 / 8); }
 
 // One consumer warpgroup's k loop over its first NS sub-tiles (rows (cw + 2 i) * 64, i < NS) and,
 // with X (a tall tile), the extra rows BM to BM + 63 times its half cw of the weight tile's

@@ -1,7 +1,7 @@
 // Hopper (sm_90a) helpers shared by the wgmma kernels (wgmma.cu, attn_wgmma.cu): element type,
 // cp.async and mbarrier-arrival wrappers (mbarrier.cuh, prepended first, has the waits and the
 // tensor copies), the 128-byte-swizzle shared-memory layout and its matrix
-// descriptor, wgmma fences and the m64n128k16 instruction with both operands in shared memory.
+// descriptor, wgmma fences and the m64n128k16 / m64n64k16 instructions with both operands in shared memory.
 // Prepended to each of those sources. Defines:
 //   WIDE_F16      1 for f16 operands, 0 for bf16 (fp32 accumulation either way)
 #include <cuda_bf16.h>
@@ -78,5 +78,14 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], unsigned long l
         "wgmma.mma_async.sync.aligned.m64n128k16.f32." WG_TYPE "." WG_TYPE " "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}"
         : WG_ACC64(0)
+        : "l"(da), "l"(db), "r"(1));
+}
+// D[64 x 64] (f32) += A[64 x 16] * B[16 x 64], A and B K-major in shared memory (descriptors).
+__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], unsigned long long da, unsigned long long db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32." WG_TYPE "." WG_TYPE " "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}"
+        : WG_ACC32(0)
         : "l"(da), "l"(db), "r"(1));
 }
