@@ -206,30 +206,11 @@ pub fn sweep(fused: bool) -> Vec<WgmmaConfig> {
     v
 }
 
-/// The configuration of one launch: `WIDE_WGMMA` where set; else for a plain product from 512
-/// tokens whose default grid (256-token tiles) has at most 2 computing tiles a
-/// multiprocessor, the 128-token tile with 7 stages (twice the blocks, each with more of its
-/// weight tiles in flight); else the default. Measured on the H200 (s = 0.5, G = 128, cold,
-/// routed ms, default -> small; cuBLAS in brackets): up 512 tokens (112 tiles) 0.094 -> 0.087
-/// [0.095], up 1024 (224) 0.139 -> 0.128 [0.158], Q 512 (32) 0.049-0.054 -> 0.034-0.039 [0.028-0.034],
-/// Q 2048 (128) 0.098-0.102 -> 0.090-0.095 [0.094-0.111]; but up 2048 (448) 0.209 -> 0.232 and up
-/// 256 0.055 -> 0.063 (its 128-token zero tiles interleave with the computing ones); Q 1024 (64)
-/// 0.052 -> 0.057 [0.048] is the one loss inside the rule (the dispatch keeps cuBLAS + the zero
-/// pass there with either tile). Q at 4096 tokens (256 tiles, ~272 with the groups' partial
-/// tiles: three waves of 132) measured 0.144 -> 0.152 with the old band and 0.145-0.146 -> 0.133
-/// once the band kept the partial tiles with their groups (`band_tiles`; 2026-12-02), so the
-/// bound is 2 tiles a multiprocessor, not 1.75; up 4096 (896) 0.389-0.394 -> 0.434-0.443 and Q
-/// 16384 (1024) 0.435-0.440 -> 0.490 stay on the default.
-///
-/// Before that rule, tall last tiles ([`WgmmaConfig::tall`]) where they take a wave off the
-/// expected grid ([`expected_tiles`], waves of `sms` tiles): a tall tile costs more than a
-/// plain one, so they pay only by removing the last wave. Measured on the H200 (s = 0.25 / 0.5 /
-/// 0.75, G = 128, cold, two calls each, routed ms with the rule above -> tall; 2026-12-04):
-/// every case where the expected waves drop was faster (Q 2048 tokens, s = 0.5, 2 -> 1 waves:
-/// 0.089 -> 0.071; Q 4096: 0.190 / 0.133 / 0.095 -> 0.175 / 0.126 / 0.081; up 1024, s = 0.75:
-/// 0.094 -> 0.083; up 4096, s = 0.5: 0.391-0.399 -> 0.378-0.386) and every case where they do not
-/// was slower or equal (Q 1024: +6-76%; up 2048, s = 0.5: 0.209 -> 0.221; up 1024, s = 0.25:
-/// 0.154 -> 0.167).
+/// The configuration of one launch: `WIDE_WGMMA` where set; the fused kernel's one
+/// configuration; below 512 tokens the plain 256-token tile; else the cheapest of three by a
+/// wave count ([`tile_costs`]): the plain 256-token tile, the same with tall last tiles
+/// ([`WgmmaConfig::tall`]), and the 128-token tile with 7 stages (twice the blocks, each with more
+/// of its weight tiles in flight).
 pub fn config_for(s: &GemmShape, sparsity: f64, sms: i64) -> WgmmaConfig {
     config_for_groups(s, sparsity, 0, sms)
 }
@@ -245,25 +226,51 @@ pub fn config_for_groups(s: &GemmShape, sparsity: f64, on_groups: i64, sms: i64)
     if fused || s.m < 512 {
         return d;
     }
-    let tiles = s.n / WGMMA_BN;
-    let on_tiles = (on_groups * s.group.max(0) / WGMMA_BN).clamp(0, tiles);
-    let tall = WgmmaConfig { tall: true, ..d };
-    if tall.valid(fused) && tall_allowed() {
-        let waves = |c: &WgmmaConfig| (expected_tiles(c, s.m, tiles - on_tiles, sparsity, on_tiles) / sms.max(1) as f64 - 1e-6).ceil();
-        if waves(&tall) < waves(&d) {
-            return tall;
+    let mut best = d;
+    let mut best_cost = f64::INFINITY;
+    for (c, cost) in tile_costs(s, sparsity, on_groups, sms) {
+        if cost < best_cost {
+            (best, best_cost) = (c, cost);
         }
     }
-    // The rule below counts every group at the layout's overall skip rate.
-    let overall = sparsity.clamp(0.0, 1.0) * (tiles - on_tiles) as f64 / tiles.max(1) as f64;
-    let active = (s.m as f64 * (1.0 - overall)).ceil() as i64;
-    let tiles = (s.n / WGMMA_BN) * ((active + d.bm() - 1) / d.bm()).max(1);
+    best
+}
+
+/// Cost of the plain grid's one wave of 256-token tiles: 1. A wave of 128-token tiles with 7
+/// stages costs `SMALL_WAVE`, plus `SMALL_FIXED` a launch; tall last tiles cost `TALL_EXTRA` of a
+/// wave more than their wave count says.
+const SMALL_WAVE: f64 = 0.56;
+const SMALL_FIXED: f64 = 0.11;
+const TALL_EXTRA: f64 = 0.3;
+
+/// The candidate configurations of a plain product from 512 tokens and their costs in waves
+/// of 256-token tiles (ceil(expected computing tiles / `sms`) from [`expected_tiles`]): the
+/// plain tile (first: it wins ties), the 128-token 7-stage tile, and tall last tiles (unless
+/// `WIDE_WGMMA_TALL=0`). Calibrated on the H200 (cold, G = 128, routed ms forced to each of the
+/// three, 2026-12-04, `benchmarks/RESULTS.md`): a one-wave grid of 128-token tiles took 0.67-0.69
+/// of a one-wave grid of 256-token ones (Q at 512 / 1024 tokens), several waves of them 0.54-0.57
+/// a wave (Q 1024 / 2048, up 512 / 1024 / 2048); where tall tiles take waves off they cost 0.3-0.8
+/// of a wave more than their count (up 1024, s = 0.5: 2 waves, 0.127 ms against 3 plain, 0.140,
+/// and 4 small, 0.129; Q 4096, s = 0.25: 3 waves 0.176 against 4 plain 0.189 and 6 small 0.186).
+/// With these constants the cheapest candidate is the measured fastest in each of the 25 cases of
+/// those calls (Q and up at 512-16384 tokens, s = 0.25 / 0.5 / 0.75; test
+/// `launches_take_the_tile_measured_fastest`), two of them ties within 2% (16384 tokens).
+pub fn tile_costs(s: &GemmShape, sparsity: f64, on_groups: i64, sms: i64) -> Vec<(WgmmaConfig, f64)> {
+    let fused = s.op == RoutedOp::MnSwiglu;
+    let d = WgmmaConfig::default_for(fused);
+    let tiles = s.n / WGMMA_BN;
+    let on_tiles = (on_groups * s.group.max(0) / WGMMA_BN).clamp(0, tiles);
+    let waves = |c: &WgmmaConfig| (expected_tiles(c, s.m, tiles - on_tiles, sparsity, on_tiles) / sms.max(1) as f64 - 1e-6).ceil().max(1.0);
+    let mut v = vec![(d, waves(&d))];
     let small = WgmmaConfig { mi: 1, stages: 7, ..d };
-    if tiles <= 2 * sms && small.valid(fused) {
-        small
-    } else {
-        d
+    if small.valid(fused) {
+        v.push((small, SMALL_WAVE * waves(&small) + SMALL_FIXED));
     }
+    let tall = WgmmaConfig { tall: true, ..d };
+    if tall.valid(fused) && tall_allowed() {
+        v.push((tall, waves(&tall) + TALL_EXTRA));
+    }
+    v
 }
 
 /// `WIDE_WGMMA_TALL=0` (read once) keeps [`config_for`] off tall last tiles, for A/B runs.
@@ -638,48 +645,61 @@ mod tests {
     use super::*;
 
     #[test]
-    fn small_grids_take_the_deep_128_token_tile() {
-        use crate::ops::dispatch::GemmShape;
-        let sh = |op, m, n| GemmShape { op, m, n, k: 4096, group: 128 };
-        let small = |op, m, n| config_for(&sh(op, m, n), 0.5, 132).mi == 1 && config_for(&sh(op, m, n), 0.5, 132).stages == 7;
-        if std::env::var("WIDE_WGMMA").is_ok() || std::env::var("WIDE_WGMMA_TALL").is_ok() {
-            return; // the override wins everywhere
-        }
-        // Where the H200 measured the 128-token, 7-stage tile faster (up: N 14336; Q: N 4096),
-        // but where tall last tiles take a wave off (measured faster still; see
-        // `tall_tiles_where_they_take_a_wave_off`): up at 512 / 1024 and Q at 2048 / 4096 tokens.
-        assert!(small(RoutedOp::Mn, 512, 4096) && small(RoutedOp::Mn, 1024, 4096));
-        assert!(!small(RoutedOp::Mn, 512, 14336) && !small(RoutedOp::Mn, 1024, 14336) && !small(RoutedOp::Mn, 2048, 4096) && !small(RoutedOp::Mn, 4096, 4096));
-        // And where it measured it slower.
-        assert!(!small(RoutedOp::Mn, 2048, 14336) && !small(RoutedOp::Mn, 4096, 14336) && !small(RoutedOp::Mn, 16384, 4096) && !small(RoutedOp::Mn, 256, 14336));
-        // The fused kernel keeps its one configuration (4 stages of 48 KiB fill the memory).
-        assert_eq!(config_for(&sh(RoutedOp::MnSwiglu, 1024, 14336), 0.5, 132), WgmmaConfig::default_for(true));
-        assert!(config_for(&sh(RoutedOp::Mn, 1024, 14336), 0.5, 132).valid(false));
-    }
-
-    #[test]
-    fn tall_tiles_where_they_take_a_wave_off() {
+    fn launches_take_the_tile_measured_fastest() {
         use crate::ops::dispatch::GemmShape;
         if std::env::var("WIDE_WGMMA").is_ok() || std::env::var("WIDE_WGMMA_TALL").is_ok() {
             return; // the overrides win everywhere
         }
-        let sh = |m, n| GemmShape { op: RoutedOp::Mn, m, n, k: 4096, group: 128 };
-        let tall = |m, n, s| config_for(&sh(m, n), s, 132).tall;
-        // Where the H200 measured them faster (the expected waves drop; Q: N 4096, up: N 14336).
-        for (m, n, s) in [(2048, 4096, 0.5), (4096, 4096, 0.25), (4096, 4096, 0.5), (4096, 4096, 0.75), (1024, 14336, 0.5), (1024, 14336, 0.75), (2048, 14336, 0.75), (4096, 14336, 0.5)] {
-            assert!(tall(m, n, s), "m {m} n {n} s {s}");
+        // The fastest of the three forced on the H200 (cold, G = 128, routed ms; Q: N 4096, up:
+        // N 14336; RESULTS, 2026-12-04 third session), as (tokens, N, skip rate, config).
+        #[derive(Debug, PartialEq)]
+        enum T {
+            Plain,
+            Small,
+            Tall,
         }
-        // And where slower or equal (the waves stay).
-        for (m, n, s) in [(1024, 4096, 0.25), (1024, 4096, 0.5), (1024, 4096, 0.75), (2048, 4096, 0.25), (2048, 4096, 0.75), (1024, 14336, 0.25), (2048, 14336, 0.25), (2048, 14336, 0.5), (4096, 14336, 0.25), (4096, 14336, 0.75), (16384, 14336, 0.5), (16384, 4096, 0.5)] {
-            assert!(!tall(m, n, s), "m {m} n {n} s {s}");
+        let measured = [
+            (512, 4096, 0.25, T::Small),
+            (512, 4096, 0.5, T::Small),
+            (512, 4096, 0.75, T::Small),
+            (1024, 4096, 0.25, T::Plain),
+            (1024, 4096, 0.5, T::Plain),
+            (1024, 4096, 0.75, T::Small),
+            (2048, 4096, 0.25, T::Plain),
+            (2048, 4096, 0.5, T::Tall),
+            (2048, 4096, 0.75, T::Plain),
+            (4096, 4096, 0.25, T::Tall),
+            (4096, 4096, 0.5, T::Tall),
+            (4096, 4096, 0.75, T::Tall),
+            (16384, 4096, 0.5, T::Plain),
+            (512, 14336, 0.25, T::Small),
+            (512, 14336, 0.5, T::Tall),
+            (512, 14336, 0.75, T::Plain),
+            (1024, 14336, 0.25, T::Plain),
+            (1024, 14336, 0.5, T::Tall),
+            (1024, 14336, 0.75, T::Tall),
+            (2048, 14336, 0.25, T::Plain),
+            (2048, 14336, 0.5, T::Plain),
+            (2048, 14336, 0.75, T::Tall),
+            (4096, 14336, 0.5, T::Tall),
+            (4096, 14336, 0.75, T::Plain),
+            (16384, 14336, 0.5, T::Plain),
+        ];
+        for (m, n, s, want) in measured {
+            let c = config_for(&GemmShape { op: RoutedOp::Mn, m, n, k: 4096, group: 128 }, s, 132);
+            let got = if c.tall { T::Tall } else if c.mi == 1 { T::Small } else { T::Plain };
+            assert_eq!(got, want, "m {m} n {n} s {s}: {}", c.label());
+            assert!(c.valid(false));
         }
-        // Never for the fused kernel or below 512 tokens.
-        assert!(!config_for(&GemmShape { op: RoutedOp::MnSwiglu, m: 4096, n: 14336, k: 4096, group: 128 }, 0.5, 132).tall);
-        assert!(!tall(300, 4096, 0.5));
-        // The fused Q|K|V at 2048 tokens: 16 always-on K|V tiles of 8 and 32 routed Q tiles of
-        // about 4.5 (3 waves) or 4 (2 waves).
+        // Below 512 tokens the plain tile; the fused kernel keeps its one configuration.
+        assert_eq!(config_for(&GemmShape { op: RoutedOp::Mn, m: 256, n: 14336, k: 4096, group: 128 }, 0.5, 132), WgmmaConfig::default_for(false));
+        assert_eq!(config_for(&GemmShape { op: RoutedOp::MnSwiglu, m: 1024, n: 14336, k: 4096, group: 128 }, 0.5, 132), WgmmaConfig::default_for(true));
+        // The fused Q|K|V at 2048 tokens: 16 always-on K|V tiles of 8 token tiles and 32 routed Q
+        // tiles of about 4.5 (3 waves) or 4 with tall last tiles (2 waves).
         let qkv = GemmShape { op: RoutedOp::Mn, m: 2048, n: 6144, k: 4096, group: 512 };
         assert!(config_for_groups(&qkv, 0.5, 4, 132).tall);
+        // The plain tile is first among the candidates (ties keep it).
+        assert_eq!(tile_costs(&qkv, 0.5, 4, 132)[0].0, WgmmaConfig::default_for(false));
     }
 
     #[test]
