@@ -84,6 +84,9 @@ pub struct WgmmaConfig {
     pub tall: bool,
 }
 
+/// Rows a tall last tile takes past the 256-token tile (one more 64-row wgmma sub-tile).
+const TALL_ROWS: i64 = 64;
+
 impl WgmmaConfig {
     /// Plain: 256 x 128 tiles, 4 stages of 48 KiB (x 32 KiB, weight 16 KiB). Fused: 128 x 128
     /// tiles with the gate and up weight tiles, 4 stages of 48 KiB. Both keep 128 accumulators
@@ -102,9 +105,18 @@ impl WgmmaConfig {
     pub fn bm(&self) -> i64 {
         WGMMA_BM * self.mi as i64
     }
-    /// Token rows of a stage's x tile: [`WgmmaConfig::bm`], 64 more with `tall`.
+    /// Rows a tall last tile takes past [`WgmmaConfig::bm`] (none without `tall`; the kernel's
+    /// `BMA - BM`).
+    pub fn tall_rows(&self) -> i64 {
+        if self.tall {
+            TALL_ROWS
+        } else {
+            0
+        }
+    }
+    /// Token rows of a stage's x tile: [`WgmmaConfig::bm`] plus [`WgmmaConfig::tall_rows`].
     pub fn stage_rows(&self) -> i64 {
-        self.bm() + if self.tall { 64 } else { 0 }
+        self.bm() + self.tall_rows()
     }
     /// Dynamic shared memory of a launch: the stages plus 1 KiB so that they start 1024-aligned.
     pub fn smem_bytes(&self, fused: bool) -> u32 {
@@ -116,10 +128,8 @@ impl WgmmaConfig {
     pub fn computing_tiles(&self, count: i64) -> i64 {
         if count <= 0 {
             0
-        } else if self.tall {
-            ((count - 64 + self.bm() - 1) / self.bm()).max(1)
         } else {
-            (count + self.bm() - 1) / self.bm()
+            ((count - self.tall_rows() + self.bm() - 1) / self.bm()).max(1)
         }
     }
     /// Can this configuration run (registers: at most 128 accumulators a consumer thread;
@@ -288,26 +298,31 @@ pub fn expected_tiles(c: &WgmmaConfig, m: i64, routed_tiles: i64, sparsity: f64,
     let tiles_of = |count: i64| c.computing_tiles(count) as f64;
     let p = 1.0 - sparsity.clamp(0.0, 1.0);
     let (mu, sd) = (m as f64 * p, (m as f64 * p * (1.0 - p)).sqrt());
-    // P(count > x) for an integer x.
+    // P(count > x) for an integer x; exactly 1 or 0 beyond 8 sd (erfc's tail there is below
+    // 1e-15), so a launch evaluates erfc only at the few thresholds near the mean.
     let above = |x: i64| -> f64 {
-        if sd < 1e-9 {
-            return if mu > x as f64 { 1.0 } else { 0.0 };
+        let z = x as f64 + 0.5 - mu;
+        if z < -8.0 * sd {
+            1.0
+        } else if z > 8.0 * sd {
+            0.0
+        } else {
+            0.5 * erfc(z / (sd * std::f64::consts::SQRT_2))
         }
-        0.5 * erfc((x as f64 + 0.5 - mu) / (sd * std::f64::consts::SQRT_2))
     };
-    // E[T(count)] as a sum of the thresholds T steps over: count > k bm (+ 64 with tall, k >= 1).
-    let extra = if c.tall { 64 } else { 0 };
+    // E[T(count)] as a sum of the thresholds T steps over: count > 0, count > k bm + tall rows
+    // (k >= 1).
     let mut e = above(0);
     let mut k = 1;
-    while k * bm + extra < m {
-        e += above(k * bm + extra);
+    while k * bm + c.tall_rows() < m {
+        e += above(k * bm + c.tall_rows());
         k += 1;
     }
     routed_tiles as f64 * e + on_tiles as f64 * tiles_of(m)
 }
 
-/// The complementary error function (W. J. Cody's rational Chebyshev form as in Numerical
-/// Recipes' `erfcc`: relative error below 1.2e-7 everywhere).
+/// The complementary error function (the Chebyshev-fitted exponential form of Numerical Recipes'
+/// `erfcc`: fractional error below 1.2e-7 everywhere).
 fn erfc(x: f64) -> f64 {
     let z = x.abs();
     let t = 1.0 / (1.0 + 0.5 * z);
