@@ -70,7 +70,7 @@ fn from_libtorch(root: PathBuf) -> Torch {
 fn main() {
     println!("cargo:rerun-if-changed=csrc/torch_cuda_shim.cpp");
     println!("cargo:rerun-if-changed=csrc/no_cuda_shim.c");
-    for v in ["LIBTORCH", "LIBTORCH_USE_PYTORCH", "CUDA_HOME", "WIDE_CUDA_INCLUDE"] {
+    for v in ["LIBTORCH", "LIBTORCH_USE_PYTORCH", "LIBTORCH_CXX11_ABI", "PYTHON_SYS_EXECUTABLE", "CUDA_HOME", "WIDE_CUDA_INCLUDE"] {
         println!("cargo:rerun-if-env-changed={v}");
     }
     let mut torch = match env::var("LIBTORCH") {
@@ -87,6 +87,9 @@ fn main() {
         }
     }
     let has_cuda_lib = torch.lib_dir.join("libtorch_cuda.so").exists();
+    // A torch installed, upgraded or swapped for its CUDA build rebuilds the shim (cargo checks
+    // the modification times of the folder's files).
+    println!("cargo:rerun-if-changed={}", torch.lib_dir.display());
     println!("cargo:rustc-link-search=native={}", torch.lib_dir.display());
     match (&torch.cuda_include, has_cuda_lib) {
         (Some(cuda_inc), true) => {

@@ -135,7 +135,12 @@ impl CudaKernel {
                 Err(e) => eprintln!("warning: kernel `{}` for {real} did not load as machine code ({e:#}); compiling its PTX instead", src.name),
             }
         }
-        load_once(&nvrtc::compile(src, &arch)?)
+        match load_once(&nvrtc::compile(src, &arch)?) {
+            Ok(k) => Ok(k),
+            // A cached PTX the driver refuses (written by a newer NVRTC sharing the cache folder):
+            // compiled again here, replacing the file; a fresh image that still fails is an error.
+            Err(e) => load_once(&nvrtc::recompile(src, &arch)?).with_context(|| format!("kernel `{}` for {arch} did not load ({e:#}), nor after compiling it again", src.name)),
+        }
     }
 
     fn load(compiled: &CompiledKernel, entry: &str, device: usize) -> Result<sys::CUfunction> {
@@ -414,6 +419,19 @@ pub fn multiprocessor_count(device: usize) -> Result<usize> {
         return Ok(n);
     }
     let n = device_attribute(device, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, "reading the multiprocessor count")?;
+    cache.lock().unwrap().insert(device, n);
+    Ok(n)
+}
+
+/// Most shared memory one block of a device may use after opting in (227 KiB on compute
+/// capability 9.0, 99 KiB on 8.6 / 8.9; read once per device).
+pub fn max_shared_per_block_optin(device: usize) -> Result<usize> {
+    static CACHE: OnceLock<Mutex<HashMap<usize, usize>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(Default::default);
+    if let Some(&n) = cache.lock().unwrap().get(&device) {
+        return Ok(n);
+    }
+    let n = device_attribute(device, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, "reading the shared memory limit")?;
     cache.lock().unwrap().insert(device, n);
     Ok(n)
 }

@@ -162,10 +162,54 @@ pub fn cache_file(src: &KernelSource, arch: &str) -> (PathBuf, u64) {
     (cache_dir().join(format!("{}-{arch}-{key:016x}.{ext}", src.name)), key)
 }
 
-/// Whether a cache file's bytes can be loaded for `arch`: not empty, and machine code (ELF) for
-/// a real architecture. A truncated or foreign file is recompiled (and replaced), never loaded.
+/// Whether a cache file's bytes can be loaded for `arch`: for a real architecture a 64-bit ELF
+/// image whose header tables and sections all lie inside the file (a truncated cubin fails
+/// this), else PTX text with its `.version` line and the terminating NUL the driver reads up to.
+/// A truncated or foreign file is recompiled (and replaced), never loaded.
 fn valid_image(bytes: &[u8], arch: &str) -> bool {
-    !bytes.is_empty() && (!is_real_arch(arch) || bytes.starts_with(b"\x7fELF"))
+    if is_real_arch(arch) {
+        elf_end(bytes).is_some_and(|end| end <= bytes.len() as u64)
+    } else {
+        let head = &bytes[..bytes.len().min(4096)];
+        bytes.last() == Some(&0) && head.windows(8).any(|w| w == b".version")
+    }
+}
+
+/// Where a little-endian ELF64 image's last header table or section ends, if its headers can be
+/// read (`None` for anything else).
+fn elf_end(bytes: &[u8]) -> Option<u64> {
+    let field = |at: u64, n: u64| -> Option<u64> {
+        let at = usize::try_from(at).ok()?;
+        Some(bytes.get(at..at.checked_add(n as usize)?)?.iter().rev().fold(0u64, |v, &x| (v << 8) | x as u64))
+    };
+    if !bytes.starts_with(b"\x7fELF") || bytes.get(4) != Some(&2) || bytes.get(5) != Some(&1) {
+        return None;
+    }
+    let (phoff, shoff) = (field(0x20, 8)?, field(0x28, 8)?);
+    let (phentsize, phnum, shentsize, shnum) = (field(0x36, 2)?, field(0x38, 2)?, field(0x3a, 2)?, field(0x3c, 2)?);
+    if shnum == 0 || shentsize < 64 {
+        return None;
+    }
+    let mut end = (shoff.checked_add(shentsize * shnum)?).max(phoff.checked_add(phentsize * phnum)?);
+    for i in 0..shnum {
+        let sh = shoff + i * shentsize;
+        // sh_type at +4; sh_offset at +24, sh_size at +32; SHT_NOBITS (8) occupies no bytes.
+        if field(sh + 4, 4)? != 8 {
+            end = end.max(field(sh + 24, 8)?.checked_add(field(sh + 32, 8)?)?);
+        }
+    }
+    Some(end)
+}
+
+/// Compiles `src` for `arch` with NVRTC, bypassing both caches, and replaces their entries: for
+/// a cached image the driver refused (one written by another toolchain).
+pub fn recompile(src: &KernelSource, arch: &str) -> Result<CompiledKernel> {
+    let (file, key) = cache_file(src, arch);
+    let image = compile_uncached(src, &options(src, arch), is_real_arch(arch))?;
+    let _ = write_atomically(&file, &image);
+    let k = CompiledKernel { arch: arch.to_string(), image: Arc::new(image), key };
+    mem_cache().lock().unwrap().insert(key, k.clone());
+    Ok(k)
 }
 
 /// Compiles `src` for `arch` (`compute_90`: PTX; `sm_90`: a cubin), from the in-process cache,
@@ -174,13 +218,8 @@ pub fn compile(src: &KernelSource, arch: &str) -> Result<CompiledKernel> {
     if let Some(k) = cached(src, arch) {
         return Ok(k);
     }
-    let (file, key) = cache_file(src, arch);
-    let image = compile_uncached(src, &options(src, arch), is_real_arch(arch))?;
-    // Best effort: a read-only cache directory only costs a recompile next time.
-    let _ = write_atomically(&file, &image);
-    let k = CompiledKernel { arch: arch.to_string(), image: Arc::new(image), key };
-    mem_cache().lock().unwrap().insert(key, k.clone());
-    Ok(k)
+    // Best effort on the disk cache: a read-only cache directory only costs a recompile next time.
+    recompile(src, arch)
 }
 
 /// Compiles `src` for `arch` into the cache directory `dir` (the file the run-time cache reads
@@ -221,7 +260,10 @@ fn mem_cache() -> &'static Mutex<HashMap<u64, CompiledKernel>> {
 fn write_atomically(file: &std::path::Path, bytes: &[u8]) -> Result<()> {
     let dir = file.parent().context("a cache file has a directory")?;
     std::fs::create_dir_all(dir).with_context(|| format!("creating the kernel directory {}", dir.display()))?;
-    let tmp = file.with_extension(format!("tmp{}", std::process::id()));
+    // Unique per process and call: threads compiling the same kernel never share a temporary.
+    static SERIAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let serial = SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = file.with_extension(format!("tmp{}-{serial}", std::process::id()));
     std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
     std::fs::rename(&tmp, file).with_context(|| format!("renaming {} to {}", tmp.display(), file.display()))
 }
@@ -291,5 +333,23 @@ mod tests {
             assert!(e.contains(&format!("unknown GPU architecture `{bad}`")), "{e}");
         }
         assert!(is_real_arch("sm_90a") && !is_real_arch("compute_90"));
+    }
+
+    #[test]
+    fn truncated_or_foreign_images_are_not_loaded() {
+        std::env::set_var("WIDE_KERNEL_CACHE", std::env::temp_dir().join(format!("wide-kcache-{}", std::process::id())));
+        let src = KernelSource::new("image_check", "extern \"C\" __global__ void add_one(float* x) { x[threadIdx.x] += 1.f; }\n");
+        for arch in ["compute_80", "sm_80"] {
+            let image = compile(&src, arch).unwrap_or_else(|e| panic!("{e:#}"));
+            assert!(valid_image(&image.image, arch), "{arch}: a fresh image");
+            let bytes = &image.image[..];
+            for cut in [bytes.len() - 1, bytes.len() / 2, 64, 0] {
+                assert!(!valid_image(&bytes[..cut], arch), "{arch}: truncated to {cut} of {} bytes", bytes.len());
+            }
+        }
+        let ptx = compile(&src, "compute_80").unwrap().image;
+        assert!(!valid_image(&ptx, "sm_80"), "PTX where machine code is expected");
+        let cubin = compile(&src, "sm_80").unwrap().image;
+        assert!(!valid_image(&cubin, "compute_80"), "machine code where PTX is expected");
     }
 }

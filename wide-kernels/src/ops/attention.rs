@@ -35,6 +35,7 @@ fn decode_shape(q: &Tensor, k: &Tensor, v: &Tensor, lengths: &Tensor, mask: &Ten
     ensure!(v.size() == ks, "attention_decode: v cache {:?} must match k cache {ks:?}", v.size());
     let (b, hq, d) = (qs[0], qs[1], qs[2]);
     let (hkv, tcap) = (ks[1], ks[2]);
+    ensure!(b > 0 && d > 0, "attention_decode: q {qs:?} has no rows to attend (batch and head_dim must be at least 1)");
     ensure!(ks[0] == b && ks[3] == d, "attention_decode: k cache {ks:?} does not match q {qs:?}");
     ensure!(hkv > 0 && hq % hkv == 0, "attention_decode: {hkv} KV heads do not divide {hq} query heads");
     ensure!(group_heads > 0 && hq % group_heads == 0, "attention_decode: group size {group_heads} heads does not divide {hq} query heads");

@@ -176,8 +176,15 @@ fn add_rmsnorm_impl(
     if let Some((w1, b1)) = router {
         ensure!(w1.dim() == 2 && w1.size()[1] == h && b1.size() == [w1.size()[0]], "add_rmsnorm_router: router {:?} / {:?} does not take hidden size {h}", w1.size(), b1.size());
     }
+    // The kernels read every tensor as x's element type; other dtypes take the reference.
+    let same = |t: &Tensor| t.kind() == x.kind() && t.device() == x.device();
     match cuda_of(x) {
-        Some((dev, f16)) if h <= 16 * 512 && x.is_contiguous() && delta.is_none_or(|d| d.is_contiguous()) => {
+        Some((dev, f16)) if h <= 16 * 512 && x.is_contiguous() && delta.is_none_or(|d| d.is_contiguous() && same(d)) && same(w) => {
+            // Contiguous copies live until the launch: a temporary freed before it could be
+            // handed back by the caching allocator to an output allocated below.
+            let w_c = w.contiguous();
+            let router_c = router.map(|(w1, b1)| (w1.contiguous(), b1.contiguous()));
+            let gate_c = gate.map(|(rw, _, _)| (rw.w2.contiguous(), rw.b2.contiguous()));
             let res = match delta {
                 Some(_) => x.empty_like(),
                 None => x.shallow_clone(),
@@ -187,7 +194,7 @@ fn add_rmsnorm_impl(
             let mut args = vec![
                 KernelArg::tensor(x)?,
                 KernelArg::tensor(delta.unwrap_or(x))?,
-                KernelArg::tensor(&w.contiguous())?,
+                KernelArg::tensor(&w_c)?,
                 KernelArg::tensor(&res)?,
                 KernelArg::tensor(&out)?,
                 KernelArg::I32(h as i32),
@@ -196,14 +203,14 @@ fn add_rmsnorm_impl(
             ];
             // The router kernels read the residual row in 16-byte pieces.
             let aligned = |t: &Tensor| t.data_ptr() as usize % 16 == 0;
-            let fused = router.filter(|(w1, _)| h % 8 == 0 && w1.kind() == x.kind() && aligned(x) && delta.is_none_or(aligned));
+            let fused = router_c.as_ref().filter(|(w1, b1)| h % 8 == 0 && same(w1) && same(b1) && aligned(x) && delta.is_none_or(aligned));
             let mut gated = None;
             let mut cluster = None;
             let (entry, grid, smem, h1) = match fused {
                 Some((w1, b1)) => {
                     let r = w1.size()[0];
                     let h1 = Tensor::empty([m, r], (x.kind(), x.device()));
-                    let g = gate.filter(|(rw, _, _)| m <= ROUTER_TICKETS && r <= 256.min(h) && rw.w2.kind() == x.kind() && rw.w2.dim() == 2 && rw.w2.size()[1] == r);
+                    let g = gate.zip(gate_c.as_ref()).filter(|(_, (w2, b2))| m <= ROUTER_TICKETS && r <= 256.min(h) && same(w2) && same(b2) && w2.dim() == 2 && w2.size()[1] == r);
                     // With the gate on a Hopper GPU: one cluster of at most 8 blocks a token
                     // (add_rmsnorm_router_cluster), 16 warps, RPB outputs a block.
                     let rpb_cluster = (r as u32).div_ceil(8).next_power_of_two();
@@ -216,16 +223,15 @@ fn add_rmsnorm_impl(
                         Some(_) => rpb_cluster,
                         None => ((threads / 32) / 4).max(1),
                     };
-                    args.extend([KernelArg::tensor(&w1.contiguous())?, KernelArg::tensor(&b1.contiguous())?, KernelArg::tensor(&h1)?, KernelArg::I32(r as i32), KernelArg::I32(rpb as i32)]);
+                    args.extend([KernelArg::tensor(w1)?, KernelArg::tensor(b1)?, KernelArg::tensor(&h1)?, KernelArg::I32(r as i32), KernelArg::I32(rpb as i32)]);
                     match g {
-                        Some((rw, offset, extra)) => {
-                            let ng = rw.w2.size()[0] / 2;
-                            ensure!(rw.b2.size() == [2 * ng], "add_rmsnorm_router_gate: router bias {:?} must be [{}]", rw.b2.size(), 2 * ng);
+                        Some(((_, offset, extra), (w2, b2))) => {
+                            let ng = gate_groups(w2, b2, r)?;
                             let mask = Tensor::empty([m, ng], (Kind::Bool, x.device()));
                             let ext = (extra > 0).then(|| Tensor::empty([m, ng + extra], (Kind::Bool, x.device())));
                             args.extend([
-                                KernelArg::tensor(&rw.w2.contiguous())?,
-                                KernelArg::tensor(&rw.b2.contiguous())?,
+                                KernelArg::tensor(w2)?,
+                                KernelArg::tensor(b2)?,
                                 KernelArg::F32(offset as f32),
                                 KernelArg::tensor(&mask)?,
                                 match &ext {
@@ -241,7 +247,7 @@ fn add_rmsnorm_impl(
                     }
                     // The clustered kernel's block 0 holds the gate's weights in shared memory
                     // (16-byte rows) when they are small.
-                    let gate_bytes = g.map_or(0, |(rw, _, _)| (rw.w2.numel() + rw.b2.numel()) as i64 * x.kind().elt_size_in_bytes() as i64);
+                    let gate_bytes = g.map_or(0, |(_, (w2, b2))| (w2.numel() + b2.numel()) as i64 * x.kind().elt_size_in_bytes() as i64);
                     let w2_shared = cluster.is_some() && r % 8 == 0 && 4 * h + gate_bytes <= DEFAULT_DYNAMIC_SMEM;
                     args.push(KernelArg::I32(w2_shared as i32));
                     // The residual row in shared memory (H floats; the gate reuses it for h1).
@@ -348,8 +354,16 @@ fn rope_impl(qkv: &Tensor, pos: &Tensor, inv_freq: &Tensor, s: &QkvShape, k_cach
     ensure!(pos.size() == [b * t], "rope_qkv_cache: positions {:?} must be [{}]", pos.size(), b * t);
     let cs = k_cache.size();
     ensure!(cs.len() == 4 && cs[0] == b && cs[1] == hkv && cs[3] == d, "rope_qkv_cache: cache {cs:?} does not fit [{b}, {hkv}, _, {d}]");
+    ensure!(v_cache.size() == cs, "rope_qkv_cache: v cache {:?} must match the k cache {cs:?}", v_cache.size());
+    ensure!(d % 2 == 0 && inv_freq.size() == [d / 2], "rope_qkv_cache: inverse frequencies {:?} must be [{}] (head_dim {d} even)", inv_freq.size(), d / 2);
+    let same = |t: &Tensor| t.kind() == qkv.kind() && t.device() == qkv.device();
     match cuda_of(qkv) {
-        Some((dev, f16)) if qkv.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && d % 2 == 0 && d <= 1024 => {
+        Some((dev, f16)) if qkv.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && same(k_cache) && same(v_cache) && d <= 1024 => {
+            // The kernels read f32 inverse frequencies; a converted copy is written by the launch
+            // just before, so the rotation is then not computed before the wait.
+            let inv_ok = inv_freq.kind() == Kind::Float && inv_freq.is_contiguous() && inv_freq.device() == qkv.device();
+            let inv = if inv_ok { inv_freq.shallow_clone() } else { inv_freq.to_device(qkv.device()).to_kind(Kind::Float).contiguous() };
+            let pre = pre && inv_ok;
             let q = if token_major_q {
                 Tensor::empty([b, t, hq, d], (qkv.kind(), qkv.device())).transpose(1, 2)
             } else {
@@ -377,7 +391,7 @@ fn rope_impl(qkv: &Tensor, pos: &Tensor, inv_freq: &Tensor, s: &QkvShape, k_cach
                         KernelArg::tensor(qkv)?,
                         KernelArg::tensor(&pos)?,
                         KernelArg::I32(0),
-                        KernelArg::tensor(inv_freq)?,
+                        KernelArg::tensor(&inv)?,
                         KernelArg::tensor(&q)?,
                         KernelArg::tensor(k_cache)?,
                         KernelArg::tensor(v_cache)?,
@@ -426,9 +440,12 @@ pub fn swiglu(gu: &Tensor, mask: Option<&Tensor>, group: i64) -> Result<Tensor> 
     }
     match cuda_of(gu) {
         // Without a mask the group width is irrelevant (the dense engine passes 1).
-        Some((dev, f16)) if gu.is_contiguous() && i % 8 == 0 && (mask.is_none() || group % 8 == 0) => {
+        Some((dev, f16)) if gu.is_contiguous() && gu.data_ptr() as usize % 16 == 0 && i % 8 == 0 && (mask.is_none() || group % 8 == 0) => {
             let out = Tensor::empty([m, i], (gu.kind(), gu.device()));
-            let mk = mask.map(|t| if t.kind() == Kind::Bool { t.contiguous().view_dtype(Kind::Uint8) } else { t.to_kind(Kind::Uint8).contiguous() });
+            let mk = mask.map(|t| {
+                let t = t.to_device(gu.device());
+                if t.kind() == Kind::Bool { t.contiguous().view_dtype(Kind::Uint8) } else { t.to_kind(Kind::Uint8).contiguous() }
+            });
             let k = kernel(f16, "swiglu_masked", dev)?;
             let grid = crate::cuda::row_loop_grid(dev, ((i / 8) as u32).div_ceil(128), m)?;
             unsafe {
@@ -460,6 +477,18 @@ pub struct RouterWeights<'a> {
     pub b1: &'a Tensor,
     pub w2: &'a Tensor,
     pub b2: &'a Tensor,
+}
+
+/// Groups a router's second layer gates: `w2` `[2 groups, rank]` (rank given) with `b2`
+/// `[2 groups]`; an error naming the shapes otherwise.
+fn gate_groups(w2: &Tensor, b2: &Tensor, rank: i64) -> Result<i64> {
+    ensure!(
+        w2.dim() == 2 && w2.size()[1] == rank && w2.size()[0] % 2 == 0 && b2.size() == [w2.size()[0]],
+        "router gate: second layer {:?} with bias {:?} must be [2 groups, {rank}] and [2 groups]",
+        w2.size(),
+        b2.size()
+    );
+    Ok(w2.size()[0] / 2)
 }
 
 /// Reference of [`router_gate`]: execute mask bool `[M, groups]`.
@@ -529,14 +558,14 @@ pub fn router_prefill(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64, wa
     if h1k != h || h % ROUTER_PREFILL_KB != 0 || !(1..=8).contains(&rs) || m < 1 || m > i32::MAX as i64 || !same(r.w1) || !same(r.b1) || !same(r.w2) || !same(r.b2) {
         return Ok(None);
     }
-    ensure!(r.w2.dim() == 2 && r.w2.size()[1] == rank && r.w2.size()[0] % 2 == 0, "router_gate: router layer {:?} does not take rank {rank}", r.w2.size());
-    let ng = r.w2.size()[0] / 2;
-    ensure!(r.b1.size() == [rank] && r.b2.size() == [2 * ng], "router_gate: biases {:?} / {:?} must be [{rank}] / [{}]", r.b1.size(), r.b2.size(), 2 * ng);
+    let ng = gate_groups(r.w2, r.b2, rank)?;
+    ensure!(r.b1.size() == [rank], "router_gate: first-layer bias {:?} must be [{rank}]", r.b1.size());
     if !router_prefill_enabled(dev)? {
         return Ok(None);
     }
-    // The tensor maps need 16-byte-aligned data.
+    // The tensor maps need 16-byte-aligned data. Every copy lives until the launch.
     let (x, w1) = (x.contiguous(), r.w1.contiguous());
+    let (b1, w2, b2) = (r.b1.contiguous(), r.w2.contiguous(), r.b2.contiguous());
     if x.data_ptr() as usize % 16 != 0 || w1.data_ptr() as usize % 16 != 0 {
         return Ok(None);
     }
@@ -577,9 +606,9 @@ pub fn router_prefill(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64, wa
     let args = [
         crate::cuda::tensor_map_2d(&x, f16, ROUTER_PREFILL_BM as u32, 64)?,
         crate::cuda::tensor_map_2d(&w1, f16, rank as u32, 64)?,
-        KernelArg::tensor(&r.b1.contiguous())?,
-        KernelArg::tensor(&r.w2.contiguous())?,
-        KernelArg::tensor(&r.b2.contiguous())?,
+        KernelArg::tensor(&b1)?,
+        KernelArg::tensor(&w2)?,
+        KernelArg::tensor(&b2)?,
         KernelArg::F32(offset as f32),
         KernelArg::tensor(&mask)?,
         opt(&ext)?,
@@ -603,11 +632,11 @@ pub fn router_prefill(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64, wa
 /// [`router_gate`] or [`add_rmsnorm_router`]); one kernel on CUDA.
 pub fn router_gate_from_hidden(h: &Tensor, r: &RouterWeights, offset: f64, extra: i64) -> Result<(Tensor, Option<Tensor>)> {
     let (m, rank) = h.size2()?;
-    ensure!(r.w2.dim() == 2 && r.w2.size()[1] == rank, "router_gate: router layer {:?} does not take rank {rank}", r.w2.size());
-    let ng = r.w2.size()[0] / 2;
+    let ng = gate_groups(r.w2, r.b2, rank)?;
+    let same = |t: &Tensor| t.kind() == h.kind() && t.device() == h.device();
     match cuda_of(h) {
-        Some((dev, f16)) if rank <= 256 && m <= i32::MAX as i64 && r.w2.kind() == h.kind() => {
-            let h = h.contiguous();
+        Some((dev, f16)) if rank <= 256 && m <= i32::MAX as i64 && same(r.w2) && same(r.b2) => {
+            let (h, w2, b2) = (h.contiguous(), r.w2.contiguous(), r.b2.contiguous());
             let mask = Tensor::empty([m, ng], (Kind::Bool, h.device()));
             let ext = (extra > 0).then(|| Tensor::empty([m, ng + extra], (Kind::Bool, h.device())));
             let k = kernel(f16, "router_gate", dev)?;
@@ -616,8 +645,8 @@ pub fn router_gate_from_hidden(h: &Tensor, r: &RouterWeights, offset: f64, extra
                     LaunchConfig { grid: (m as u32, 1, 1), block: (128, 1, 1), shared_mem_bytes: 0 },
                     &[
                         KernelArg::tensor(&h)?,
-                        KernelArg::tensor(&r.w2.contiguous())?,
-                        KernelArg::tensor(&r.b2.contiguous())?,
+                        KernelArg::tensor(&w2)?,
+                        KernelArg::tensor(&b2)?,
                         KernelArg::F32(offset as f32),
                         KernelArg::tensor(&mask)?,
                         match &ext {
@@ -674,6 +703,24 @@ mod tests {
         assert_eq!(qt.size(), [2, 2, 3, 4]);
         assert_eq!(qt.stride(), [24, 4, 8, 1]);
         assert!((&qt - &q).abs().max().double_value(&[]) == 0.0);
+    }
+
+    #[test]
+    fn mismatched_router_and_cache_shapes_are_errors() {
+        let h = Tensor::randn([3, 4], (Kind::Float, Device::Cpu));
+        let w2 = Tensor::randn([6, 4], (Kind::Float, Device::Cpu));
+        let (short, odd) = (Tensor::zeros([4], (Kind::Float, Device::Cpu)), Tensor::randn([5, 4], (Kind::Float, Device::Cpu)));
+        let err = router_gate_from_hidden(&h, &RouterWeights { w1: &w2, b1: &short, w2: &w2, b2: &short }, 0.0, 0).unwrap_err().to_string();
+        assert!(err.contains("[6, 4]") && err.contains("[4]"), "{err}");
+        assert!(router_gate_from_hidden(&h, &RouterWeights { w1: &w2, b1: &short, w2: &odd, b2: &Tensor::zeros([5], (Kind::Float, Device::Cpu)) }, 0.0, 0).is_err());
+        let s = QkvShape { batch: 1, tokens: 2, q_heads: 2, kv_heads: 1, head_dim: 4 };
+        let qkv = Tensor::randn([2, 16], (Kind::Float, Device::Cpu));
+        let pos = Tensor::from_slice(&[0i32, 1]);
+        let kc = Tensor::zeros([1, 1, 8, 4], (Kind::Float, Device::Cpu));
+        let err = rope_qkv_cache(&qkv, &pos, &Tensor::from_slice(&[1.0f32, 0.1]), &s, &kc, &Tensor::zeros([1, 1, 4, 4], (Kind::Float, Device::Cpu))).unwrap_err().to_string();
+        assert!(err.contains("v cache"), "{err}");
+        let err = rope_qkv_cache(&qkv, &pos, &Tensor::from_slice(&[1.0f32]), &s, &kc, &kc.zeros_like()).unwrap_err().to_string();
+        assert!(err.contains("inverse frequencies"), "{err}");
     }
 
     #[test]

@@ -592,7 +592,9 @@ fn dense_masked(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layo
             g
         }
         RoutedOp::K => {
+            // The mask kernel reads 16-byte pieces: a view at an odd offset is copied first.
             let x = x.contiguous();
+            let x = if x.data_ptr() as usize % 16 == 0 { x } else { x.copy() };
             let xm = x.empty_like();
             apply(&x, None, &xm, s.k, 1)?;
             xm.linear::<&Tensor>(w, None)
@@ -630,6 +632,8 @@ fn launch_tiled(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layo
     );
     let (device, f16, x, w, w2) = cuda_inputs(s, x, w, w2)?;
     let fused = s.op == RoutedOp::MnSwiglu;
+    let limit = crate::cuda::max_shared_per_block_optin(device)?;
+    ensure!(t.smem_bytes(fused) as usize <= limit, "tile {} needs {} bytes of shared memory; device {device} allows {limit} a block", t.label(), t.smem_bytes(fused));
     let entry = if s.op.reduces_over_groups() { "gemm_k_tiled" } else { "gemm_mn_tiled" };
     let kernel = routed_kernel(f16, Some((t, fused)), entry, device)?;
     let smem = t.smem_bytes(fused);
@@ -695,7 +699,10 @@ fn autotune(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: 
     };
     let dense_ms = time(GemmPath::DenseMasked)?;
     let mut tiles = vec![];
-    for t in dispatch::feasible_tiles(s) {
+    // Tiles whose pipeline does not fit the device's shared memory (the 3-stage 64-deep ones
+    // need 108 KiB; 99 KiB on compute capability 8.6 / 8.9) are not candidates there.
+    let smem_limit = crate::cuda::max_shared_per_block_optin(device)? as u32;
+    for t in dispatch::feasible_tiles(s).into_iter().filter(|t| t.smem_bytes(s.op == RoutedOp::MnSwiglu) <= smem_limit) {
         tiles.push((t, time(GemmPath::Tiled(t))?));
     }
     let wgmma_ms = if wgmma_usable(s, x) { Some(time(GemmPath::Wgmma)?) } else { None };

@@ -126,7 +126,8 @@ pub fn precompile_list(arch: &str, only: &[String]) -> anyhow::Result<Vec<(crate
         .into_iter()
         .filter(|k| only.is_empty() || only.iter().any(|o| o == k.name))
         .filter_map(|k| match k.target {
-            None => Some((k, arch.to_string())),
+            // Untargeted kernels are looked up under the plain architecture (sm_90 for sm_90a).
+            None => Some((k, arch.trim_end_matches('a').to_string())),
             Some(t) if digits(t) == digits(arch) => {
                 let target = format!("{prefix}{}", t.trim_start_matches("compute_"));
                 Some((k, target))
@@ -138,6 +139,15 @@ pub fn precompile_list(arch: &str, only: &[String]) -> anyhow::Result<Vec<(crate
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn precompiling_for_sm_90a_names_the_files_the_run_time_looks_up() {
+        let a = super::precompile_list("sm_90a", &[]).unwrap();
+        let plain = super::precompile_list("sm_90", &[]).unwrap();
+        let targets = |l: &[(crate::KernelSource, String)]| l.iter().map(|(k, t)| format!("{} {:?} {t}", k.name, k.defines)).collect::<Vec<_>>();
+        assert_eq!(targets(&a), targets(&plain));
+        assert!(a.iter().all(|(k, t)| t == if k.target.is_some() { "sm_90a" } else { "sm_90" }));
+    }
+
     /// Every shipped kernel variant must compile for the GPUs we target, here on a CPU-only
     /// machine too (NVRTC from the PyPI CUDA runtime). A missing NVRTC fails, never skips.
     /// The same variants through NVRTC's machine-code step for the H200 (sm_90, and sm_90a for the
