@@ -48,6 +48,7 @@ import contextlib
 import json
 import math
 import os
+import sys
 
 import torch
 from safetensors.torch import load_file
@@ -348,11 +349,18 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=20000)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = ap.parse_args(argv)
+    if args.seq_len < 1 or args.max_tokens < 1:
+        ap.error("--seq-len and --max-tokens must be at least 1")
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
+    for need in ("config.json", "tokenizer.json", ROUTING_JSON):
+        if not os.path.exists(os.path.join(args.export_dir, need)):
+            raise ValueError(f"{args.export_dir} has no {need}: pass a folder written by `wide export`")
     tok = PreTrainedTokenizerFast(tokenizer_file=os.path.join(args.export_dir, "tokenizer.json"))
     with open(args.text, encoding="utf-8") as f:
         ids = tok(f.read(), add_special_tokens=False)["input_ids"][: args.max_tokens + 1]
+    if len(ids) < 2:
+        raise ValueError(f"{args.text} holds {len(ids)} token(s); perplexity needs at least 2")
     model = AutoModelForCausalLM.from_pretrained(args.export_dir, dtype=getattr(torch, args.dtype)).eval()
     routing = attach(model, args.export_dir)
     with routing.disabled():
@@ -365,4 +373,9 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (OSError, ValueError) as e:
+        # One line saying what is wrong (a missing file, a bad export folder), not a traceback.
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)

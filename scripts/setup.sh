@@ -13,7 +13,9 @@ TRANSFORMERS_VERSION=5.17.0
 PY=${WIDE_PYTHON:-python3}
 PY_TAG=$("$PY" -c 'import sys; print(f"py{sys.version_info[0]}{sys.version_info[1]}")')
 CACHE_ROOT=${XDG_CACHE_HOME:-$HOME/.cache}/wide
-VENV=${WIDE_VENV:-$CACHE_ROOT/venv-$PY_TAG-torch$TORCH_VERSION-transformers$TRANSFORMERS_VERSION}
+# WIDE_VENV_DIR overrides the place; WIDE_VENV (exported by --print-env for the tests) does not,
+# so a shell that evaluated an older set-up's output never installs new pins into its old venv.
+VENV=${WIDE_VENV_DIR:-$CACHE_ROOT/venv-$PY_TAG-torch$TORCH_VERSION-transformers$TRANSFORMERS_VERSION}
 STAMP="$VENV/.wide-setup-complete"
 
 PIP_PACKAGES=(

@@ -4,5 +4,7 @@
 # `cuda-tests` feature and run on the GPU machine (see README).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-eval "$(bash scripts/setup.sh --print-env)"
+# Assigned first: a failing set-up stops here (an exit status inside eval's argument is lost).
+setup_env=$(bash scripts/setup.sh --print-env)
+eval "$setup_env"
 exec cargo test --release --workspace "$@"

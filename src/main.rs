@@ -981,11 +981,15 @@ fn generate(a: &GenerateArgs) -> Result<()> {
     }
     let n: usize = gen.tokens.iter().map(|t| t.len()).sum();
     let prompt_tokens: usize = prompts.iter().map(|p| p.len()).sum();
+    // The first new token of each prompt comes from the prefill; the decode steps made the rest
+    // (rows that stopped at EOS add none). Their time includes the CUDA graph's capture.
+    let decoded = n.saturating_sub(gen.tokens.iter().filter(|t| !t.is_empty()).count());
     eprintln!(
-        "prefill {prompt_tokens} tokens in {:.1} ms; {n} new tokens in {:.2} s ({:.1} tokens/s)",
+        "prefill {prompt_tokens} tokens in {:.1} ms; {n} new tokens, {decoded} of them by {} decode steps in {:.2} s ({:.1} tokens/s, graph capture included)",
         gen.prefill_seconds * 1e3,
+        gen.decode_steps,
         gen.decode_seconds,
-        if gen.decode_seconds > 0.0 { gen.decode_steps as f64 * prompts.len() as f64 / gen.decode_seconds } else { 0.0 }
+        if gen.decode_seconds > 0.0 { decoded as f64 / gen.decode_seconds } else { 0.0 }
     );
     if engine.is_routed() {
         let fmt = |c: &wide_core::infer::SkipCounts| c.per_kind.keys().map(|k| format!("{k} {:.3}", c.rate(k).unwrap_or(0.0))).collect::<Vec<_>>().join(", ");
@@ -1001,10 +1005,10 @@ fn new_model(preset: &str, out: &Path, seed: i64, kind: Kind, overwrite: bool) -
     let _model = LlamaModel::new(&vs.root(), &cfg, &mut RandomWeights { std: 0.02 }, Kind::Float, false)?;
     let mut tensors: Vec<(String, tch::Tensor)> = vs.variables().into_iter().collect();
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    let tok_dir = tempfile::tempdir().context("creating a temporary folder for the tokenizer")?;
     let tok_file;
     let tokenizer = if preset == "tiny" {
-        let dir = tempfile_dir()?;
-        tok_file = dir.join("tokenizer.json");
+        tok_file = tok_dir.path().join("tokenizer.json");
         presets::byte_level_tokenizer()?.save(&tok_file)?;
         Some(tok_file.as_path())
     } else {
@@ -1013,12 +1017,6 @@ fn new_model(preset: &str, out: &Path, seed: i64, kind: Kind, overwrite: bool) -
     save_hf_folder(out, &cfg, &tensors, &SaveOptions { tokenizer, overwrite, dtype: Some(kind), ..Default::default() })?;
     eprintln!("wrote {} ({} parameters, {}) to {}", preset, cfg.parameter_count(), kind_name(kind), out.display());
     Ok(())
-}
-
-fn tempfile_dir() -> Result<PathBuf> {
-    let d = std::env::temp_dir().join(format!("wide-{}", std::process::id()));
-    std::fs::create_dir_all(&d)?;
-    Ok(d)
 }
 
 /// The embedded default recipes of the demo (the same files as in configs/).

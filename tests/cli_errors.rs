@@ -157,3 +157,11 @@ fn kernels_precompile_names_a_bad_architecture_or_family() {
     assert_clear_error(&run_wide(&["kernels", "precompile", "--only", "infer,gemm", "--out", s(&out)]), "unknown kernel family `gemm`: choose from");
     assert!(!out.exists(), "nothing is written when the arguments are wrong");
 }
+
+#[test]
+fn bench_counts_that_cannot_be_timed_are_refused() {
+    assert_clear_error(&run_wide(&["bench", "dense", "--preset", "tiny", "--device", "cpu", "--iters", "0"]), "--iters must be at least 1");
+    assert_clear_error(&run_wide(&["bench", "e2e", "--device", "cpu", "--new-tokens", "1"]), "--new-tokens must be at least 2");
+    assert_clear_error(&run_wide(&["bench", "dense", "--preset", "tiny", "--device", "cpu", "--decode-batches", "1,0"]), "--decode-batches takes positive values, got 0");
+    assert_clear_error(&run_wide(&["bench", "kernels", "--ops", "up", "--device", "cpu", "--m", "0"]), "--m takes positive values, got 0");
+}

@@ -41,9 +41,11 @@ fn compare_writes_tables_relative_to_dense_and_reuses_calibrations() {
     let refs: Vec<&str> = args.iter().map(String::as_str).collect();
     let o = run_wide(&refs);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    for f in ["compare.md", "compare.csv", "compare.json", "compare.png", "cloze-validation.jsonl"] {
+    for f in ["compare.md", "compare.csv", "compare.json", "compare.png"] {
         assert!(out.join(f).exists(), "missing {f}");
     }
+    let cloze: Vec<_> = std::fs::read_dir(&out).unwrap().filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with("cloze-validation-") && n.ends_with(".jsonl")).collect();
+    assert_eq!(cloze.len(), 1, "one cloze task file named by the split's hash: {cloze:?}");
     let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("compare.json")).unwrap()).unwrap();
     let rows = v["rows"].as_array().unwrap();
     assert_eq!(rows.iter().map(|r| r["variant"].as_str().unwrap()).collect::<Vec<_>>(), vec!["dense", "wide", "layer_skip"]);
@@ -61,6 +63,17 @@ fn compare_writes_tables_relative_to_dense_and_reuses_calibrations() {
     assert!(o.status.success());
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert_eq!(stderr.matches("already calibrated").count(), 3, "{stderr}");
+    // The same folder with another recipe: refused, naming what differs; nothing is retrained
+    // over the finished calibrations.
+    let manifest = std::fs::read(out.join("wide/routing.json")).unwrap();
+    let mut other = args.clone();
+    other.extend(["--set".to_string(), "routing.router_rank=8".to_string()]);
+    let refs: Vec<&str> = other.iter().map(String::as_str).collect();
+    let o = run_wide(&refs);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{stderr}");
+    assert!(stderr.contains("holds a calibration of another run (differs in: routing.router_rank)"), "{stderr}");
+    assert_eq!(std::fs::read(out.join("wide/routing.json")).unwrap(), manifest);
 }
 
 #[test]
@@ -99,4 +112,10 @@ fn sweep_records_a_failing_cell_goes_on_and_resumes() {
     assert_eq!(c.len(), 4);
     let s2 = c.iter().find(|x| x["stage"] == 2 && x["ffn_group_size"] == 128).unwrap();
     assert!(s2["error"].is_null() && s2["eval_loss"].as_f64().is_some(), "{s2}");
+    // Stage 2 cells are measured against dense + the same LoRA training, not plain dense.
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("sweep.json")).unwrap()).unwrap();
+    let (d1, d2) = (v["dense_eval_loss"].as_f64().unwrap(), v["dense_lora_eval_loss"].as_f64().unwrap());
+    assert_ne!(d1, d2);
+    assert!((s2["delta_loss"].as_f64().unwrap() - (s2["eval_loss"].as_f64().unwrap() - d2)).abs() < 1e-12, "{s2}");
+    assert!(out.join("dense-lora/routing.json").exists());
 }

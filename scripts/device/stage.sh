@@ -10,7 +10,9 @@
 set -euo pipefail
 top=$(git rev-parse --show-toplevel)
 cd "$top"
-eval "$(bash scripts/setup.sh --print-env)"
+# Assigned first: a failing set-up stops here (an exit status inside eval's argument is lost).
+setup_env=$(bash scripts/setup.sh --print-env)
+eval "$setup_env"
 tests=0
 kernels=0
 while [ $# -gt 0 ]; do
@@ -21,12 +23,20 @@ while [ $# -gt 0 ]; do
   esac
 done
 S=${WIDE_STAGE_DIR:-.device}
+# The folder is wiped below: only a .device* folder of the checkout that git does not track.
+case "$S" in
+  .device*) ;;
+  *) echo "stage.sh: WIDE_STAGE_DIR must name a .device* folder of the checkout, not '$S'" >&2; exit 2 ;;
+esac
+if [[ "$S" == */* ]] || [ -n "$(git ls-files -- "$S")" ]; then
+  echo "stage.sh: '$S' is nested or holds tracked files; choose another .device* name" >&2; exit 2
+fi
 grep -qx "/$S/" .git/info/exclude 2>/dev/null || echo "/$S/" >> .git/info/exclude
 rm -rf "$S" && mkdir -p "$S"
 cargo build --release --bin wide >&2
 strip -o "$S/wide" "${CARGO_TARGET_DIR:-target}/release/wide"
 if [ $tests -eq 1 ]; then
-  cargo test --release --features cuda-tests --no-run --message-format=json 2>/dev/null \
+  cargo test --release --features cuda-tests --no-run --message-format=json \
     | python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)

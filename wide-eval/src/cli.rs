@@ -207,10 +207,7 @@ fn write_report<T: Serialize>(path: Option<&Path>, report: &T, commit: &str) -> 
         o.insert("commit".into(), commit.into());
         o.insert("command".into(), std::env::args().collect::<Vec<_>>().join(" ").into());
     }
-    if let Some(dir) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
-    std::fs::write(path, serde_json::to_string_pretty(&v)? + "\n").with_context(|| format!("writing {}", path.display()))?;
+    crate::report::write_json(path, &v)?;
     eprintln!("report: {}", path.display());
     Ok(())
 }

@@ -3,13 +3,13 @@
 //! held-out text; a table (Markdown, CSV, JSON) and a chart. Optionally stage 2 for `dense`
 //! and `wide` with the identical LoRA recipe.
 use crate::report::{write_json, Provenance};
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 use tch::Device;
 use wide_core::routing::{RoutingConfig, Variant};
 use wide_core::{parse_device, parse_dtype};
-use wide_train::calibrate::{self, evaluate_routed, CalibrationRecipe, RoutedModel, RoutingManifest};
+use wide_train::calibrate::{evaluate_routed, CalibrationRecipe, RoutedModel, RoutingManifest};
 use wide_train::corpus::Split;
 
 #[derive(Debug, Clone)]
@@ -48,40 +48,19 @@ pub struct Row {
     pub calibration_tokens: u64,
 }
 
-fn routing_done(dir: &Path, variant: Variant, sparsity: f64, tokens: u64, stage: u32) -> Option<RoutingManifest> {
-    let text = std::fs::read_to_string(dir.join("routing.json")).ok()?;
-    let m: RoutingManifest = serde_json::from_str(&text).ok()?;
-    (m.routing.variant == variant && (m.routing.shared_target() - sparsity).abs() < 1e-9 && m.calibration_tokens == tokens && m.stage == stage).then_some(m)
-}
-
-/// Calibrates (or loads) one variant; returns its output folder.
-fn calibrate_variant(cfg: &CompareConfig, variant: Variant, stage: u32, stage1: Option<&Path>) -> Result<PathBuf> {
+/// Calibrates (or loads, when its folder holds this run's finished calibration on this model:
+/// `model` from [`crate::reuse::model_identity`]) one variant; returns its output folder.
+fn calibrate_variant(cfg: &CompareConfig, variant: Variant, stage: u32, stage1: Option<&Path>, model: &serde_json::Value) -> Result<PathBuf> {
     let name = if stage == 2 { format!("{}-lora", variant.name()) } else { variant.name().to_string() };
     let dir = cfg.out.join(&name);
     let mut ov = cfg.overrides.clone();
     ov.push(format!("routing.variant=\"{}\"", variant.name()));
     ov.push(format!("routing.target_sparsity={}", cfg.sparsity));
     ov.push(format!("output.dir=\"{}\"", dir.display()));
-    let path = if stage == 2 { cfg.stage2.as_ref().unwrap() } else { &cfg.recipe };
-    let (mut recipe, table) = CalibrationRecipe::load_shared_target(path, &ov)?;
-    if stage == 2 {
-        recipe.stage1_dir = Some(stage1.unwrap().to_path_buf());
-        if recipe.lora.is_none() {
-            recipe.lora = Some(Default::default());
-        }
-    }
-    let tokens = recipe.train.tokens.div_ceil(recipe.data.seq_len as u64) * recipe.data.seq_len as u64;
-    if routing_done(&dir, variant, cfg.sparsity, tokens, stage).is_some() {
-        eprintln!("== {name}: already calibrated in {}, loading", dir.display());
-        return Ok(dir);
-    }
-    eprintln!("== {name}: stage {stage}, {} calibration tokens", tokens);
-    let resume = wide_train::trainer::latest_checkpoint(&dir).is_some();
+    let path = if stage == 2 { cfg.stage2.as_ref().context("stage 2 needs a stage 2 recipe")? } else { &cfg.recipe };
     let prov = serde_json::json!({"commit": cfg.commit, "command": "wide compare"});
-    match calibrate::run(&recipe, &table, resume, prov)? {
-        Some(_) => Ok(dir),
-        None => bail!("calibration of {name} was interrupted; rerun the same command to continue"),
-    }
+    crate::reuse::calibrate_or_load(path, &ov, stage, stage1, &dir, model, prov, &name)?;
+    Ok(dir)
 }
 
 /// Runs the comparison; returns the rows (dense first).
@@ -100,19 +79,20 @@ pub fn run(cfg: &CompareConfig) -> Result<Vec<Row>> {
     let device = parse_device(&base.train.device)?;
     let kind = parse_dtype(&base.train.dtype, device)?;
     let seq_len = base.data.seq_len;
+    let model = crate::reuse::model_identity(&base.model_dir)?;
     let mut dirs: Vec<(Variant, u32, PathBuf)> = vec![];
-    let dense_dir = calibrate_variant(cfg, Variant::Dense, 1, None)?;
+    let dense_dir = calibrate_variant(cfg, Variant::Dense, 1, None, &model)?;
     dirs.push((Variant::Dense, 1, dense_dir.clone()));
     for v in &cfg.variants {
         if *v != Variant::Dense {
-            dirs.push((*v, 1, calibrate_variant(cfg, *v, 1, None)?));
+            dirs.push((*v, 1, calibrate_variant(cfg, *v, 1, None, &model)?));
         }
     }
     if cfg.stage2.is_some() {
         for v in [Variant::Dense, Variant::Wide] {
             let s1 = dirs.iter().find(|d| d.0 == v && d.1 == 1).map(|d| d.2.clone());
             let Some(s1) = s1 else { continue };
-            dirs.push((v, 2, calibrate_variant(cfg, v, 2, Some(&s1))?));
+            dirs.push((v, 2, calibrate_variant(cfg, v, 2, Some(&s1), &model)?));
         }
     }
     // Evaluation on the held-out split, every variant on the same sequences.
@@ -122,7 +102,10 @@ pub fn run(cfg: &CompareConfig) -> Result<Vec<Row>> {
     let tasks = match &cfg.tasks {
         Some(t) => t.clone(),
         None => {
-            let p = cfg.out.join(format!("cloze-{}.jsonl", cfg.split.name()));
+            // Named by the split's content hash: a corpus built again gets its own tasks.
+            let corpus = wide_train::corpus::CorpusManifest::load(&base.data.corpus_dir)?;
+            let sha = corpus.split_sha256.get(cfg.split.name()).map(|h| h.chars().take(12).collect::<String>()).unwrap_or_default();
+            let p = cfg.out.join(format!("cloze-{}-{sha}.jsonl", cfg.split.name()));
             if !p.exists() {
                 let docs = wide_train::corpus::read_split(&base.data.corpus_dir, cfg.split)?;
                 let t = crate::zeroshot::build_cloze(&docs, &crate::zeroshot::ClozeConfig::default())?;
@@ -267,8 +250,8 @@ fn write_tables(cfg: &CompareConfig, model_dir: &str, rows: &[Row], device: Opti
     if let (Some(w1), Some(w2)) = (delta("wide"), d2("wide")) {
         md.push_str(&format!("Stage 2: Δ(wide + LoRA vs dense + LoRA) = {w2:.4} against Δ(wide) = {w1:.4} after stage 1: cut by {:.1}% (goal >= 30%).\n", 100.0 * (1.0 - w2 / w1)));
     }
-    std::fs::write(cfg.out.join("compare.md"), &md)?;
-    std::fs::write(cfg.out.join("compare.csv"), &csv)?;
+    crate::report::write_text(&cfg.out.join("compare.md"), &md)?;
+    crate::report::write_text(&cfg.out.join("compare.csv"), &csv)?;
     if let Some(device) = device {
         write_json(
             &cfg.out.join("compare.json"),

@@ -8,4 +8,5 @@ pub mod perplexity;
 pub mod zeroshot;
 pub mod cli;
 pub mod compare;
+pub mod reuse;
 pub mod sweep;

@@ -65,11 +65,19 @@ pub fn utc_now() -> String {
 
 /// Writes pretty JSON to `path` through a temporary file.
 pub fn write_json(path: &Path, value: &Value) -> Result<()> {
+    write_text(path, &(serde_json::to_string_pretty(value)? + "\n"))
+}
+
+/// Writes `text` to `path` through a temporary file in the same folder (created if missing),
+/// then renames it: an interrupted write never leaves a half file in place of the old one.
+pub fn write_text(path: &Path, text: &str) -> Result<()> {
     if let Some(dir) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
-    let tmp = path.with_extension("json.tmp");
-    std::fs::write(&tmp, serde_json::to_string_pretty(value)?).with_context(|| format!("writing {}", tmp.display()))?;
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = std::path::PathBuf::from(tmp);
+    std::fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
     std::fs::rename(&tmp, path).with_context(|| format!("renaming into {}", path.display()))
 }
 

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use wide_core::routing::Variant;
 use wide_core::{parse_device, parse_dtype};
-use wide_train::calibrate::{self, evaluate_routed, CalibrationRecipe, RoutedModel};
+use wide_train::calibrate::{evaluate_routed, CalibrationRecipe, RoutedModel};
 use wide_train::corpus::Split;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -45,7 +45,12 @@ pub struct Cell {
     pub ffn_group_size: i64,
     pub sparsity: f64,
     pub stage: u32,
+    /// The split it was evaluated on (absent in results of earlier versions: evaluated again).
+    #[serde(default)]
+    pub split: Option<String>,
     pub eval_loss: Option<f64>,
+    /// Against dense of the same stage: the model itself at stage 1, dense + the same LoRA
+    /// training at stage 2.
     pub delta_loss: Option<f64>,
     pub skip_attention: Option<f64>,
     pub skip_ffn: Option<f64>,
@@ -57,40 +62,53 @@ fn cell_dir(cfg: &SweepConfig, a: i64, f: i64, s: f64, stage: u32) -> PathBuf {
     cfg.out.join(format!("a{a}-f{f}-s{s}{}", if stage == 2 { "-lora" } else { "" }))
 }
 
-fn run_cell(cfg: &SweepConfig, a: i64, f: i64, s: f64, stage: u32, dense_loss: f64, commit: &str) -> Result<Cell> {
-    let dir = cell_dir(cfg, a, f, s, stage);
+/// The recipe overrides of one run of the sweep: the sweep's own, then these, then its folder.
+fn overrides(cfg: &SweepConfig, extra: &[String], dir: &Path) -> Vec<String> {
     let mut ov = cfg.overrides.clone();
-    ov.extend([
-        "routing.variant=\"wide\"".to_string(),
-        format!("routing.attn_group_size={a}"),
-        format!("routing.ffn_group_size={f}"),
-        format!("routing.target_sparsity={s}"),
-        format!("output.dir=\"{}\"", dir.display()),
-    ]);
-    let path = if stage == 2 { cfg.stage2_recipe.as_ref().context("stages include 2 but no stage2_recipe is given")? } else { &cfg.recipe };
-    let (mut recipe, table) = CalibrationRecipe::load_shared_target(path, &ov)?;
-    if stage == 2 {
-        let s1 = cell_dir(cfg, a, f, s, 1);
-        if !s1.join("routing.json").exists() {
-            bail!("stage 1 of this cell ({}) has no result", s1.display());
-        }
-        recipe.stage1_dir = Some(s1);
-        recipe.lora.get_or_insert_with(Default::default);
-    }
-    let resume = wide_train::trainer::latest_checkpoint(&dir).is_some();
-    if calibrate::run(&recipe, &table, resume, serde_json::json!({"commit": commit, "command": "wide sweep"}))?.is_none() {
-        bail!("interrupted");
-    }
+    ov.extend(extra.iter().cloned());
+    ov.push(format!("output.dir=\"{}\"", dir.display()));
+    ov
+}
+
+/// Evaluation of the model calibrated in `dir` on the sweep's split: (loss, perplexity, skip
+/// rates, FLOPs fraction).
+fn evaluate(cfg: &SweepConfig, recipe_path: &Path, ov: &[String], dir: &Path) -> Result<wide_train::calibrate::HeldOut> {
+    let (recipe, _) = CalibrationRecipe::load_shared_target(recipe_path, ov)?;
     let device = parse_device(&recipe.train.device)?;
     let kind = parse_dtype(&recipe.train.dtype, device)?;
-    let m = RoutedModel::load(&recipe.model_dir, &dir, device, kind)?;
+    let m = RoutedModel::load(&recipe.model_dir, dir, device, kind)?;
     let files = recipe.data.prepare()?;
-    let h = evaluate_routed(&m, &files.open(Split::parse(&cfg.split)?)?, recipe.data.seq_len, recipe.train.micro_batch, 0)?;
+    evaluate_routed(&m, &files.open(Split::parse(&cfg.split)?)?, recipe.data.seq_len, recipe.train.micro_batch, 0)
+}
+
+/// One cell's recipe file, its overrides and its folder.
+fn cell_recipe(cfg: &SweepConfig, a: i64, f: i64, s: f64, stage: u32) -> Result<(&Path, Vec<String>, PathBuf)> {
+    let dir = cell_dir(cfg, a, f, s, stage);
+    let ov = overrides(
+        cfg,
+        &["routing.variant=\"wide\"".to_string(), format!("routing.attn_group_size={a}"), format!("routing.ffn_group_size={f}"), format!("routing.target_sparsity={s}")],
+        &dir,
+    );
+    Ok((recipe_path(cfg, stage)?, ov, dir))
+}
+
+/// The recipe a stage's runs take.
+fn recipe_path(cfg: &SweepConfig, stage: u32) -> Result<&Path> {
+    Ok(if stage == 2 { cfg.stage2_recipe.as_deref().context("stages include 2 but no stage2_recipe is given")? } else { &cfg.recipe })
+}
+
+fn run_cell(cfg: &SweepConfig, a: i64, f: i64, s: f64, stage: u32, dense_loss: f64, model: &serde_json::Value, commit: &str) -> Result<Cell> {
+    let (path, ov, dir) = cell_recipe(cfg, a, f, s, stage)?;
+    let label = format!("cell a{a} f{f} s{s} stage {stage}");
+    let s1 = cell_dir(cfg, a, f, s, 1);
+    crate::reuse::calibrate_or_load(path, &ov, stage, (stage == 2).then_some(s1.as_path()), &dir, model, serde_json::json!({"commit": commit, "command": "wide sweep"}), &label)?;
+    let h = evaluate(cfg, path, &ov, &dir)?;
     Ok(Cell {
         attn_group_size: a,
         ffn_group_size: f,
         sparsity: s,
         stage,
+        split: Some(cfg.split.clone()),
         eval_loss: Some(h.loss),
         delta_loss: Some(h.loss - dense_loss),
         skip_attention: h.sparsity.skip_rate.get("attention").copied(),
@@ -100,19 +118,25 @@ fn run_cell(cfg: &SweepConfig, a: i64, f: i64, s: f64, stage: u32, dense_loss: f
     })
 }
 
-pub fn run(cfg: &SweepConfig, commit: &str) -> Result<Vec<Cell>> {
-    if cfg.attn_group_sizes.is_empty() || cfg.ffn_group_sizes.is_empty() || cfg.sparsities.is_empty() {
-        bail!("the sweep grid is empty: give attn_group_sizes, ffn_group_sizes and sparsities");
-    }
-    for s in &cfg.sparsities {
-        wide_core::routing::check_sparsity(*s)?;
-    }
-    std::fs::create_dir_all(&cfg.out).with_context(|| format!("creating {}", cfg.out.display()))?;
-    // Dense reference on the same split (cached).
-    let dense_path = cfg.out.join("dense.json");
-    let dense_loss = match std::fs::read_to_string(&dense_path).ok().and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok()).and_then(|v| v["eval_loss"].as_f64()) {
-        Some(l) => l,
-        None => {
+/// The dense reference of a stage: stage 1 the model itself, stage 2 dense plus the identical
+/// LoRA training (as `wide compare` does), so that a stage 2 cell's Δ compares equal budgets.
+/// Cached in `dense.json` / `dense-lora.json` under the recipe, split and model they depend on.
+fn dense_loss(cfg: &SweepConfig, stage: u32, model: &serde_json::Value, commit: &str) -> Result<f64> {
+    let path = recipe_path(cfg, stage)?;
+    let name = if stage == 2 { "dense-lora" } else { "dense" };
+    let dir = cfg.out.join(name);
+    let ov = overrides(cfg, &["routing.variant=\"dense\"".to_string()], &dir);
+    let (_, table) = CalibrationRecipe::load_shared_target(path, &ov)?;
+    let key = serde_json::json!({"recipe": table, "split": cfg.split, "model": model, "stage": stage});
+    let v = crate::reuse::cached_value(&cfg.out.join(format!("{name}.json")), &key, "eval_loss", || {
+        if stage == 2 {
+            let s1 = cfg.out.join("dense");
+            let ov1 = overrides(cfg, &["routing.variant=\"dense\"".to_string()], &s1);
+            let prov = serde_json::json!({"commit": commit, "command": "wide sweep"});
+            crate::reuse::calibrate_or_load(&cfg.recipe, &ov1, 1, None, &s1, model, prov.clone(), "dense")?;
+            crate::reuse::calibrate_or_load(path, &ov, 2, Some(&s1), &dir, model, prov, name)?;
+            Ok(serde_json::json!(evaluate(cfg, path, &ov, &dir)?.loss))
+        } else {
             let (recipe, _) = CalibrationRecipe::load(&cfg.recipe, &cfg.overrides)?;
             let device = parse_device(&recipe.train.device)?;
             let kind = parse_dtype(&recipe.train.dtype, device)?;
@@ -121,45 +145,71 @@ pub fn run(cfg: &SweepConfig, commit: &str) -> Result<Vec<Cell>> {
             let m = RoutedModel::new(&recipe.model_dir, &rc, device, kind)?;
             let files = recipe.data.prepare()?;
             let h = evaluate_routed(&m, &files.open(Split::parse(&cfg.split)?)?, recipe.data.seq_len, recipe.train.micro_batch, 0)?;
-            write_json(&dense_path, &serde_json::json!({"eval_loss": h.loss, "perplexity": h.perplexity}))?;
-            h.loss
+            Ok(serde_json::json!(h.loss))
         }
-    };
+    })?;
+    v.as_f64().with_context(|| format!("{name}.json holds no eval loss"))
+}
+
+pub fn run(cfg: &SweepConfig, commit: &str) -> Result<Vec<Cell>> {
+    if cfg.attn_group_sizes.is_empty() || cfg.ffn_group_sizes.is_empty() || cfg.sparsities.is_empty() {
+        bail!("the sweep grid is empty: give attn_group_sizes, ffn_group_sizes and sparsities");
+    }
+    for s in &cfg.sparsities {
+        wide_core::routing::check_sparsity(*s)?;
+    }
+    Split::parse(&cfg.split)?;
+    if cfg.stages.iter().any(|&st| st != 1 && st != 2) {
+        bail!("stages {:?}: a sweep runs stage 1 and/or 2", cfg.stages);
+    }
+    std::fs::create_dir_all(&cfg.out).with_context(|| format!("creating {}", cfg.out.display()))?;
+    let (base, _) = CalibrationRecipe::load(&cfg.recipe, &cfg.overrides)?;
+    let model = crate::reuse::model_identity(&base.model_dir)?;
     let mut cells = vec![];
+    let mut dense = std::collections::BTreeMap::new();
     for &stage in &cfg.stages {
+        let dense_loss = dense_loss(cfg, stage, &model, commit)?;
+        dense.insert(stage, dense_loss);
         for &s in &cfg.sparsities {
             for &a in &cfg.attn_group_sizes {
                 for &f in &cfg.ffn_group_sizes {
                     let result_path = cell_dir(cfg, a, f, s, stage).join("cell.json");
-                    if let Some(c) = std::fs::read_to_string(&result_path).ok().and_then(|t| serde_json::from_str::<Cell>(&t).ok()).filter(|c| c.error.is_none()) {
-                        eprintln!("== cell a{a} f{f} s{s} stage {stage}: done before, skipped");
-                        cells.push(c);
-                        continue;
+                    // A finished cell of this split is taken as it is (its Δ against this run's
+                    // dense reference); its calibration is checked against this run's recipe first.
+                    let previous = std::fs::read_to_string(&result_path).ok().and_then(|t| serde_json::from_str::<Cell>(&t).ok()).filter(|c| c.error.is_none() && c.split.as_deref() == Some(cfg.split.as_str()));
+                    if let Some(mut c) = previous {
+                        let (path, ov, dir) = cell_recipe(cfg, a, f, s, stage)?;
+                        let (_, table) = CalibrationRecipe::load_shared_target(path, &ov)?;
+                        if crate::reuse::finished_calibration(&dir, &table, stage, &model)?.is_some() {
+                            eprintln!("== cell a{a} f{f} s{s} stage {stage}: done before, skipped");
+                            c.delta_loss = c.eval_loss.map(|l| l - dense_loss);
+                            cells.push(c);
+                            continue;
+                        }
                     }
                     eprintln!("== cell a{a} f{f} s{s} stage {stage}");
-                    let c = match run_cell(cfg, a, f, s, stage, dense_loss, commit) {
+                    let c = match run_cell(cfg, a, f, s, stage, dense_loss, &model, commit) {
                         Ok(c) => c,
                         Err(e) => {
                             eprintln!("   cell failed: {e:#}");
-                            Cell { attn_group_size: a, ffn_group_size: f, sparsity: s, stage, eval_loss: None, delta_loss: None, skip_attention: None, skip_ffn: None, flops_fraction: None, error: Some(format!("{e:#}")) }
+                            Cell { attn_group_size: a, ffn_group_size: f, sparsity: s, stage, split: Some(cfg.split.clone()), eval_loss: None, delta_loss: None, skip_attention: None, skip_ffn: None, flops_fraction: None, error: Some(format!("{e:#}")) }
                         }
                     };
-                    if let Some(dir) = result_path.parent() {
-                        std::fs::create_dir_all(dir)?;
-                        write_json(&result_path, &serde_json::to_value(&c)?)?;
-                    }
+                    write_json(&result_path, &serde_json::to_value(&c)?)?;
                     cells.push(c);
                 }
             }
         }
     }
-    write_outputs(cfg, &cells, dense_loss, commit, true)?;
+    write_outputs(cfg, &cells, &dense, commit, true)?;
     Ok(cells)
 }
 
-fn write_outputs(cfg: &SweepConfig, cells: &[Cell], dense_loss: f64, commit: &str, json: bool) -> Result<()> {
+/// `dense`: the reference eval loss of each stage run (1: dense; 2: dense + the same LoRA).
+fn write_outputs(cfg: &SweepConfig, cells: &[Cell], dense: &std::collections::BTreeMap<u32, f64>, commit: &str, json: bool) -> Result<()> {
     let f = |v: Option<f64>| v.map(|x| format!("{x:.4}")).unwrap_or_else(|| "-".into());
-    let mut md = format!("Sweep `{}` of `wide`: dense eval loss {dense_loss:.4} on the {} split.\n\n", cfg.name, cfg.split);
+    let refs: Vec<String> = dense.iter().map(|(st, l)| format!("{} {l:.4}", if *st == 2 { "dense + LoRA (stage 2 reference)" } else { "dense" })).collect();
+    let mut md = format!("Sweep `{}` of `wide` on the {} split; eval loss of {}.\n\n", cfg.name, cfg.split, refs.join(", "));
     md.push_str("| stage | sparsity | attn group | FFN group | eval loss | Δloss | skip attn | skip ffn | FLOPs frac | error |\n|---|---|---|---|---|---|---|---|---|---|\n");
     let mut csv = String::from("stage,sparsity,attn_group_size,ffn_group_size,eval_loss,delta_loss,skip_attention,skip_ffn,flops_fraction,error\n");
     for c in cells {
@@ -191,10 +241,13 @@ fn write_outputs(cfg: &SweepConfig, cells: &[Cell], dense_loss: f64, commit: &st
             c.error.as_deref().unwrap_or("").replace('"', "'")
         ));
     }
-    std::fs::write(cfg.out.join("sweep.md"), &md)?;
-    std::fs::write(cfg.out.join("sweep.csv"), &csv)?;
+    crate::report::write_text(&cfg.out.join("sweep.md"), &md)?;
+    crate::report::write_text(&cfg.out.join("sweep.csv"), &csv)?;
     if json {
-        write_json(&cfg.out.join("sweep.json"), &serde_json::json!({"provenance": Provenance::new(commit, ""), "config": cfg, "dense_eval_loss": dense_loss, "cells": cells}))?;
+        write_json(
+            &cfg.out.join("sweep.json"),
+            &serde_json::json!({"provenance": Provenance::new(commit, ""), "config": cfg, "dense_eval_loss": dense.get(&1), "dense_lora_eval_loss": dense.get(&2), "cells": cells}),
+        )?;
     }
     for &stage in &cfg.stages {
         for &s in &cfg.sparsities {
@@ -212,7 +265,8 @@ fn write_outputs(cfg: &SweepConfig, cells: &[Cell], dense_loss: f64, commit: &st
                 .collect();
             let png = cfg.out.join(format!("heatmap-s{s}-stage{stage}.png"));
             if values.iter().flatten().any(|v| v.is_some()) {
-                crate::plots::heatmap(&png, &format!("Δ eval loss vs dense, sparsity {s}, stage {stage}"), "FFN group size (channels)", "attention group size (heads)", &cols, &rows, &values)?;
+                let against = if stage == 2 { "dense + LoRA" } else { "dense" };
+                crate::plots::heatmap(&png, &format!("Δ eval loss vs {against}, sparsity {s}, stage {stage}"), "FFN group size (channels)", "attention group size (heads)", &cols, &rows, &values)?;
                 println!("heatmap: {}", png.display());
             }
         }
@@ -229,7 +283,8 @@ pub fn replot(json: &Path, out: &Path) -> Result<()> {
     cfg.out = out.to_path_buf();
     std::fs::create_dir_all(out)?;
     let commit = v["provenance"]["commit"].as_str().unwrap_or("").to_string();
-    write_outputs(&cfg, &cells, v["dense_eval_loss"].as_f64().unwrap_or(f64::NAN), &commit, false)
+    let dense = [(1, "dense_eval_loss"), (2, "dense_lora_eval_loss")].into_iter().filter_map(|(st, k)| v[k].as_f64().map(|l| (st, l))).collect();
+    write_outputs(&cfg, &cells, &dense, &commit, false)
 }
 
 /// Reads a sweep TOML (with `--set` overrides).

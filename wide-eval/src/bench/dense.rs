@@ -27,6 +27,7 @@ pub struct DenseBenchConfig {
 }
 
 pub fn run(cfg: &DenseBenchConfig) -> Result<serde_json::Value> {
+    super::check_counts(cfg.iters, Some(cfg.new_tokens), &[("--prefill-tokens", &cfg.prefill_tokens), ("--decode-batches", &cfg.decode_batches), ("--prompt-tokens", &[cfg.prompt_tokens])])?;
     let _g = tch::no_grad_guard();
     tch::manual_seed(cfg.seed);
     let mc = presets::preset(&cfg.preset)?;

@@ -253,7 +253,7 @@ fn with_profile(engine: &Engine, f: impl FnOnce() -> Result<()>) -> Result<Profi
 
 /// Byte and FLOP floors of one layer's ops (for the RESULTS table), per token count `m`, at
 /// skip rate `s` (0 = dense), from the model's shapes.
-fn floors(mc: &ModelConfig, m: i64, s: f64, ctx: f64) -> Value {
+fn floors(mc: &ModelConfig, elt: f64, m: i64, s: f64, ctx: f64) -> Value {
     let (h, i) = (mc.hidden_size as f64, mc.intermediate_size as f64);
     let q = (mc.num_attention_heads * mc.head_dim) as f64;
     let kv = (mc.num_key_value_heads * mc.head_dim) as f64;
@@ -261,15 +261,31 @@ fn floors(mc: &ModelConfig, m: i64, s: f64, ctx: f64) -> Value {
     let m = m as f64;
     // Weight bytes read at decode (M = 1: only used rows), FLOPs at prefill.
     json!({
-        "qkv": {"weight_bytes": 2.0 * h * (a * q + 2.0 * kv), "flops": 2.0 * m * h * (a * q + 2.0 * kv)},
-        "o_proj": {"weight_bytes": 2.0 * h * a * q, "flops": 2.0 * m * h * a * q},
-        "gate_up": {"weight_bytes": 2.0 * 2.0 * h * a * i, "flops": 4.0 * m * h * a * i},
-        "down": {"weight_bytes": 2.0 * h * a * i, "flops": 2.0 * m * h * a * i},
+        "qkv": {"weight_bytes": elt * h * (a * q + 2.0 * kv), "flops": 2.0 * m * h * (a * q + 2.0 * kv)},
+        "o_proj": {"weight_bytes": elt * h * a * q, "flops": 2.0 * m * h * a * q},
+        "gate_up": {"weight_bytes": elt * 2.0 * h * a * i, "flops": 4.0 * m * h * a * i},
+        "down": {"weight_bytes": elt * h * a * i, "flops": 2.0 * m * h * a * i},
         "attention": {"flops": 4.0 * m * a * q * ctx},
     })
 }
 
+/// Per-layer floors of this run's shapes: decode at the mean context of its steps, prefill at
+/// its longest prompt (mean causal context half of it), dense and at 0.5, in the run's dtype.
+fn floors_json(mc: &ModelConfig, cfg: &E2eBenchConfig) -> Value {
+    let elt = cfg.kind.elt_size_in_bytes() as f64;
+    let decode_ctx = cfg.prompt_tokens as f64 + cfg.new_tokens as f64 / 2.0;
+    let mut v = serde_json::Map::new();
+    v.insert("decode_dense".into(), floors(mc, elt, 1, 0.0, decode_ctx));
+    v.insert("decode_s0.5".into(), floors(mc, elt, 1, 0.5, decode_ctx));
+    if let Some(&t) = cfg.prefill_tokens.iter().max() {
+        v.insert(format!("prefill{t}_dense"), floors(mc, elt, t, 0.0, t as f64 / 2.0));
+        v.insert(format!("prefill{t}_s0.5"), floors(mc, elt, t, 0.5, t as f64 / 2.0));
+    }
+    Value::Object(v)
+}
+
 pub fn run(cfg: &E2eBenchConfig) -> Result<Value> {
+    super::check_counts(cfg.iters, Some(cfg.new_tokens), &[("--prefill-tokens", &cfg.prefill_tokens), ("--decode-batches", &cfg.decode_batches), ("--prompt-tokens", &[cfg.prompt_tokens])])?;
     let _g = tch::no_grad_guard();
     for op in &cfg.repeat_ops {
         anyhow::ensure!(wide_core::infer::REPEATABLE_OPS.contains(&op.as_str()), "unknown op `{op}` for --repeat-ops: use {}", wide_core::infer::REPEATABLE_OPS.join(", "));
@@ -281,6 +297,8 @@ pub fn run(cfg: &E2eBenchConfig) -> Result<Value> {
     eprintln!("built {label} ({:.3}B parameters, {:?}) on {} in {:.1}s", mc.parameter_count() as f64 / 1e9, cfg.kind, device_label(cfg.device), t0.elapsed().as_secs_f64());
     let vocab = mc.vocab_size;
     let mut rows = vec![];
+    // The routing each row ran (from the routers' own manifest with --routing).
+    let mut routing_used: Option<(String, i64, i64)> = None;
     let dense = Engine::new(&model, None)?;
     let d = measure(&dense, cfg, vocab, "dense")?;
     rows.push(json!({"variant": "dense", "sparsity": 0.0, "results": d}));
@@ -291,10 +309,12 @@ pub fn run(cfg: &E2eBenchConfig) -> Result<Value> {
         let fit_t = 2048.min(mc.max_position_embeddings);
         let ids = Tensor::randint(vocab, [1, fit_t], (Kind::Int64, cfg.device));
         let achieved = if cfg.routing_dir.is_some() { engine.search_offsets(&ids, &[fit_t], s)? } else { engine.fit_offsets_per_layer(&ids, &[fit_t], s)? };
-        let label = format!("wide {s}");
+        let rc = &routing.config;
+        routing_used = Some((rc.variant.name().to_string(), rc.attn_group_size, rc.ffn_group_size));
+        let label = format!("{} {s}", rc.variant.name());
         eprintln!("{label}: prefill skip rates on the fitting prompt {:?}", achieved.per_kind.keys().map(|k| format!("{k} {:.3}", achieved.rate(k).unwrap_or(0.0))).collect::<Vec<_>>());
         let r = measure(&engine, cfg, vocab, &label)?;
-        rows.push(json!({"variant": "wide", "sparsity": s, "fit_skip": skip_json(&achieved), "results": r,
+        rows.push(json!({"variant": routing.config.variant.name(), "sparsity": s, "fit_skip": skip_json(&achieved), "results": r,
             "offsets_per_layer": engine.offsets()}));
     }
     let prov = Provenance::new(&cfg.commit, &device_label(cfg.device));
@@ -303,11 +323,12 @@ pub fn run(cfg: &E2eBenchConfig) -> Result<Value> {
         "provenance": prov,
         "model": {"name": label, "parameters": mc.parameter_count(), "dtype": format!("{:?}", cfg.kind)},
         "routing": {"routers": if cfg.routing_dir.is_some() { "trained (offsets searched per router kind)" } else { "random weights, per-layer offsets fitted on a random 2048-token prompt" },
-                    "attn_group_size": cfg.attn_group_size, "ffn_group_size": cfg.ffn_group_size, "routing_dir": cfg.routing_dir.as_ref().map(|p| p.display().to_string())},
+                    "variant": routing_used.as_ref().map(|r| r.0.clone()),
+                    "attn_group_size": routing_used.as_ref().map_or(cfg.attn_group_size, |r| r.1), "ffn_group_size": routing_used.as_ref().map_or(cfg.ffn_group_size, |r| r.2),
+                    "routing_dir": cfg.routing_dir.as_ref().map(|p| p.display().to_string())},
         "settings": {"warmup": cfg.warmup, "iters": cfg.iters, "cuda_graph": cfg.cuda_graph, "prompt_tokens": cfg.prompt_tokens, "new_tokens": cfg.new_tokens, "eos_ignored": true,
                      "decode_tokens_per_s": "batch x (new_tokens - 1) / time of the decode steps after prefill and graph capture"},
-        "floors_per_layer": {"decode_dense": floors(&mc, 1, 0.0, 192.0), "decode_s0.5": floors(&mc, 1, 0.5, 192.0),
-                             "prefill8192_dense": floors(&mc, 8192, 0.0, 4096.0), "prefill8192_s0.5": floors(&mc, 8192, 0.5, 4096.0)},
+        "floors_per_layer": floors_json(&mc, cfg),
         "rows": rows,
     });
     print_table(&result);

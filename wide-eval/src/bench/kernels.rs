@@ -169,6 +169,7 @@ fn ceilings(device: Device, timer: &GpuTimer) -> Result<serde_json::Value> {
 }
 
 pub fn run(cfg: &KernelBenchConfig) -> Result<serde_json::Value> {
+    super::check_counts(cfg.iters, None, &[("--m", &cfg.m)])?;
     let _g = tch::no_grad_guard();
     tch::manual_seed(cfg.seed);
     for mode in &cfg.l2 {

@@ -41,7 +41,27 @@ pub fn time_median_with_host(device: Device, warmup: usize, iters: usize, mut f:
     Ok((median(&mut times), median(&mut host)))
 }
 
+/// Checks a benchmark's counts before anything is built: at least one timed iteration, and for
+/// decode at least two new tokens (a step time is the time after the first token over the
+/// rest), positive lengths and batches. One error naming the flag.
+pub fn check_counts(iters: usize, new_tokens: Option<i64>, lengths: &[(&str, &[i64])]) -> anyhow::Result<()> {
+    anyhow::ensure!(iters >= 1, "--iters must be at least 1 (the timed repetitions), got {iters}");
+    if let Some(n) = new_tokens {
+        anyhow::ensure!(n >= 2, "--new-tokens must be at least 2 (steps are timed after the first new token), got {n}");
+    }
+    for (flag, v) in lengths {
+        if let Some(bad) = v.iter().find(|&&x| x < 1) {
+            anyhow::bail!("{flag} takes positive values, got {bad}");
+        }
+    }
+    Ok(())
+}
+
+/// The median of `v` (NaN for an empty slice; [`check_counts`] keeps benchmarks from that).
 pub fn median(v: &mut [f64]) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     let n = v.len();
     if n % 2 == 1 {

@@ -36,6 +36,7 @@ pub struct TrainBenchConfig {
 }
 
 pub fn run(cfg: &TrainBenchConfig) -> Result<serde_json::Value> {
+    super::check_counts(cfg.iters, None, &[("--seq-len", &[cfg.seq_len]), ("--micro-batch", &[cfg.micro_batch])])?;
     tch::manual_seed(0);
     let mc = presets::preset(&cfg.preset)?;
     let device = cfg.device;
