@@ -62,7 +62,7 @@ pub struct ModelConfig {
     pub tie_word_embeddings: bool,
     /// Bias on q/k/v projections (Qwen2 always; Llama/Qwen3 with `attention_bias`).
     pub qkv_bias: bool,
-    /// Bias on o_proj (Llama with `attention_bias`).
+    /// Bias on o_proj (Llama/Qwen3 with `attention_bias`; never for Qwen2 and Mistral).
     pub o_bias: bool,
     /// Bias on gate/up/down (Llama with `mlp_bias`).
     pub mlp_bias: bool,
@@ -222,8 +222,14 @@ impl ModelConfig {
             rope_scaling,
             max_position_embeddings: hf.max_position_embeddings,
             tie_word_embeddings: tie,
-            qkv_bias: family == Family::Qwen2 || hf.attention_bias,
-            o_bias: family == Family::Llama && hf.attention_bias,
+            // As transformers builds them: Llama and Qwen3 put `attention_bias` on q/k/v and o_proj,
+            // Qwen2 always has q/k/v bias and never an o_proj bias, Mistral has none.
+            qkv_bias: match family {
+                Family::Llama | Family::Qwen3 => hf.attention_bias,
+                Family::Qwen2 => true,
+                Family::Mistral => false,
+            },
+            o_bias: matches!(family, Family::Llama | Family::Qwen3) && hf.attention_bias,
             mlp_bias: family == Family::Llama && hf.mlp_bias,
             qk_norm: family == Family::Qwen3,
             sliding_window,
@@ -247,12 +253,24 @@ impl ModelConfig {
                 bail!("{name} must be positive, got {v}");
             }
         }
+        // Checked before the divisibility test below, which would otherwise divide by zero.
+        if self.num_attention_heads <= 0 || self.num_key_value_heads <= 0 {
+            bail!(
+                "num_attention_heads ({}) and num_key_value_heads ({}) must be positive",
+                self.num_attention_heads,
+                self.num_key_value_heads
+            );
+        }
         if self.num_attention_heads % self.num_key_value_heads != 0 {
             bail!(
                 "num_attention_heads ({}) must be a multiple of num_key_value_heads ({})",
                 self.num_attention_heads,
                 self.num_key_value_heads
             );
+        }
+        // RoPE rotates pairs of dimensions.
+        if self.head_dim <= 0 || self.head_dim % 2 != 0 {
+            bail!("head_dim must be positive and even (RoPE rotates pairs of dimensions), got {}", self.head_dim);
         }
         if self.sliding_window.len() != self.num_hidden_layers as usize {
             bail!("sliding window list has {} entries for {} layers", self.sliding_window.len(), self.num_hidden_layers);
@@ -477,6 +495,43 @@ mod tests {
         let c = ModelConfig::from_hf_json(j).unwrap();
         assert_eq!(c.sliding_window, vec![None, None]);
         assert!(c.qkv_bias);
+    }
+
+    #[test]
+    fn attention_bias_follows_each_family_like_transformers() {
+        let j = |mt: &str| {
+            format!(
+                r#"{{"model_type":"{mt}","vocab_size":10,"hidden_size":8,"intermediate_size":16,
+                "num_hidden_layers":2,"num_attention_heads":2,"num_key_value_heads":1,"attention_bias":true}}"#
+            )
+        };
+        let bias = |mt: &str| {
+            let c = ModelConfig::from_hf_json(&j(mt)).unwrap();
+            (c.qkv_bias, c.o_bias)
+        };
+        assert_eq!(bias("llama"), (true, true));
+        assert_eq!(bias("qwen3"), (true, true));
+        assert_eq!(bias("qwen2"), (true, false));
+        assert_eq!(bias("mistral"), (false, false));
+        let c = ModelConfig::from_hf_json(&j("qwen3")).unwrap();
+        assert_eq!(ModelConfig::from_hf_json(&c.to_hf_json("float32").to_string()).unwrap(), c);
+    }
+
+    #[test]
+    fn validate_refuses_zero_heads_and_odd_head_dim() {
+        let c = ModelConfig::from_hf_json(LLAMA31).unwrap();
+        for (edit, want) in [
+            (&(|c: &mut ModelConfig| c.num_key_value_heads = 0) as &dyn Fn(&mut ModelConfig), "must be positive"),
+            (&|c: &mut ModelConfig| c.num_attention_heads = 0, "must be positive"),
+            (&|c: &mut ModelConfig| c.num_attention_heads = 12, "multiple of num_key_value_heads"),
+            (&|c: &mut ModelConfig| c.head_dim = 0, "head_dim must be positive and even"),
+            (&|c: &mut ModelConfig| c.head_dim = 127, "head_dim must be positive and even"),
+        ] {
+            let mut bad = c.clone();
+            edit(&mut bad);
+            let e = format!("{:#}", bad.validate().unwrap_err());
+            assert!(e.contains(want), "{e}");
+        }
     }
 
     #[test]

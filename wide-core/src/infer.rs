@@ -1256,7 +1256,10 @@ impl<'m> Engine<'m> {
         let mut steps = 0;
         let mut captured = false;
         while !out.push(&next, &self.model.config.eos_token_ids, cfg, &mut on_token)? {
-            dec.set_tokens(&next)?;
+            // A greedy step already left its argmax in the decoder's token buffer on the device.
+            if !greedy || steps == 0 {
+                dec.set_tokens(&next)?;
+            }
             if use_graph && !captured {
                 dec.capture()?;
                 captured = true;

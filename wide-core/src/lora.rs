@@ -189,11 +189,12 @@ mod tests {
         let cfg = presets::preset("tiny").unwrap();
         let vs = nn::VarStore::new(Device::Cpu);
         let mut m = LlamaModel::new(&vs.root(), &cfg, &mut RandomWeights { std: 0.1 }, Kind::Float, false).unwrap();
+        let ids = Tensor::randint(250, [2, 12], (Kind::Int64, Device::Cpu));
+        // The reference is the model before any adapter is attached.
+        let base = m.forward(&ids, ForwardOptions::default()).unwrap();
         let lvs = nn::VarStore::new(Device::Cpu);
         let lora = Lora::attach(&mut m, &lvs.root(), &LoraConfig::default()).unwrap();
         assert_eq!(lora.modules.len(), 7 * cfg.num_hidden_layers as usize);
-        let ids = Tensor::randint(250, [2, 12], (Kind::Int64, Device::Cpu));
-        let base = m.forward(&ids, ForwardOptions::default()).unwrap();
         // B starts at zero: the adapters change nothing yet.
         assert!(base.allclose(&m.forward(&ids, ForwardOptions::default()).unwrap(), 0.0, 0.0, false));
         for (_, t) in Lora::tensors(&mut m) {

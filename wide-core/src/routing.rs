@@ -559,6 +559,10 @@ pub struct RoutingRun<'a> {
     /// decisions with other implementations).
     pub gates: Option<Vec<GateRecord>>,
     noise_cursor: usize,
+    /// Number of valid tokens (the sum of `valid`), read once at the first router call: reading
+    /// it moves a value from the device to the host, which waits for the device, so it is not
+    /// done again at every call. `valid` is not replaced during a run.
+    valid_tokens: Option<f64>,
 }
 
 /// One router call's decision, kept in [`RoutingRun::gates`].
@@ -575,7 +579,7 @@ pub struct GateRecord {
 
 impl<'a> RoutingRun<'a> {
     pub fn new(routing: &'a Routing, mode: GateMode, valid: Tensor) -> Self {
-        Self { routing, mode, valid, noise: None, stats: RoutingStats::default(), observer: None, gates: None, noise_cursor: 0 }
+        Self { routing, mode, valid, noise: None, stats: RoutingStats::default(), observer: None, gates: None, noise_cursor: 0, valid_tokens: None }
     }
 
     /// Positions the run at the first router call of layer `i` (its noise draws or forced
@@ -620,7 +624,8 @@ impl<'a> RoutingRun<'a> {
     pub(crate) fn record(&mut self, layer: usize, kind: RouterKind, groups: i64, mask: &Tensor) {
         let valid = self.valid.unsqueeze(-1);
         let skipped = ((mask.ones_like() - mask) * &valid).sum(Kind::Float);
-        let total = self.valid.sum(Kind::Float).double_value(&[]) * groups as f64;
+        let valid_tokens = *self.valid_tokens.get_or_insert_with(|| self.valid.sum(Kind::Float).double_value(&[]));
+        let total = valid_tokens * groups as f64;
         let active_fraction = mask.mean_dim(-1, false, Kind::Float);
         self.stats.routers.push(RouterStat { layer, kind, groups, skipped, total, active_fraction });
         if let Some(g) = self.gates.as_mut() {

@@ -162,7 +162,17 @@ fn sublayer_skip_all_active_equals_dense_and_padding_is_not_counted() {
     let valid = Tensor::ones([2, 5], (Kind::Float, Device::Cpu));
     let _ = valid.get(1).narrow(0, 0, 2).fill_(0.0);
     let mut run = RoutingRun::new(&r, GateMode::Forced(forced), valid);
-    let _ = m.forward_routed(&ids, ForwardOptions::default(), &mut run).unwrap();
+    let got = m.forward_routed(&ids, ForwardOptions::default(), &mut run).unwrap();
     assert_eq!(run.stats.skip_rate(crate::routing::RouterKind::Ffn).unwrap().double_value(&[]), 0.0);
     assert_eq!(run.stats.skip_rate(crate::routing::RouterKind::Attention).unwrap().double_value(&[]), 0.0);
+    // 8 valid tokens x 1 group per router call.
+    assert!(run.stats.routers.iter().all(|s| s.total == 8.0), "{:?}", run.stats.routers.iter().map(|s| s.total).collect::<Vec<_>>());
+    let dense = m.forward(&ids, ForwardOptions::default()).unwrap();
+    // Row 0 has every sublayer active: exactly the dense model's output.
+    assert!(got.get(0).equal(&dense.get(0)), "an all-active row must equal the dense model");
+    // Every sublayer of every token active: the dense model's output.
+    let ones = (0..2 * m.layers.len()).map(|_| Tensor::ones([2, 5, 1], (Kind::Float, Device::Cpu))).collect();
+    let mut run = RoutingRun::new(&r, GateMode::Forced(ones), Tensor::ones([2, 5], (Kind::Float, Device::Cpu)));
+    let all = m.forward_routed(&ids, ForwardOptions::default(), &mut run).unwrap();
+    assert!(all.equal(&dense), "all-active sublayer_skip must equal the dense model");
 }

@@ -144,7 +144,8 @@ fn key_of(src: &KernelSource, opts: &[String]) -> u64 {
     let mut h = Fnv(0xcbf29ce484222325);
     src.source.hash(&mut h);
     // Where the CUDA headers sit differs between machines (a precompiled image must be found
-    // on the GPU machine), so the include path is not part of the key.
+    // on the GPU machine), so the include path is not part of the key; nor is NVRTC's version,
+    // for the same reason: an image the driver refuses is compiled again (`CudaKernel::get`).
     let opts: Vec<&String> = opts.iter().filter(|o| !o.starts_with("--include-path=")).collect();
     opts.hash(&mut h);
     h.finish()

@@ -159,6 +159,51 @@ impl RoutedModel {
     }
 }
 
+/// The routing configuration of stage 2: stage 1's, whose router weights it loads, with the
+/// stage 2 recipe's training settings (targets, `lambda`, temperatures, offset calibration),
+/// since stage 2 trains the routers again (unless frozen) and the recipe is where a user sets
+/// them. What the weights depend on (variant, routed sublayers, group sizes, rank) must be the
+/// same in both, or the error says which differs; the inference offsets stay stage 1's (they
+/// go with its weights; stage 2 calibrates them again when it trains the routers).
+pub fn stage2_routing(stage1: &RoutingConfig, recipe: &RoutingConfig, dir: &Path) -> Result<RoutingConfig> {
+    let (a, b) = (stage1, recipe);
+    if (a.attn_group_size, a.ffn_group_size) != (b.attn_group_size, b.ffn_group_size) {
+        bail!(
+            "routers in {} use attention group size {} and FFN group size {}, the recipe asks for {} and {}",
+            dir.display(),
+            a.attn_group_size,
+            a.ffn_group_size,
+            b.attn_group_size,
+            b.ffn_group_size
+        );
+    }
+    let shape = |c: &RoutingConfig| {
+        [
+            ("variant", c.variant.name().to_string()),
+            ("sparse_target", format!("{:?}", c.sparse_target).to_lowercase()),
+            ("router_rank", c.router_rank.to_string()),
+        ]
+    };
+    let differs: Vec<String> = shape(stage1).into_iter().zip(shape(recipe)).filter(|(a, b)| a.1 != b.1).map(|(a, b)| format!("routing.{} {} there, {} here", a.0, a.1, b.1)).collect();
+    if !differs.is_empty() {
+        bail!(
+            "the stage 1 routers in {} do not fit the recipe's [routing] ({}): set these as stage 1 had them, or calibrate stage 1 again with the recipe's",
+            dir.display(),
+            differs.join("; ")
+        );
+    }
+    let mut c = stage1.clone();
+    c.target_sparsity = recipe.target_sparsity;
+    c.attn_target = recipe.attn_target;
+    c.ffn_target = recipe.ffn_target;
+    c.lambda = recipe.lambda;
+    c.tau_start = recipe.tau_start;
+    c.tau_end = recipe.tau_end;
+    c.calibrate_offsets = recipe.calibrate_offsets;
+    c.offset_calibration_sequences = recipe.offset_calibration_sequences;
+    Ok(c)
+}
+
 fn read_manifest(dir: &Path) -> Result<RoutingManifest> {
     let p = dir.join("routing.json");
     let text = std::fs::read_to_string(&p).with_context(|| format!("{} has no routing.json: run `wide calibrate` first (stage 1 files are missing)", dir.display()))?;
@@ -460,6 +505,12 @@ pub fn calibrate_static_width(m: &RoutedModel, file: &crate::dataset::TokenFile,
     let model = m.model();
     let mc = &model.config;
     let n = file.num_sequences(seq_len);
+    if n == 0 {
+        bail!("the training split {} holds {} tokens, fewer than one sequence of {seq_len}: static_width needs calibration text to choose its groups", file.path.display(), file.count);
+    }
+    if sequences == 0 {
+        bail!("static_width needs at least one calibration sequence to choose its groups: raise train.tokens");
+    }
     let mut order = crate::dataset::SampleOrder::new(n, seed);
     let device = model.device;
     let mut obs = wide_core::routing::ActivationObserver::new(mc, cfg);
@@ -517,20 +568,16 @@ pub fn run(recipe: &CalibrationRecipe, table: &toml::Table, resume: bool, proven
         }
         std::fs::copy(&tok_model, &recipe.data.tokenizer).with_context(|| format!("copying {}", tok_model.display()))?;
     }
-    if let Some(dir) = &recipe.stage1_dir {
-        let man = read_manifest(dir)?;
-        let (a, b) = (&man.routing, &recipe.routing);
-        if (a.attn_group_size, a.ffn_group_size) != (b.attn_group_size, b.ffn_group_size) {
-            bail!(
-                "routers in {} use attention group size {} and FFN group size {}, the recipe asks for {} and {}",
-                dir.display(),
-                a.attn_group_size,
-                a.ffn_group_size,
-                b.attn_group_size,
-                b.ffn_group_size
-            );
+    // Stage 2's routing: checked against stage 1 before any data work.
+    let stage2 = match &recipe.stage1_dir {
+        Some(dir) => {
+            let man = read_manifest(dir)?;
+            let c = stage2_routing(&man.routing, &recipe.routing, dir)?;
+            c.validate(&man.model)?;
+            Some(c)
         }
-    }
+        None => None,
+    };
     // Rank 0 builds or checks the shared data folders; the others open them afterwards.
     let files = dist.main_first(|| recipe.data.prepare())?;
     let train = files.open(Split::Train)?;
@@ -538,15 +585,13 @@ pub fn run(recipe: &CalibrationRecipe, table: &toml::Table, resume: bool, proven
     let device = dist.device(parse_device(&recipe.train.device)?)?;
     let kind = parse_dtype(&recipe.train.dtype, device)?;
     tch::manual_seed(recipe.train.seed as i64);
-    let mut m = match &recipe.stage1_dir {
-        Some(dir) => {
-            let m = RoutedModel::load(&recipe.model_dir, dir, device, kind)?;
-            if m.routing.config.variant != recipe.routing.variant {
-                bail!("stage 1 in {} trained variant {}, the recipe asks for {}", dir.display(), m.routing.config.variant.name(), recipe.routing.variant.name());
-            }
+    let mut m = match (&recipe.stage1_dir, stage2) {
+        (Some(dir), Some(config)) => {
+            let mut m = RoutedModel::load(&recipe.model_dir, dir, device, kind)?;
+            m.routing.config = config;
             m
         }
-        None => RoutedModel::new(&recipe.model_dir, &recipe.routing, device, kind)?,
+        _ => RoutedModel::new(&recipe.model_dir, &recipe.routing, device, kind)?,
     };
     if tok_model.exists() && crate::dataset::sha256_file(&tok_model)? != crate::dataset::sha256_file(&recipe.data.tokenizer)? {
         bail!(
@@ -563,9 +608,6 @@ pub fn run(recipe: &CalibrationRecipe, table: &toml::Table, resume: bool, proven
         bail!("data.seq_len {seq_len} is longer than the model's context ({})", m.model().config.max_position_embeddings);
     }
     let out = &recipe.output.dir;
-    if dist.is_main() {
-        recipe::write_effective(out, table)?;
-    }
     let seqs = recipe.train.tokens.div_ceil(seq_len as u64);
     let mut summary = None;
     let trains_routers = m.routing.config.variant != Variant::StaticWidth && m.routing.config.variant != Variant::Dense && !recipe.freeze_routers;
@@ -593,7 +635,8 @@ pub fn run(recipe: &CalibrationRecipe, table: &toml::Table, resume: bool, proven
     if trains_routers || stage == 2 {
         let mut task = RoutingTask::new(m, recipe.train.seed, trains_routers);
         task.activation_checkpointing = recipe.train.activation_checkpointing;
-        let trainer = Trainer { cfg: recipe.train.clone(), seq_len, out_dir: out.clone(), train: &train, val: Some(&val) };
+        // The trainer writes the effective recipe once it has checked the output folder.
+        let trainer = Trainer { cfg: recipe.train.clone(), seq_len, out_dir: out.clone(), train: &train, val: Some(&val), effective_recipe: Some(table) };
         let s = trainer.run(&mut task, resume)?;
         // Training is the distributed part; rank 0 evaluates and writes the files alone.
         dist.finish()?;
@@ -602,6 +645,9 @@ pub fn run(recipe: &CalibrationRecipe, table: &toml::Table, resume: bool, proven
         }
         summary = Some(s);
         m = task.m;
+    } else {
+        // Rank 0 alone is here (see above).
+        recipe::write_effective(out, table)?;
     }
     if trains_routers && m.routing.config.calibrate_offsets {
         let n = m.routing.config.offset_calibration_sequences.min(train.num_sequences(seq_len)).max(1);
@@ -612,16 +658,31 @@ pub fn run(recipe: &CalibrationRecipe, table: &toml::Table, resume: bool, proven
     }
     let mut heldout = evaluate_routed(&m, &val, seq_len, recipe.train.micro_batch, 0)?;
     heldout.split = "validation".into();
-    save_routing_dir(&mut m, out, stage, seqs * seq_len as u64, Some(heldout.clone()), provenance, table.clone())?;
-    let report = CalibrationReport { name: recipe.name.clone(), stage, variant: m.routing.config.variant.name().into(), train: summary, heldout, output_dir: out.clone() };
-    std::fs::write(out.join("summary.json"), serde_json::to_string_pretty(&report)?)?;
+    let report = CalibrationReport { name: recipe.name.clone(), stage, variant: m.routing.config.variant.name().into(), train: summary, heldout: heldout.clone(), output_dir: out.clone() };
+    // `routing.json` marks a finished folder: a previous one goes before anything is replaced,
+    // and the new one is written last (by save_routing_dir).
+    remove_routing_marker(out)?;
+    recipe::write_atomic(&out.join("summary.json"), serde_json::to_string_pretty(&report)?.as_bytes())?;
+    save_routing_dir(&mut m, out, stage, seqs * seq_len as u64, Some(heldout), provenance, table.clone())?;
     Ok(Some(report))
 }
 
+/// Removes `dir/routing.json` (the mark of a finished routing folder) if there is one.
+fn remove_routing_marker(dir: &Path) -> Result<()> {
+    let p = dir.join("routing.json");
+    match std::fs::remove_file(&p) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e).with_context(|| format!("removing {}", p.display())),
+        _ => Ok(()),
+    }
+}
+
 /// Writes `routers.safetensors`, `lora.safetensors` (when adapters exist) and `routing.json`
-/// into `dir` (each through a temporary file).
+/// into `dir`, each through a temporary file. `routing.json` marks the folder finished: a
+/// previous one is removed first and the new one written last, so that a folder stopped half
+/// way never pairs a manifest with weights it does not describe.
 pub fn save_routing_dir(m: &mut RoutedModel, dir: &Path, stage: u32, tokens: u64, heldout: Option<HeldOut>, provenance: serde_json::Value, recipe: toml::Table) -> Result<()> {
     std::fs::create_dir_all(dir)?;
+    remove_routing_marker(dir)?;
     let routers: Vec<(String, Tensor)> = m.routing.tensors().into_iter().map(|(n, t)| (n, t.detach())).collect();
     st::write(&dir.join("routers.safetensors"), &routers, &Default::default())?;
     let lora_cfg = m.lora.as_ref().map(|l| l.0.config.clone());
@@ -640,10 +701,7 @@ pub fn save_routing_dir(m: &mut RoutedModel, dir: &Path, stage: u32, tokens: u64
         provenance,
         recipe,
     };
-    let tmp = dir.join(".routing.json.tmp");
-    std::fs::write(&tmp, serde_json::to_string_pretty(&manifest)?)?;
-    std::fs::rename(&tmp, dir.join("routing.json"))?;
-    Ok(())
+    crate::recipe::write_atomic(&dir.join("routing.json"), serde_json::to_string_pretty(&manifest)?.as_bytes())
 }
 
 /// Searches inference logit offsets so that deterministic skip rates on `inputs` reach the
@@ -736,6 +794,69 @@ mod tests {
         let ctx = StepContext { training: true, step: 3, total_steps: 10, sample_ids: vec![5, 9] };
         let loss = task.loss_backward(&batch, &ctx, 0.5).unwrap();
         (loss, params.into_iter().map(|(n, p)| (n, p.grad().copy())).collect())
+    }
+
+    #[test]
+    fn stage2_takes_the_recipes_training_settings_on_stage1_routers_of_the_same_shape() {
+        let mut s1 = RoutingConfig::new(Variant::Wide);
+        s1.target_sparsity = Some(0.5);
+        s1.ffn_logit_offset = 1.5;
+        let mut r = RoutingConfig::new(Variant::Wide);
+        (r.attn_target, r.ffn_target, r.lambda, r.tau_start, r.tau_end) = (Some(0.3), Some(0.6), 5.0, 2.0, 0.1);
+        (r.calibrate_offsets, r.offset_calibration_sequences) = (false, 8);
+        let c = stage2_routing(&s1, &r, Path::new("s1")).unwrap();
+        assert_eq!((c.target_sparsity, c.per_type_targets(), c.lambda, c.tau_start, c.tau_end), (None, Some((0.3, 0.6)), 5.0, 2.0, 0.1));
+        assert_eq!((c.calibrate_offsets, c.offset_calibration_sequences), (false, 8));
+        assert_eq!(c.ffn_logit_offset, 1.5, "the offsets go with stage 1's weights");
+        // What the weights depend on must match.
+        let bad = |edit: &dyn Fn(&mut RoutingConfig)| {
+            let mut b = r.clone();
+            edit(&mut b);
+            format!("{:#}", stage2_routing(&s1, &b, Path::new("s1")).unwrap_err())
+        };
+        let e = bad(&|b| b.router_rank = 16);
+        assert!(e.contains("the stage 1 routers in s1 do not fit") && e.contains("routing.router_rank 32 there, 16 here"), "{e}");
+        let e = bad(&|b| (b.variant, b.sparse_target) = (Variant::SublayerSkip, wide_core::routing::SparseTarget::Ffn));
+        assert!(e.contains("routing.variant wide there, sublayer_skip here; routing.sparse_target all there, ffn here"), "{e}");
+        assert!(bad(&|b| b.ffn_group_size = 64).contains("use attention group size 1 and FFN group size 128, the recipe asks for 1 and 64"));
+    }
+
+    #[test]
+    fn static_width_without_calibration_text_is_an_error() {
+        let _rng = crate::rng_lock();
+        let m = task(Variant::StaticWidth, false, false).m;
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("short.tokens");
+        crate::dataset::write_tokens(&p, &[1, 2, 3, 4, 5], crate::dataset::IdDtype::U16, 256, 0, 1).unwrap();
+        let short = crate::dataset::TokenFile::open(&p).unwrap();
+        let e = format!("{:#}", calibrate_static_width(&m, &short, 8, 2, 4, 0).unwrap_err());
+        assert!(e.contains("holds 5 tokens, fewer than one sequence of 8"), "{e}");
+        let p = dir.path().join("long.tokens");
+        crate::dataset::write_tokens(&p, &(0..100).collect::<Vec<u32>>(), crate::dataset::IdDtype::U16, 256, 0, 1).unwrap();
+        let long = crate::dataset::TokenFile::open(&p).unwrap();
+        let e = format!("{:#}", calibrate_static_width(&m, &long, 8, 2, 0, 0).unwrap_err());
+        assert!(e.contains("raise train.tokens"), "{e}");
+        calibrate_static_width(&m, &long, 8, 2, 4, 0).unwrap();
+    }
+
+    #[test]
+    fn a_routing_folder_whose_save_fails_is_not_marked_finished() {
+        let _rng = crate::rng_lock();
+        let mut m = task(Variant::Wide, false, false).m;
+        let dir = tempfile::tempdir().unwrap();
+        let save = |m: &mut RoutedModel| save_routing_dir(m, dir.path(), 1, 0, None, serde_json::json!({}), Default::default());
+        save(&mut m).unwrap();
+        assert!(dir.path().join("routing.json").exists());
+        // The router file cannot be replaced: the old manifest must not stay as if finished.
+        std::fs::remove_file(dir.path().join("routers.safetensors")).unwrap();
+        std::fs::create_dir_all(dir.path().join("routers.safetensors/x")).unwrap();
+        assert!(save(&mut m).is_err());
+        assert!(!dir.path().join("routing.json").exists());
+        std::fs::remove_dir_all(dir.path().join("routers.safetensors")).unwrap();
+        save(&mut m).unwrap();
+        let mut names: Vec<String> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        names.sort();
+        assert_eq!(names, vec!["routers.safetensors", "routing.json"]);
     }
 
     /// The checkpointed step back-propagates the same router (and LoRA) gradients as the plain

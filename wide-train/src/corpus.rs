@@ -386,12 +386,46 @@ fn debian_version(pkg: &str) -> Option<String> {
     (out.status.success() && !out.stdout.is_empty()).then(|| String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
+/// What is at the output path of a corpus build.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum CorpusTarget {
+    /// Nothing, or an empty folder: the new corpus goes there.
+    Free,
+    /// A corpus (its manifest parses): rebuilt in place.
+    Corpus,
+}
+
+/// Classifies `out` before a corpus is built there. Anything else than nothing, an empty folder
+/// or a corpus is refused: a build replaces the whole folder, and a folder of the user's (or a
+/// corpus whose manifest is corrupt, which may be worth inspecting) must not be deleted silently.
+fn corpus_target(out: &Path) -> Result<CorpusTarget> {
+    let refuse = |why: String| anyhow::anyhow!("{} already exists and {why}; remove it or choose another folder for the corpus (data.corpus_dir of the recipe, or --out of `wide corpus`)", out.display());
+    let Ok(meta) = std::fs::symlink_metadata(out) else { return Ok(CorpusTarget::Free) };
+    if !meta.is_dir() {
+        return Err(refuse("is not a folder (a file or a link)".into()));
+    }
+    if std::fs::read_dir(out).with_context(|| format!("cannot read {}", out.display()))?.next().is_none() {
+        return Ok(CorpusTarget::Free);
+    }
+    let manifest = out.join("manifest.json");
+    if !manifest.exists() {
+        return Err(refuse("is not a corpus folder (it has files but no manifest.json)".into()));
+    }
+    match CorpusManifest::load(out) {
+        Ok(_) => Ok(CorpusTarget::Corpus),
+        Err(e) => Err(refuse(format!("holds a corpus manifest that cannot be read ({e:#})"))),
+    }
+}
+
 /// Builds a corpus folder at `out` (atomically): `train.jsonl`, `validation.jsonl`,
-/// `test.jsonl` (one `{"name","source","text"}` per line) and `manifest.json`.
+/// `test.jsonl` (one `{"name","source","text"}` per line) and `manifest.json`. `out` must not
+/// exist, be an empty folder, or hold a corpus (which is replaced; it is moved aside, and
+/// removed only once the new one is in place); anything else is an error.
 pub fn build_corpus(sources: &[Source], fractions: SplitFractions, out: &Path) -> Result<CorpusManifest> {
     if sources.is_empty() {
         bail!("no corpus sources given");
     }
+    corpus_target(out)?;
     let mut all = vec![];
     let mut entries = vec![];
     for s in sources {
@@ -448,10 +482,30 @@ pub fn build_corpus(sources: &[Source], fractions: SplitFractions, out: &Path) -
         sha256: format!("{:x}", total.finalize()),
     };
     std::fs::write(tmp.join("manifest.json"), serde_json::to_string_pretty(&manifest)?)?;
-    if out.exists() {
-        std::fs::remove_dir_all(out).with_context(|| format!("replacing {}", out.display()))?;
+    // Checked again: the folder may have changed while the documents were read.
+    let target = match corpus_target(out) {
+        Ok(t) => t,
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&tmp);
+            return Err(e);
+        }
+    };
+    let aside = out.with_file_name(format!(".{}.old-{}", out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(), std::process::id()));
+    match target {
+        // An empty folder (remove_dir refuses anything else).
+        CorpusTarget::Free if out.exists() => std::fs::remove_dir(out).with_context(|| format!("replacing the empty folder {}", out.display()))?,
+        CorpusTarget::Free => {}
+        CorpusTarget::Corpus => std::fs::rename(out, &aside).with_context(|| format!("moving the old corpus {} aside", out.display()))?,
     }
-    std::fs::rename(&tmp, out).with_context(|| format!("renaming {} to {}", tmp.display(), out.display()))?;
+    if let Err(e) = std::fs::rename(&tmp, out) {
+        if target == CorpusTarget::Corpus {
+            let _ = std::fs::rename(&aside, out);
+        }
+        return Err(e).with_context(|| format!("renaming {} to {}", tmp.display(), out.display()));
+    }
+    if target == CorpusTarget::Corpus {
+        std::fs::remove_dir_all(&aside).with_context(|| format!("removing the old corpus {}", aside.display()))?;
+    }
     Ok(manifest)
 }
 
@@ -507,6 +561,57 @@ mod tests {
         std::fs::write(dir.path().join("c.jsonl"), "{\"body\": 1}\n").unwrap();
         let e = Source::User(dir.path().into()).documents().unwrap_err();
         assert!(format!("{e:#}").contains("c.jsonl line 1: no string field \"text\""), "{e:#}");
+    }
+
+    /// Builds from one user folder of a few documents into `out`.
+    fn build_into(out: &Path) -> Result<CorpusManifest> {
+        let src = tempfile::tempdir().unwrap();
+        for i in 0..5 {
+            std::fs::write(src.path().join(format!("d{i}.txt")), format!("Document number {i} has enough plain text to count as a document.")).unwrap();
+        }
+        build_corpus(&[Source::User(src.path().into())], SplitFractions { validation: 0.0, test: 0.0 }, out)
+    }
+
+    #[test]
+    fn a_folder_that_is_not_a_corpus_is_never_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        // The user's own folder.
+        let user = dir.path().join("mine");
+        std::fs::create_dir(&user).unwrap();
+        std::fs::write(user.join("notes.txt"), "keep me").unwrap();
+        let e = format!("{:#}", build_into(&user).unwrap_err());
+        assert!(e.contains(&format!("{} already exists and is not a corpus folder", user.display())) && e.contains("remove it or choose another folder"), "{e}");
+        assert_eq!(std::fs::read_to_string(user.join("notes.txt")).unwrap(), "keep me");
+        // A corpus whose manifest is truncated: refused, left as it is.
+        let corrupt = dir.path().join("corpus");
+        build_into(&corrupt).unwrap();
+        let text = std::fs::read_to_string(corrupt.join("manifest.json")).unwrap();
+        std::fs::write(corrupt.join("manifest.json"), &text[..text.len() / 2]).unwrap();
+        let e = format!("{:#}", build_into(&corrupt).unwrap_err());
+        assert!(e.contains("holds a corpus manifest that cannot be read") && e.contains("remove it or choose another folder"), "{e}");
+        assert!(corrupt.join("train.jsonl").exists());
+        // A file is not a folder.
+        std::fs::write(dir.path().join("file"), "x").unwrap();
+        assert!(format!("{:#}", build_into(&dir.path().join("file")).unwrap_err()).contains("is not a folder"));
+        // No temporary or set-aside folders are left behind.
+        let names: Vec<String> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        assert!(names.iter().all(|n| !n.starts_with('.')), "{names:?}");
+    }
+
+    #[test]
+    fn an_empty_folder_or_a_corpus_is_built_into() {
+        let dir = tempfile::tempdir().unwrap();
+        let empty = dir.path().join("empty");
+        std::fs::create_dir(&empty).unwrap();
+        let m = build_into(&empty).unwrap();
+        assert_eq!(m.splits["train"].documents, 5);
+        assert_eq!(CorpusManifest::load(&empty).unwrap().sha256, m.sha256);
+        // Rebuilding a corpus replaces it.
+        std::fs::write(empty.join("train.jsonl"), "").unwrap();
+        build_into(&empty).unwrap();
+        assert_eq!(read_split(&empty, Split::Train).unwrap().len(), 5);
+        let names: Vec<String> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        assert_eq!(names, vec!["empty".to_string()]);
     }
 
     #[test]

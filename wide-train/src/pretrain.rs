@@ -136,6 +136,9 @@ impl PretrainRecipe {
     }
 
     pub fn validate(&self) -> Result<()> {
+        // The model's shape, before any corpus or tokenizer is built (the vocabulary comes from
+        // the tokenizer later: any positive size checks the rest).
+        self.model_config(1, 0).context("the recipe's [model] table is invalid")?;
         if self.data.seq_len as i64 > self.model.max_position_embeddings {
             bail!(
                 "data.seq_len {} is longer than the model's context (model.max_position_embeddings {})",
@@ -252,9 +255,6 @@ pub fn run(recipe: &PretrainRecipe, table: &toml::Table, resume: bool) -> Result
     let model = LlamaModel::new(&vs.root(), &cfg, &mut RandomWeights { std: recipe.model.init_std }, kind, true)?;
     let mut task = PretrainTask { vs, model };
     let out = &recipe.output.dir;
-    if dist.is_main() {
-        recipe::write_effective(out, table)?;
-    }
     if dist.is_main() { eprintln!(
         "{}: {} parameters on {device:?} ({kind:?}); {} training tokens, {} per step",
         recipe.name,
@@ -262,7 +262,8 @@ pub fn run(recipe: &PretrainRecipe, table: &toml::Table, resume: bool) -> Result
         train.count,
         recipe.train.tokens_per_step(recipe.data.seq_len)
     ); }
-    let trainer = Trainer { cfg: recipe.train.clone(), seq_len: recipe.data.seq_len, out_dir: out.clone(), train: &train, val: Some(&val) };
+    // The trainer writes the effective recipe once it has checked the output folder.
+    let trainer = Trainer { cfg: recipe.train.clone(), seq_len: recipe.data.seq_len, out_dir: out.clone(), train: &train, val: Some(&val), effective_recipe: Some(table) };
     let summary = trainer.run(&mut task, resume)?;
     // Training is the distributed part; rank 0 evaluates and writes the model alone.
     dist.finish()?;
@@ -295,4 +296,23 @@ pub fn run(recipe: &PretrainRecipe, table: &toml::Table, resume: bool) -> Result
     };
     std::fs::write(out.join("summary.json"), serde_json::to_string_pretty(&report)?)?;
     Ok(Some(report))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bad_model_shape_is_refused_when_the_recipe_loads() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/testbed-tiny.toml");
+        assert!(PretrainRecipe::load(&path, &[]).is_ok());
+        for (o, want) in [
+            ("model.num_key_value_heads=0", "num_key_value_heads (0) must be positive"),
+            ("model.num_attention_heads=3", "must be a multiple of num_key_value_heads"),
+            ("model.head_dim=15", "head_dim must be positive and even"),
+        ] {
+            let e = format!("{:#}", PretrainRecipe::load(&path, &[o.to_string()]).unwrap_err());
+            assert!(e.contains("the recipe's [model] table is invalid") && e.contains(want), "{o}: {e}");
+        }
+    }
 }

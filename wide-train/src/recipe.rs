@@ -40,11 +40,19 @@ pub fn apply_override(table: &mut toml::Table, o: &str) -> Result<()> {
     Ok(())
 }
 
-/// Writes the effective recipe (after overrides) as `recipe.effective.toml` in `dir`.
+/// Writes the effective recipe (after overrides) as `recipe.effective.toml` in `dir`, through a
+/// temporary file (an interrupted write leaves the previous one).
 pub fn write_effective(dir: &Path, table: &toml::Table) -> Result<()> {
     std::fs::create_dir_all(dir)?;
-    std::fs::write(dir.join("recipe.effective.toml"), toml::to_string_pretty(table)?)?;
-    Ok(())
+    write_atomic(&dir.join("recipe.effective.toml"), toml::to_string_pretty(table)?.as_bytes())
+}
+
+/// Writes `path` through a temporary file next to it and a rename: readers see the old
+/// content or the new, never a part.
+pub fn write_atomic(path: &Path, contents: &[u8]) -> Result<()> {
+    let tmp = wide_core::safetensors::tmp_path(path);
+    std::fs::write(&tmp, contents).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
 }
 
 #[cfg(test)]

@@ -165,6 +165,18 @@ impl TrainConfig {
         if !(0.0..1.0).contains(&self.warmup_frac) {
             bail!("train.warmup_frac must be in [0, 1), got {}", self.warmup_frac);
         }
+        // Intervals in optimizer steps (the loop takes `step % every`; there is no "never").
+        for (name, every) in [("log_every", self.log_every), ("eval_every", self.eval_every), ("checkpoint_every", self.checkpoint_every)] {
+            if every == 0 {
+                bail!("train.{name} must be at least 1 (a number of optimizer steps), got 0");
+            }
+        }
+        // AdamW's bias correction divides by 1 - beta^t.
+        for (name, beta) in [("beta1", self.beta1), ("beta2", self.beta2)] {
+            if !(0.0..1.0).contains(&beta) {
+                bail!("train.{name} must be in [0, 1), got {beta}");
+            }
+        }
         Ok(())
     }
     pub fn tokens_per_step(&self, seq_len: usize) -> u64 {
@@ -185,6 +197,10 @@ pub struct TrainerState {
     pub seq_len: usize,
     pub fingerprint: serde_json::Value,
     pub train_config: TrainConfig,
+    /// Training sequences in the data (the sample order is a permutation of them); absent in
+    /// checkpoints written before it was recorded.
+    #[serde(default)]
+    pub train_sequences: Option<u64>,
     pub last_loss: Option<f64>,
     pub last_val_loss: Option<f64>,
     pub elapsed_seconds: f64,
@@ -270,21 +286,68 @@ fn guarded<T>(cfg: &TrainConfig, seq_len: usize, f: impl FnOnce() -> Result<T>) 
     }
 }
 
-/// A training run writing into `out_dir`: `checkpoints/`, `tb/`, `metrics.jsonl`.
+/// A training run writing into `out_dir`: `checkpoints/`, `tb/`, `metrics.jsonl`, and
+/// `recipe.effective.toml` when `effective_recipe` is given.
 pub struct Trainer<'a> {
     pub cfg: TrainConfig,
     pub seq_len: usize,
     pub out_dir: PathBuf,
     pub train: &'a TokenFile,
     pub val: Option<&'a TokenFile>,
+    /// The effective recipe, written by rank 0 only once the output folder has been checked
+    /// (a new run into a folder without a run, or an accepted resume), so that a refused run
+    /// never overwrites the recipe of the run already there.
+    pub effective_recipe: Option<&'a toml::Table>,
 }
 
 const LATEST: &str = "latest";
 
+/// Where a checkpoint folder is moved while a new one of the same step replaces it.
+fn aside_path(dir: &Path) -> PathBuf {
+    dir.with_file_name(format!(".{}.old", dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()))
+}
+
 pub fn latest_checkpoint(out_dir: &Path) -> Option<PathBuf> {
     let name = std::fs::read_to_string(out_dir.join("checkpoints").join(LATEST)).ok()?;
     let p = out_dir.join("checkpoints").join(name.trim());
-    p.join("trainer_state.json").exists().then_some(p)
+    if p.join("trainer_state.json").exists() {
+        return Some(p);
+    }
+    // Stopped while the folder was being replaced: the old one is complete.
+    let aside = aside_path(&p);
+    aside.join("trainer_state.json").exists().then_some(aside)
+}
+
+/// The settings a resumed run must share with its checkpoint: they fix the data order, the
+/// batches, the training length and the optimizer's schedule and update, so a change would
+/// silently give a run that neither recipe describes. Returns one line per difference.
+fn resume_differences(saved: &TrainConfig, saved_sequences: Option<u64>, now: &TrainConfig, sequences: u64) -> Vec<String> {
+    // Debug formatting of f64 round-trips, so equal strings are equal values.
+    let fields = [
+        ("seed", format!("{:?}", saved.seed), format!("{:?}", now.seed)),
+        ("micro_batch", format!("{:?}", saved.micro_batch), format!("{:?}", now.micro_batch)),
+        ("grad_accum", format!("{:?}", saved.grad_accum), format!("{:?}", now.grad_accum)),
+        ("tokens", format!("{:?}", saved.tokens), format!("{:?}", now.tokens)),
+        ("lr", format!("{:?}", saved.lr), format!("{:?}", now.lr)),
+        ("min_lr", format!("{:?}", saved.min_lr), format!("{:?}", now.min_lr)),
+        ("warmup_frac", format!("{:?}", saved.warmup_frac), format!("{:?}", now.warmup_frac)),
+        ("weight_decay", format!("{:?}", saved.weight_decay), format!("{:?}", now.weight_decay)),
+        ("beta1", format!("{:?}", saved.beta1), format!("{:?}", now.beta1)),
+        ("beta2", format!("{:?}", saved.beta2), format!("{:?}", now.beta2)),
+    ];
+    let mut d: Vec<String> = fields.into_iter().filter(|(_, a, b)| a != b).map(|(n, a, b)| format!("train.{n} {a} there, {b} here")).collect();
+    if let Some(s) = saved_sequences.filter(|s| *s != sequences) {
+        d.push(format!("{s} training sequences there, {sequences} here (the training data changed)"));
+    }
+    d
+}
+
+/// The error of a step whose loss or gradient norm is not finite: nothing of it was applied.
+fn not_finite(what: &str, value: f64, step: u64, checkpoint: &Path) -> anyhow::Error {
+    anyhow!(
+        "the {what} became {value} at step {step}; stopping. The last good checkpoint is {} (lower train.lr or check the data)",
+        if checkpoint.as_os_str().is_empty() { "none yet".to_string() } else { checkpoint.display().to_string() }
+    )
 }
 
 impl Trainer<'_> {
@@ -314,13 +377,23 @@ impl Trainer<'_> {
         safetensors::write(&tmp.join("trainable.safetensors"), &params, &Default::default())?;
         opt.save(&tmp.join("optimizer.safetensors"))?;
         std::fs::write(tmp.join("trainer_state.json"), serde_json::to_string_pretty(state)?)?;
-        if dir.exists() {
-            std::fs::remove_dir_all(&dir)?;
+        // A folder of this step already there (left by a run stopped before it moved `latest`
+        // on) is moved aside, and removed only once the new one is in place and named.
+        let aside = aside_path(&dir);
+        if aside.exists() {
+            std::fs::remove_dir_all(&aside)?;
+        }
+        let replaced = dir.exists();
+        if replaced {
+            std::fs::rename(&dir, &aside)?;
         }
         std::fs::rename(&tmp, &dir)?;
         let latest_tmp = root.join(".latest.tmp");
         std::fs::write(&latest_tmp, &name)?;
         std::fs::rename(&latest_tmp, root.join(LATEST))?;
+        if replaced {
+            std::fs::remove_dir_all(&aside)?;
+        }
         // Keep the newest two checkpoints.
         let mut all: Vec<_> = std::fs::read_dir(&root)?.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with("step-")).collect();
         all.sort();
@@ -343,6 +416,14 @@ impl Trainer<'_> {
         }
         if state.seq_len != self.seq_len {
             bail!("checkpoint {} trained with seq_len {}, this run uses {}", dir.display(), state.seq_len, self.seq_len);
+        }
+        let differs = resume_differences(&state.train_config, state.train_sequences, &self.cfg, self.train.num_sequences(self.seq_len));
+        if !differs.is_empty() {
+            bail!(
+                "checkpoint {} was trained with other settings ({}); resume with the settings that made it, or start a new run in another output folder",
+                dir.display(),
+                differs.join("; ")
+            );
         }
         let f = SafetensorsFile::open(&dir.join("trainable.safetensors"))?;
         let _g = tch::no_grad_guard();
@@ -390,15 +471,22 @@ impl Trainer<'_> {
             seq_len,
             fingerprint: task.fingerprint(),
             train_config: cfg.clone(),
+            train_sequences: Some(n_seq),
             last_loss: None,
             last_val_loss: None,
             elapsed_seconds: 0.0,
         };
         let metrics_path = self.out_dir.join("metrics.jsonl");
+        // The step of the newest checkpoint on disk (an interrupt right after it writes none).
+        let mut saved_step = None;
         match (resume, latest_checkpoint(&self.out_dir)) {
             (true, Some(dir)) => {
                 state = self.restore(task, &mut opt, &dir)?;
+                // The settings that matter are equal (checked); the others (logging, device,
+                // dtype, ...) are this run's.
                 state.train_config = cfg.clone();
+                state.train_sequences = Some(n_seq);
+                saved_step = Some(state.step);
                 if main {
                     eprintln!("resumed from {} at step {} ({} samples seen)", dir.display(), state.step, state.samples);
                     truncate_metrics(&metrics_path, state.step)?;
@@ -414,6 +502,11 @@ impl Trainer<'_> {
                 if main {
                     let _ = std::fs::remove_file(&metrics_path);
                 }
+            }
+        }
+        if main {
+            if let Some(t) = self.effective_recipe {
+                crate::recipe::write_effective(&self.out_dir, t)?;
             }
         }
         // Every rank starts from rank 0's parameters (and has checked the output folder before
@@ -480,14 +573,16 @@ impl Trainer<'_> {
             dist.all_reduce_f64(&mut reduced, crate::dist::Reduce::Sum)?;
             let loss = reduced[0];
             if !loss.is_finite() {
-                bail!(
-                    "the loss became {loss} at step {}; stopping. The last good checkpoint is {} (lower train.lr or check the data)",
-                    state.step,
-                    if checkpoint.as_os_str().is_empty() { "none yet".to_string() } else { checkpoint.display().to_string() }
-                );
+                return Err(not_finite("loss", loss, state.step, &checkpoint));
             }
             dist.all_reduce_grads(&params)?;
             let grad_norm = opt.clip_grad_norm(cfg.grad_clip);
+            // A finite loss can still have an infinite or NaN gradient; the update would write
+            // it into the weights and Adam's moments. The reduced gradients, hence the norm, are
+            // the same on every rank: they all stop here.
+            if !grad_norm.is_finite() {
+                return Err(not_finite("gradient norm", grad_norm, state.step, &checkpoint));
+            }
             opt.step(lr);
             state.step += 1;
             state.tokens += tokens_per_step;
@@ -535,6 +630,7 @@ impl Trainer<'_> {
             if state.step % cfg.checkpoint_every == 0 || last {
                 state.elapsed_seconds = elapsed_before + started.elapsed().as_secs_f64();
                 checkpoint = self.checkpoint(task, &opt, &state)?;
+                saved_step = Some(state.step);
             }
         }
         pb.finish_and_clear();
@@ -543,7 +639,9 @@ impl Trainer<'_> {
         }
         state.elapsed_seconds = elapsed_before + started.elapsed().as_secs_f64();
         if interrupted {
-            checkpoint = self.checkpoint(task, &opt, &state)?;
+            if saved_step != Some(state.step) {
+                checkpoint = self.checkpoint(task, &opt, &state)?;
+            }
             if main {
                 eprintln!("stopped by signal at step {}; checkpoint {} written; rerun with --resume to continue", state.step, checkpoint.display());
             }
@@ -571,4 +669,159 @@ fn truncate_metrics(path: &Path, step: u64) -> Result<()> {
         .collect();
     std::fs::write(path, kept.join("\n") + if kept.is_empty() { "" } else { "\n" })?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dataset::{write_tokens, IdDtype};
+    use std::cell::Cell;
+
+    /// One trained vector pulled towards the batch's mean token id; with `sqrt` the loss is
+    /// `sum(sqrt(w))` at `w = 0`: finite, with an infinite gradient. Counts `parameters()` calls
+    /// (one per checkpoint written, after the two of the start).
+    struct Toy {
+        w: Tensor,
+        sqrt: bool,
+        calls: Cell<usize>,
+    }
+
+    impl Toy {
+        fn new(sqrt: bool) -> Self {
+            Self { w: Tensor::zeros([4], (tch::Kind::Float, Device::Cpu)).set_requires_grad(true), sqrt, calls: Cell::new(0) }
+        }
+    }
+
+    impl TrainTask for Toy {
+        fn parameters(&self) -> Vec<(String, Tensor)> {
+            self.calls.set(self.calls.get() + 1);
+            vec![("w".into(), self.w.shallow_clone())]
+        }
+        fn loss(&mut self, batch: &Tensor, _ctx: &StepContext) -> Result<Tensor> {
+            if self.sqrt {
+                return Ok(self.w.sqrt().sum(tch::Kind::Float));
+            }
+            let target = batch.to_kind(tch::Kind::Float).mean(tch::Kind::Float) / 50.0;
+            Ok((&self.w - target).square().sum(tch::Kind::Float))
+        }
+        fn fingerprint(&self) -> serde_json::Value {
+            serde_json::json!({"toy": 4})
+        }
+        fn device(&self) -> Device {
+            Device::Cpu
+        }
+    }
+
+    /// 4 steps of 2 sequences of 8 tokens; `extra` (TOML) overrides.
+    fn cfg(extra: &str) -> TrainConfig {
+        let mut t: toml::Table = "micro_batch = 2\ntokens = 64\nlr = 0.1\nlog_every = 1\neval_every = 1\ncheckpoint_every = 2".parse().unwrap();
+        t.extend(extra.parse::<toml::Table>().unwrap());
+        toml::Value::Table(t).try_into().unwrap()
+    }
+
+    fn tokens(dir: &Path, n: u32) -> TokenFile {
+        let p = dir.join(format!("t{n}.tokens"));
+        write_tokens(&p, &(0..n).map(|i| i % 50).collect::<Vec<_>>(), IdDtype::U16, 50, 0, 1).unwrap();
+        TokenFile::open(&p).unwrap()
+    }
+
+    fn run(out: &Path, cfg: TrainConfig, train: &TokenFile, task: &mut Toy, resume: bool, recipe: Option<&toml::Table>) -> Result<TrainSummary> {
+        Trainer { cfg, seq_len: 8, out_dir: out.to_path_buf(), train, val: None, effective_recipe: recipe }.run(task, resume)
+    }
+
+    /// `WIDE_STOP_AFTER_STEP` is read from the environment of the process: one test at a time.
+    fn env_lock() -> std::sync::MutexGuard<'static, ()> {
+        static L: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        L.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    #[test]
+    fn zero_intervals_and_betas_outside_0_1_are_refused() {
+        for (extra, want) in [
+            ("log_every = 0", "train.log_every must be at least 1"),
+            ("eval_every = 0", "train.eval_every must be at least 1"),
+            ("checkpoint_every = 0", "train.checkpoint_every must be at least 1"),
+            ("beta1 = 1.0", "train.beta1 must be in [0, 1), got 1"),
+            ("beta2 = -0.5", "train.beta2 must be in [0, 1), got -0.5"),
+        ] {
+            let c: TrainConfig = toml::from_str(&format!("micro_batch = 2\ntokens = 64\nlr = 0.1\n{extra}")).unwrap();
+            let e = format!("{:#}", c.validate().unwrap_err());
+            assert!(e.contains(want), "{extra}: {e}");
+        }
+        assert!(cfg("").validate().is_ok());
+    }
+
+    #[test]
+    fn resume_refuses_other_settings_and_a_refused_run_keeps_the_recipe() {
+        let _l = env_lock();
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("run");
+        let train = tokens(dir.path(), 200);
+        let first: toml::Table = "name = \"first\"".parse().unwrap();
+        let second: toml::Table = "name = \"second\"".parse().unwrap();
+        run(&out, cfg(""), &train, &mut Toy::new(false), false, Some(&first)).unwrap();
+        let recipe = || std::fs::read_to_string(out.join("recipe.effective.toml")).unwrap();
+        assert!(recipe().contains("first"));
+        // A new run over it is refused before anything is written.
+        let e = format!("{:#}", run(&out, cfg(""), &train, &mut Toy::new(false), false, Some(&second)).unwrap_err());
+        assert!(e.contains("already holds a training run"), "{e}");
+        assert!(recipe().contains("first"));
+        // Settings that change the run are refused, all of them named.
+        let e = format!("{:#}", run(&out, cfg("lr = 0.2\nseed = 3\nbeta2 = 0.9"), &train, &mut Toy::new(false), true, Some(&second)).unwrap_err());
+        assert!(e.contains("was trained with other settings") && e.contains("start a new run in another output folder"), "{e}");
+        assert!(e.contains("train.lr 0.1 there, 0.2 here") && e.contains("train.seed 0 there, 3 here") && e.contains("train.beta2 0.95 there, 0.9 here"), "{e}");
+        assert!(recipe().contains("first"));
+        let e = format!("{:#}", run(&out, cfg(""), &tokens(dir.path(), 400), &mut Toy::new(false), true, None).unwrap_err());
+        assert!(e.contains("24 training sequences there, 49 here"), "{e}");
+        // Logging and the like may change.
+        run(&out, cfg("log_every = 5\ndevice = \"cpu\""), &train, &mut Toy::new(false), true, Some(&second)).unwrap();
+        assert!(recipe().contains("second"));
+    }
+
+    #[test]
+    fn a_non_finite_gradient_stops_before_the_update() {
+        let _l = env_lock();
+        let dir = tempfile::tempdir().unwrap();
+        let train = tokens(dir.path(), 200);
+        let mut toy = Toy::new(true);
+        let e = format!("{:#}", run(&dir.path().join("run"), cfg(""), &train, &mut toy, false, None).unwrap_err());
+        assert!(e.contains("the gradient norm became inf at step 0; stopping. The last good checkpoint is none yet"), "{e}");
+        assert_eq!(Vec::<f32>::try_from(&toy.w.detach()).unwrap(), vec![0.0; 4], "the weights must not be updated");
+    }
+
+    #[test]
+    fn an_interrupt_right_after_a_checkpoint_writes_it_once() {
+        let _l = env_lock();
+        let dir = tempfile::tempdir().unwrap();
+        let train = tokens(dir.path(), 200);
+        std::env::set_var("WIDE_STOP_AFTER_STEP", "2");
+        // Stopped at step 2 just after its scheduled checkpoint, and (for comparison) with none
+        // scheduled there: one checkpoint each.
+        let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+        let mut ta = Toy::new(false);
+        let sa = run(&a, cfg(""), &train, &mut ta, false, None);
+        let mut tb = Toy::new(false);
+        let sb = run(&b, cfg("checkpoint_every = 3"), &train, &mut tb, false, None);
+        // Resumed and stopped again at once: nothing is written.
+        let state = a.join("checkpoints/step-0000002/trainer_state.json");
+        let before = std::fs::read_to_string(&state).unwrap();
+        let sr = run(&a, cfg(""), &train, &mut Toy::new(false), true, None);
+        std::env::remove_var("WIDE_STOP_AFTER_STEP");
+        assert!(sa.unwrap().interrupted && sb.unwrap().interrupted && sr.unwrap().interrupted);
+        assert_eq!(ta.calls.get(), tb.calls.get(), "the interrupted run wrote its step-2 checkpoint twice");
+        assert_eq!(std::fs::read_to_string(&state).unwrap(), before);
+        // Finish; then pretend a stop came before `latest` moved from step 2 to step 4: step 4 is
+        // written again, replacing the folder there.
+        run(&a, cfg(""), &train, &mut Toy::new(false), true, None).unwrap();
+        let root = a.join("checkpoints");
+        std::fs::write(root.join(LATEST), "step-0000002").unwrap();
+        run(&a, cfg(""), &train, &mut Toy::new(false), true, None).unwrap();
+        assert_eq!(latest_checkpoint(&a).unwrap(), root.join("step-0000004"));
+        let mut names: Vec<String> = std::fs::read_dir(&root).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        names.sort();
+        assert_eq!(names, vec!["latest", "step-0000002", "step-0000004"]);
+        // A stop between moving the old folder aside and putting the new one in place.
+        std::fs::rename(root.join("step-0000004"), root.join(".step-0000004.old")).unwrap();
+        assert_eq!(latest_checkpoint(&a).unwrap(), root.join(".step-0000004.old"));
+    }
 }
