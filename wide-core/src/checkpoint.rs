@@ -233,13 +233,24 @@ pub fn save_hf_folder(dir: &Path, config: &ModelConfig, tensors: &[(String, Tens
         let _ = std::fs::remove_dir_all(&tmp);
         return Err(e.context(format!("writing model folder {}", dir.display())));
     }
-    if dir.exists() {
-        let old = dir.with_file_name(format!(".{}.old-{}", dir.file_name().unwrap().to_string_lossy(), std::process::id()));
-        std::fs::rename(dir, &old)?;
-        std::fs::rename(&tmp, dir)?;
-        std::fs::remove_dir_all(&old)?;
+    place_folder(&tmp, dir)
+}
+
+/// Renames the finished folder `tmp` to `out`. A folder already at `out` is moved aside first
+/// and removed only once the new one is in place (moved back if that rename fails), so an
+/// interrupted replacement never loses both.
+pub fn place_folder(tmp: &Path, out: &Path) -> Result<()> {
+    if out.exists() {
+        let name = out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "folder".into());
+        let old = out.with_file_name(format!(".{name}.old-{}", std::process::id()));
+        std::fs::rename(out, &old).with_context(|| format!("moving the old {} aside", out.display()))?;
+        if let Err(e) = std::fs::rename(tmp, out) {
+            let _ = std::fs::rename(&old, out);
+            return Err(e).with_context(|| format!("renaming {} to {}", tmp.display(), out.display()));
+        }
+        std::fs::remove_dir_all(&old).with_context(|| format!("removing the old {}", old.display()))?;
     } else {
-        std::fs::rename(&tmp, dir).with_context(|| format!("renaming {} to {}", tmp.display(), dir.display()))?;
+        std::fs::rename(tmp, out).with_context(|| format!("renaming {} to {}", tmp.display(), out.display()))?;
     }
     Ok(())
 }

@@ -288,14 +288,7 @@ pub fn pdl_enabled(device: usize) -> Result<bool> {
 
 /// The major compute capability of `device` (read from the driver once per device).
 pub fn compute_major(device: usize) -> Result<usize> {
-    static MAJOR: OnceLock<Mutex<HashMap<usize, usize>>> = OnceLock::new();
-    let cache = MAJOR.get_or_init(Default::default);
-    if let Some(&m) = cache.lock().unwrap().get(&device) {
-        return Ok(m);
-    }
-    let major = device_attribute(device, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, "reading the compute capability")?;
-    cache.lock().unwrap().insert(device, major);
-    Ok(major)
+    cached_attribute(device, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, "reading the compute capability")
 }
 
 /// A 2-D tiled tensor map (`cuTensorMapEncodeTiled`) of a contiguous 2-byte-element CUDA
@@ -411,29 +404,29 @@ pub fn l2_cache_bytes(device: usize) -> Result<usize> {
     device_attribute(device, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE, "reading the L2 size")
 }
 
+/// [`device_attribute`], read from the driver once per device and attribute (launch paths
+/// ask on every call).
+fn cached_attribute(device: usize, attr: sys::CUdevice_attribute, what: &str) -> Result<usize> {
+    static CACHE: OnceLock<Mutex<HashMap<(usize, i64), usize>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(Default::default);
+    let key = (device, attr as i64);
+    if let Some(&v) = cache.lock().unwrap().get(&key) {
+        return Ok(v);
+    }
+    let v = device_attribute(device, attr, what)?;
+    cache.lock().unwrap().insert(key, v);
+    Ok(v)
+}
+
 /// Number of multiprocessors of a device (read once per device).
 pub fn multiprocessor_count(device: usize) -> Result<usize> {
-    static CACHE: std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<usize, usize>>> = std::sync::OnceLock::new();
-    let cache = CACHE.get_or_init(Default::default);
-    if let Some(&n) = cache.lock().unwrap().get(&device) {
-        return Ok(n);
-    }
-    let n = device_attribute(device, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, "reading the multiprocessor count")?;
-    cache.lock().unwrap().insert(device, n);
-    Ok(n)
+    cached_attribute(device, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, "reading the multiprocessor count")
 }
 
 /// Most shared memory one block of a device may use after opting in (227 KiB on compute
 /// capability 9.0, 99 KiB on 8.6 / 8.9; read once per device).
 pub fn max_shared_per_block_optin(device: usize) -> Result<usize> {
-    static CACHE: OnceLock<Mutex<HashMap<usize, usize>>> = OnceLock::new();
-    let cache = CACHE.get_or_init(Default::default);
-    if let Some(&n) = cache.lock().unwrap().get(&device) {
-        return Ok(n);
-    }
-    let n = device_attribute(device, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, "reading the shared memory limit")?;
-    cache.lock().unwrap().insert(device, n);
-    Ok(n)
+    cached_attribute(device, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, "reading the shared memory limit")
 }
 
 /// Grid `(gx, gy, 1)` for a kernel whose blocks each cover `gx`-th of a row and loop over rows

@@ -283,13 +283,6 @@ impl TrainTask for RoutingTask {
         let inputs = batch.narrow(1, 0, l);
         let targets = batch.narrow(1, 1, l);
         let cfg = self.m.routing.config.clone();
-        if let Some((lora, _)) = &self.m.lora {
-            lora.set_training(ctx.training);
-            if ctx.training && lora.config.dropout > 0.0 {
-                // Dropout keyed by the global sample index, whatever the process count.
-                self.seed_layer(ctx, 0);
-            }
-        }
         let (mode, noise) = if ctx.training {
             let tau = cfg.tau(ctx.step, ctx.total_steps);
             self.add_metric("tau", tau);
@@ -297,6 +290,14 @@ impl TrainTask for RoutingTask {
         } else {
             (GateMode::Inference, None)
         };
+        if let Some((lora, _)) = &self.m.lora {
+            lora.set_training(ctx.training);
+            if ctx.training && lora.config.dropout > 0.0 {
+                // Dropout keyed by the global sample index, whatever the process count: seeded
+                // after the gate noise, whose per-sample seeding would otherwise decide it.
+                self.seed_layer(ctx, 0);
+            }
+        }
         let (logits, stats) = self.m.forward(&inputs, mode, noise)?;
         let ce = lm_loss_logits(&logits, &targets);
         self.add_metric("lm_loss", ce.double_value(&[]));
@@ -350,7 +351,9 @@ impl RoutingTask {
     /// layer's input, the loss, then from the last layer to the first one layer recomputed
     /// with autograd and back-propagated with the gradient of its output plus the sparsity
     /// loss's coefficient on that layer's skip counts. Gradients equal the plain step's (the
-    /// same gate noise is replayed per layer).
+    /// same gate noise is replayed per layer) when LoRA dropout is 0; with dropout each layer's
+    /// masks are seeded per layer here and once per step in the plain forward, so the two
+    /// draw different (each reproducible) masks.
     fn loss_backward_checkpointed(&mut self, batch: &Tensor, ctx: &StepContext, scale: f64) -> Result<f64> {
         let l = batch.size()[1] - 1;
         let inputs = batch.narrow(1, 0, l);

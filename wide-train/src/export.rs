@@ -21,7 +21,7 @@ use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use tch::{nn, Device, Kind, Tensor};
-use wide_core::checkpoint::{kind_name, save_hf_folder, HfCheckpoint, SaveOptions};
+use wide_core::checkpoint::{kind_name, place_folder, save_hf_folder, HfCheckpoint, SaveOptions};
 use wide_core::lora::Lora;
 use wide_core::routing::{Routing, RoutingConfig, Variant};
 use wide_core::safetensors::{self as st, SafetensorsFile};
@@ -335,7 +335,7 @@ pub fn run(cfg: &ExportConfig) -> Result<ExportReport> {
         return Err(e.context(format!("exporting to {} failed (nothing was left there)", cfg.out.display())));
     }
     let bytes = folder_bytes(&tmp);
-    place(&tmp, &cfg.out)?;
+    place_folder(&tmp, &cfg.out)?;
     Ok(ExportReport {
         out: cfg.out.clone(),
         variant: variant.name().to_string(),
@@ -388,22 +388,6 @@ fn remove_stale_temporaries(out: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Renames the finished temporary folder to `out`; an earlier export there is replaced only now.
-fn place(tmp: &Path, out: &Path) -> Result<()> {
-    if out.exists() {
-        let name = out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        let old = out.with_file_name(format!(".{name}.old-{}", std::process::id()));
-        std::fs::rename(out, &old).with_context(|| format!("moving the old {} aside", out.display()))?;
-        if let Err(e) = std::fs::rename(tmp, out) {
-            let _ = std::fs::rename(&old, out);
-            return Err(e).with_context(|| format!("renaming {} to {}", tmp.display(), out.display()));
-        }
-        std::fs::remove_dir_all(&old).with_context(|| format!("removing the old export {}", old.display()))?;
-    } else {
-        std::fs::rename(tmp, out).with_context(|| format!("renaming {} to {}", tmp.display(), out.display()))?;
-    }
-    Ok(())
-}
 
 fn folder_bytes(dir: &Path) -> u64 {
     let mut n = 0;
