@@ -105,6 +105,7 @@ fn bad_flags() {
     let dir = tiny_model(root.path(), "m");
     assert_clear_error(&run_wide(&["generate", s(&dir), "--prompt", "x", "--device", "tpu"]), "unknown device");
     assert_clear_error(&run_wide(&["generate", s(&dir), "--prompt", "x", "--top-p", "0"]), "--top-p");
+    assert_clear_error(&run_wide(&["generate", s(&dir), "--prompt", "x", "--device", "cpu", "--max-new-tokens", "0"]), "--max-new-tokens must be at least 1");
     let out = run_wide(&["new-model", "--preset", "tiny", "--out", s(&dir)]);
     assert_clear_error(&out, "already exists");
 }

@@ -120,6 +120,8 @@ pub fn sample_top_p(probs: &[f32], top_p: f64, rng: &mut StdRng) -> i64 {
 impl LlamaModel {
     /// Fails when the longest prompt plus `max_new_tokens` exceeds the model's context.
     pub fn check_context(&self, prompts: &[Vec<i64>], max_new_tokens: usize) -> Result<()> {
+        // The prefill always yields one token, so 0 would still emit one.
+        anyhow::ensure!(max_new_tokens >= 1, "--max-new-tokens must be at least 1, got 0");
         let ctx = self.config.max_position_embeddings as usize;
         let longest = prompts.iter().map(|p| p.len()).max().unwrap_or(0);
         if longest + max_new_tokens > ctx {
