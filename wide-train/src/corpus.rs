@@ -490,22 +490,12 @@ pub fn build_corpus(sources: &[Source], fractions: SplitFractions, out: &Path) -
             return Err(e);
         }
     };
-    let aside = out.with_file_name(format!(".{}.old-{}", out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(), std::process::id()));
-    match target {
-        // An empty folder (remove_dir refuses anything else).
-        CorpusTarget::Free if out.exists() => std::fs::remove_dir(out).with_context(|| format!("replacing the empty folder {}", out.display()))?,
-        CorpusTarget::Free => {}
-        CorpusTarget::Corpus => std::fs::rename(out, &aside).with_context(|| format!("moving the old corpus {} aside", out.display()))?,
+    // An empty folder goes first (remove_dir refuses anything else); an earlier corpus is
+    // replaced by place_folder (moved aside, removed once the new one is in place).
+    if target == CorpusTarget::Free && out.exists() {
+        std::fs::remove_dir(out).with_context(|| format!("replacing the empty folder {}", out.display()))?;
     }
-    if let Err(e) = std::fs::rename(&tmp, out) {
-        if target == CorpusTarget::Corpus {
-            let _ = std::fs::rename(&aside, out);
-        }
-        return Err(e).with_context(|| format!("renaming {} to {}", tmp.display(), out.display()));
-    }
-    if target == CorpusTarget::Corpus {
-        std::fs::remove_dir_all(&aside).with_context(|| format!("removing the old corpus {}", aside.display()))?;
-    }
+    wide_core::checkpoint::place_folder(&tmp, out)?;
     Ok(manifest)
 }
 

@@ -294,7 +294,7 @@ pub fn run(recipe: &PretrainRecipe, table: &toml::Table, resume: bool) -> Result
         corpus: CorpusManifest::load(&recipe.data.corpus_dir)?,
         model_dir,
     };
-    std::fs::write(out.join("summary.json"), serde_json::to_string_pretty(&report)?)?;
+    recipe::write_atomic(&out.join("summary.json"), serde_json::to_string_pretty(&report)?.as_bytes())?;
     Ok(Some(report))
 }
 
