@@ -264,6 +264,52 @@ pub fn choose(s: &GemmShape, sparsity: f64, tuned: Option<&Tuned>) -> GemmPath {
     }
 }
 
+/// Timed runs per candidate the autotuner starts with, and the most it takes where the choice
+/// is a near tie (see [`near_tie`]).
+pub const TUNE_ROUNDS: usize = 3;
+pub const TUNE_MAX_ROUNDS: usize = 7;
+/// Device time queued before each of the autotuner's timed runs, so the host issues the run's
+/// launches while the device is still busy and the events time device work alone (as in a
+/// prefill, where the host runs ahead of the device, and as `wide bench kernels` measures).
+pub const TUNE_SPIN_US: u32 = 100;
+
+/// Adds `rounds` rounds of timings to `samples` (one vector per candidate): each round times
+/// every candidate once, starting one candidate later than the round before, so that slow
+/// drift (clock boost, temperature, a neighbour's work) falls on every candidate alike instead
+/// of on whichever was timed last, as timing each candidate's runs back to back would do.
+pub fn time_interleaved<E>(samples: &mut [Vec<f64>], rounds: usize, mut time: impl FnMut(usize) -> Result<f64, E>) -> Result<(), E> {
+    let n = samples.len();
+    for _ in 0..rounds {
+        let first = samples.first().map_or(0, |v| v.len()) % n.max(1);
+        for j in 0..n {
+            let i = (first + j) % n;
+            let ms = time(i)?;
+            samples[i].push(ms);
+        }
+    }
+    Ok(())
+}
+
+/// Median of the timings (the lower middle one for an even count); NaN for none.
+pub fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() {
+        f64::NAN
+    } else {
+        v[(v.len() - 1) / 2]
+    }
+}
+
+/// The fastest routed kernel of the record is within 5% of the margin's line against dense:
+/// three runs cannot tell which side it is on, so the autotuner times more rounds.
+pub fn near_tie(t: &Tuned) -> bool {
+    t.best_path().is_some_and(|(_, ms)| {
+        let line = MARGIN * t.dense_ms;
+        (ms - line).abs() <= 0.05 * line
+    })
+}
+
 /// Key of the autotune cache: the M bucket is the next power of two; sparsity is bucketed to
 /// eighths, since whether the tiled kernel beats dense depends on it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -421,6 +467,51 @@ mod tests {
         assert_eq!(choose(&s, 0.5, Some(&t)), GemmPath::DenseMasked);
         let odd = GemmShape { op: RoutedOp::Mn, m: 4096, n: 14336 / 7 * 7, k: 4100, group: 128 };
         assert!(feasible_tiles(&odd).is_empty(), "K not a multiple of 32");
+    }
+
+    #[test]
+    fn interleaved_timing_spreads_drift_over_every_candidate() {
+        // A clock that slows down 10% a run: timed back to back, the last candidate would read
+        // ~30% slower than the first though all take the same time.
+        let mut clock = 1.0f64;
+        let mut samples = vec![vec![]; 3];
+        time_interleaved::<()>(&mut samples, 3, |_| {
+            clock *= 1.1;
+            Ok(clock)
+        })
+        .unwrap();
+        assert!(samples.iter().all(|v| v.len() == 3));
+        let sums: Vec<f64> = samples.iter().map(|v| v.iter().sum()).collect();
+        let (lo, hi) = sums.iter().fold((f64::MAX, 0.0f64), |(a, b), &s| (a.min(s), b.max(s)));
+        assert!(hi / lo < 1.11, "drift spread over the candidates: {sums:?}");
+        // Every candidate is timed at every position of a round once (rotation).
+        let order: Vec<f64> = samples.iter().map(|v| v[0]).collect();
+        assert!(order[0] < order[1] && order[1] < order[2], "round 1 starts at candidate 0");
+        assert!(samples[1][1] < samples[2][1] && samples[2][1] < samples[0][1], "round 2 starts at candidate 1");
+        // More rounds append; an error stops at once.
+        time_interleaved::<()>(&mut samples, 2, |_| Ok(1.0)).unwrap();
+        assert!(samples.iter().all(|v| v.len() == 5));
+        let mut calls = 0;
+        assert!(time_interleaved(&mut samples, 2, |_| {
+            calls += 1;
+            Err("device fault")
+        })
+        .is_err());
+        assert_eq!(calls, 1);
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), 2.0);
+        assert!(median(&[]).is_nan());
+    }
+
+    #[test]
+    fn near_ties_are_around_the_margin_line() {
+        let t = |ms: f64| Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], ms)], wgmma_ms: None };
+        assert!(near_tie(&t(0.97)));
+        assert!(near_tie(&t(0.93)));
+        assert!(near_tie(&t(1.01)));
+        assert!(!near_tie(&t(0.80)), "a clear win");
+        assert!(!near_tie(&t(1.20)), "a clear loss");
+        assert!(!near_tie(&Tuned { dense_ms: 1.0, tiles: vec![], wgmma_ms: None }), "nothing routed measured");
     }
 
     #[test]

@@ -664,7 +664,9 @@ fn launch_tiled(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layo
 }
 
 /// The autotuner's record for this shape's bucket, measuring it on these inputs on first use:
-/// dense+mask, every feasible tile and (on sm_90) the wgmma kernel, median of 3 event-timed runs after one warm-up. It
+/// dense+mask, every feasible tile and (on sm_90) the wgmma kernel, each warmed up once, then
+/// timed in interleaved rounds (median of 3, of 7 where the fastest routed kernel is a near tie
+/// with dense), each run after a device spin so that the events time device work alone. It
 /// synchronises the device, so run a first (un-captured) call before capturing a CUDA graph.
 fn tuned(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: &RouteLayout) -> Result<Tuned> {
     let device = match x.device() {
@@ -685,28 +687,40 @@ fn autotune(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: 
         Device::Cuda(d) => d,
         _ => bail!("autotuning needs a CUDA device"),
     };
-    let timer = GpuTimer::new(device)?;
-    let time = |p: GemmPath| -> Result<f64> {
-        let _ = run_path(s, x, w, w2, layout, p)?;
-        let mut v = vec![];
-        for _ in 0..3 {
-            timer.start()?;
-            let _ = run_path(s, x, w, w2, layout, p)?;
-            v.push(timer.stop_ms()?);
-        }
-        v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-        Ok(v[1])
-    };
-    let dense_ms = time(GemmPath::DenseMasked)?;
-    let mut tiles = vec![];
     // Tiles whose pipeline does not fit the device's shared memory (the 3-stage 64-deep ones
     // need 108 KiB; 99 KiB on compute capability 8.6 / 8.9) are not candidates there.
     let smem_limit = crate::cuda::max_shared_per_block_optin(device)? as u32;
-    for t in dispatch::feasible_tiles(s).into_iter().filter(|t| t.smem_bytes(s.op == RoutedOp::MnSwiglu) <= smem_limit) {
-        tiles.push((t, time(GemmPath::Tiled(t))?));
+    let tiles: Vec<TileConfig> = dispatch::feasible_tiles(s).into_iter().filter(|t| t.smem_bytes(s.op == RoutedOp::MnSwiglu) <= smem_limit).collect();
+    let mut paths = vec![GemmPath::DenseMasked];
+    paths.extend(tiles.iter().map(|&t| GemmPath::Tiled(t)));
+    if wgmma_usable(s, x) {
+        paths.push(GemmPath::Wgmma);
     }
-    let wgmma_ms = if wgmma_usable(s, x) { Some(time(GemmPath::Wgmma)?) } else { None };
-    Ok(Tuned { dense_ms, tiles, wgmma_ms })
+    // One warm-up each: compilation, module loading and the layout's cached lists stay out of
+    // the timings.
+    for &p in &paths {
+        let _ = run_path(s, x, w, w2, layout, p)?;
+    }
+    let timer = GpuTimer::new(device)?;
+    let time = |i: usize| -> Result<f64> {
+        super::gpu_spin(device, dispatch::TUNE_SPIN_US)?;
+        timer.start()?;
+        let _ = run_path(s, x, w, w2, layout, paths[i])?;
+        timer.stop_ms()
+    };
+    let mut samples = vec![Vec::new(); paths.len()];
+    let record = |samples: &[Vec<f64>]| Tuned {
+        dense_ms: dispatch::median(&samples[0]),
+        tiles: tiles.iter().zip(&samples[1..]).map(|(&t, v)| (t, dispatch::median(v))).collect(),
+        wgmma_ms: (paths.len() > tiles.len() + 1).then(|| dispatch::median(&samples[paths.len() - 1])),
+    };
+    dispatch::time_interleaved(&mut samples, dispatch::TUNE_ROUNDS, &time)?;
+    let mut t = record(&samples);
+    if dispatch::near_tie(&t) {
+        dispatch::time_interleaved(&mut samples, dispatch::TUNE_MAX_ROUNDS - dispatch::TUNE_ROUNDS, &time)?;
+        t = record(&samples);
+    }
+    Ok(t)
 }
 
 /// The autotuner's record for a routed projection on these inputs (measured on first use per
