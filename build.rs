@@ -20,6 +20,15 @@ fn main() {
             println!("cargo:rerun-if-changed={dir}/{f}");
         }
     }
+    // Run paths to the libtorch and NVRTC that wide-kernels found (its build script's
+    // metadata), so `target/release/wide` runs without LD_LIBRARY_PATH; where that variable
+    // is set (the GPU machine's env.sh) it still comes first.
+    for var in ["DEP_WIDE_TORCH_TORCH_LIB", "DEP_WIDE_TORCH_CUDA_LIB"] {
+        println!("cargo:rerun-if-env-changed={var}");
+        if let Some(dir) = std::env::var(var).ok().filter(|d| !d.is_empty()) {
+            println!("cargo:rustc-link-arg=-Wl,--enable-new-dtags,-rpath,{dir}");
+        }
+    }
     // libtorch_cuda registers CUDA with libtorch when loaded; the default --as-needed link
     // would drop it since no symbol of it is called directly.
     println!("cargo:rustc-link-arg=-Wl,--no-as-needed");

@@ -166,3 +166,15 @@ fn bench_counts_that_cannot_be_timed_are_refused() {
     assert_clear_error(&run_wide(&["bench", "dense", "--preset", "tiny", "--device", "cpu", "--decode-batches", "1,0"]), "--decode-batches takes positive values, got 0");
     assert_clear_error(&run_wide(&["bench", "kernels", "--ops", "up", "--device", "cpu", "--m", "0"]), "--m takes positive values, got 0");
 }
+
+#[test]
+fn the_binary_runs_without_the_setup_environment() {
+    // Its run path names the libtorch it was built against (build.rs), so a user can run
+    // `target/release/wide` from a plain shell.
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("m");
+    let out = common::wide().env_remove("LD_LIBRARY_PATH").args(["new-model", "--preset", "tiny", "--out", s(&dir)]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = common::wide().env_remove("LD_LIBRARY_PATH").args(["info", s(&dir)]).output().unwrap();
+    assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains("parameters"), "{}", String::from_utf8_lossy(&out.stderr));
+}

@@ -11,6 +11,8 @@ struct Torch {
     lib_dir: PathBuf,
     cxx11_abi: bool,
     cuda_include: Option<PathBuf>,
+    /// The folder with NVRTC (`libnvrtc.so*`), where one is known.
+    cuda_lib: Option<PathBuf>,
 }
 
 fn python() -> String {
@@ -29,6 +31,8 @@ try:
         for sub in ("cu13", "cuda_runtime"):
             inc = os.path.join(root, sub, "include")
             if os.path.exists(os.path.join(inc, "cuda_runtime_api.h")): print("CUDAINC", inc)
+            lib = os.path.join(root, sub, "lib")
+            if os.path.isdir(lib) and any(f.startswith("libnvrtc.so") for f in os.listdir(lib)): print("CUDALIB", lib)
 except ImportError:
     pass
 "#;
@@ -43,7 +47,7 @@ except ImportError:
         String::from_utf8_lossy(&out.stderr)
     );
     let text = String::from_utf8_lossy(&out.stdout);
-    let mut t = Torch { includes: vec![], lib_dir: PathBuf::new(), cxx11_abi: true, cuda_include: None };
+    let mut t = Torch { includes: vec![], lib_dir: PathBuf::new(), cxx11_abi: true, cuda_include: None, cuda_lib: None };
     for line in text.lines() {
         if let Some(v) = line.strip_prefix("LIB ") {
             t.lib_dir = v.into();
@@ -53,6 +57,8 @@ except ImportError:
             t.cxx11_abi = v.trim() == "1";
         } else if let Some(v) = line.strip_prefix("CUDAINC ") {
             t.cuda_include.get_or_insert(v.into());
+        } else if let Some(v) = line.strip_prefix("CUDALIB ") {
+            t.cuda_lib.get_or_insert(v.into());
         }
     }
     t
@@ -64,6 +70,7 @@ fn from_libtorch(root: PathBuf) -> Torch {
         lib_dir: root.join("lib"),
         cxx11_abi: env::var("LIBTORCH_CXX11_ABI").map(|v| v != "0").unwrap_or(true),
         cuda_include: None,
+        cuda_lib: None,
     }
 }
 
@@ -85,6 +92,10 @@ fn main() {
         } else if PathBuf::from("/usr/local/cuda/include/cuda_runtime_api.h").exists() {
             torch.cuda_include = Some("/usr/local/cuda/include".into());
         }
+    }
+    if let Some(inc) = &torch.cuda_include {
+        // The run-time header search's last resort (`nvrtc::cuda_include_dir`).
+        println!("cargo:rustc-env=WIDE_BUILD_CUDA_INCLUDE={}", inc.display());
     }
     let has_cuda_lib = torch.lib_dir.join("libtorch_cuda.so").exists();
     // A torch installed, upgraded or swapped for its CUDA build rebuilds the shim (cargo checks
@@ -117,6 +128,19 @@ fn main() {
         }
     }
     println!("cargo::rustc-check-cfg=cfg(wide_cuda_shim)");
+    // The folders for the programs that link this crate (`DEP_WIDE_TORCH_TORCH_LIB` and
+    // `DEP_WIDE_TORCH_CUDA_LIB` in their build scripts), which record them as run paths so that a
+    // built binary finds libtorch and NVRTC without LD_LIBRARY_PATH (which still comes first: a
+    // GPU machine's env.sh names its own libraries); this crate's test binaries get them too.
+    let mut run_paths = vec![torch.lib_dir.clone()];
+    println!("cargo:torch_lib={}", torch.lib_dir.display());
+    if let Some(lib) = &torch.cuda_lib {
+        println!("cargo:cuda_lib={}", lib.display());
+        run_paths.push(lib.clone());
+    }
+    for dir in run_paths {
+        println!("cargo:rustc-link-arg=-Wl,--enable-new-dtags,-rpath,{}", dir.display());
+    }
     // Test binaries of this crate must keep libtorch_cuda loaded even when they reference none
     // of its symbols (the linker's --as-needed would drop it and CUDA would look absent).
     if has_cuda_lib {

@@ -89,7 +89,8 @@ fn options(src: &KernelSource, arch: &str) -> Vec<String> {
 }
 
 /// CUDA headers for kernels that include `<cuda_bf16.h>` and friends: `$WIDE_CUDA_INCLUDE`,
-/// `$CUDA_HOME/include` or `/usr/local/cuda/include`. NVRTC ships the builtin ones itself.
+/// `$CUDA_HOME/include`, `/usr/local/cuda/include` or the build's own. NVRTC ships the builtin
+/// ones itself.
 fn cuda_include_dir() -> Option<PathBuf> {
     static DIR: OnceLock<Option<PathBuf>> = OnceLock::new();
     DIR.get_or_init(|| {
@@ -101,6 +102,10 @@ fn cuda_include_dir() -> Option<PathBuf> {
             cands.push(PathBuf::from(d).join("include"));
         }
         cands.push("/usr/local/cuda/include".into());
+        // Last, the headers this binary was built against, where they still are.
+        if let Some(d) = option_env!("WIDE_BUILD_CUDA_INCLUDE") {
+            cands.push(d.into());
+        }
         cands.into_iter().find(|d| d.join("cuda_bf16.h").exists())
     })
     .clone()
@@ -286,7 +291,14 @@ fn compile_uncached(src: &KernelSource, opts: &[String], cubin: bool) -> Result<
         .unwrap_or_default();
     if let Err(e) = res {
         let _ = unsafe { nvrtc::destroy_program(prog) };
-        bail!("compiling kernel `{}` with NVRTC failed ({e:?}), options {opts:?}:\n{log}", src.name);
+        // NVRTC opens libnvrtc-builtins by name from the library path: a program run without
+        // the set-up's environment finds libnvrtc (the binary's run path) but not it.
+        let hint = if log.contains("libnvrtc-builtins") {
+            "\nNVRTC's builtins library is not on LD_LIBRARY_PATH: run `eval \"$(bash scripts/setup.sh --print-env)\"` first (on a GPU machine, `. .device/env.sh`)"
+        } else {
+            ""
+        };
+        bail!("compiling kernel `{}` with NVRTC failed ({e:?}), options {opts:?}:\n{log}{hint}", src.name);
     }
     // `WIDE_NVRTC_LOG=1` prints the compiler's messages (ptxas warnings such as a serialised
     // wgmma) for each module compiled.
