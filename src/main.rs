@@ -982,14 +982,15 @@ fn generate(a: &GenerateArgs) -> Result<()> {
     let n: usize = gen.tokens.iter().map(|t| t.len()).sum();
     let prompt_tokens: usize = prompts.iter().map(|p| p.len()).sum();
     // The first new token of each prompt comes from the prefill; the decode steps made the rest
-    // (rows that stopped at EOS add none). Their time includes the CUDA graph's capture.
+    // (rows that stopped at EOS add none). Their time includes the CUDA graph's capture, if any.
     let decoded = n.saturating_sub(gen.tokens.iter().filter(|t| !t.is_empty()).count());
     eprintln!(
-        "prefill {prompt_tokens} tokens in {:.1} ms; {n} new tokens, {decoded} of them by {} decode steps in {:.2} s ({:.1} tokens/s, graph capture included)",
+        "prefill {prompt_tokens} tokens in {:.1} ms; {n} new tokens, {decoded} of them by {} decode steps in {:.2} s ({:.1} tokens/s{})",
         gen.prefill_seconds * 1e3,
         gen.decode_steps,
         gen.decode_seconds,
-        if gen.decode_seconds > 0.0 { decoded as f64 / gen.decode_seconds } else { 0.0 }
+        if gen.decode_seconds > 0.0 { decoded as f64 / gen.decode_seconds } else { 0.0 },
+        if gen.graph_captured { ", CUDA graph capture included" } else { "" }
     );
     if engine.is_routed() {
         let fmt = |c: &wide_core::infer::SkipCounts| c.per_kind.keys().map(|k| format!("{k} {:.3}", c.rate(k).unwrap_or(0.0))).collect::<Vec<_>>().join(", ");

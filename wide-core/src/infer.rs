@@ -1231,6 +1231,8 @@ pub struct EngineGeneration {
     pub prefill_seconds: f64,
     pub decode_seconds: f64,
     pub decode_steps: usize,
+    /// The decode steps ran as one CUDA graph (its capture is part of `decode_seconds`).
+    pub graph_captured: bool,
     pub prefill_skip: SkipCounts,
     pub decode_skip: SkipCounts,
 }
@@ -1273,6 +1275,7 @@ impl<'m> Engine<'m> {
             prefill_seconds,
             decode_seconds: start.elapsed().as_secs_f64(),
             decode_steps: steps,
+            graph_captured: dec.graph.is_some(),
             prefill_skip,
             decode_skip: dec.skip_counts(),
         })
