@@ -330,6 +330,8 @@ pub fn run(cfg: &E2eBenchConfig) -> Result<Value> {
                      "decode_tokens_per_s": "batch x (new_tokens - 1) / time of the decode steps after prefill and graph capture"},
         "floors_per_layer": floors_json(&mc, cfg),
         "rows": rows,
+        // The large-M paths each M bucket took in this process (the prefills' routed products).
+        "autotune": super::autotune_json(),
     });
     print_table(&result);
     if let Some(out) = &cfg.out {

@@ -358,15 +358,7 @@ pub fn run(cfg: &KernelBenchConfig) -> Result<serde_json::Value> {
             }
         }
     }
-    let tuned: Vec<_> = wide_kernels::ops::gemm::tuned_records()
-        .into_iter()
-        .map(|(k, t)| {
-            json!({"op": format!("{:?}", k.op), "N": k.n, "K": k.k, "G": k.group, "m_bucket": k.m_bucket,
-                   "sparsity": k.sparsity_eighths as f64 / 8.0, "dense_ms": t.dense_ms,
-                   "tiles": t.tiles.iter().map(|(c, ms)| json!({"tile": c.label(), "ms": ms})).collect::<Vec<_>>(),
-                   "wgmma_ms": t.wgmma_ms})
-        })
-        .collect();
+    let tuned = super::autotune_json();
     let prov = Provenance::new(&cfg.commit, &device_label(device));
     let result = json!({
         "benchmark": "kernels",

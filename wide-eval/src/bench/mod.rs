@@ -86,6 +86,30 @@ pub fn reset_peak(device: Device) -> Result<()> {
     Ok(())
 }
 
+/// The large-M autotuner's records so far (one per op, shape, M bucket and sparsity eighth):
+/// each path's time and what the dispatch takes from it (the fastest routed kernel where it
+/// beats dense by the margin, else dense + mask), so a run's per-process choices can be read
+/// back from its JSON.
+pub fn autotune_json() -> serde_json::Value {
+    use wide_kernels::ops::dispatch::{GemmPath, MARGIN};
+    let mut recs = wide_kernels::ops::gemm::tuned_records();
+    recs.sort_by_key(|(k, _)| (format!("{:?}", k.op), k.n, k.k, k.group, k.m_bucket, k.sparsity_eighths, k.f16, k.device));
+    let v: Vec<serde_json::Value> = recs
+        .into_iter()
+        .map(|(k, t)| {
+            let picked = match t.best_path() {
+                Some((p, ms)) if ms < MARGIN * t.dense_ms => p,
+                _ => GemmPath::DenseMasked,
+            };
+            serde_json::json!({"op": format!("{:?}", k.op), "N": k.n, "K": k.k, "G": k.group, "m_bucket": k.m_bucket,
+                   "sparsity": k.sparsity_eighths as f64 / 8.0, "dense_ms": t.dense_ms,
+                   "tiles": t.tiles.iter().map(|(c, ms)| serde_json::json!({"tile": c.label(), "ms": ms})).collect::<Vec<_>>(),
+                   "wgmma_ms": t.wgmma_ms, "picked": picked.label()})
+        })
+        .collect();
+    serde_json::Value::Array(v)
+}
+
 pub fn device_label(device: Device) -> String {
     match device {
         Device::Cuda(d) => wide_kernels::cuda::device_name(d).unwrap_or_else(|_| format!("cuda:{d}")),
