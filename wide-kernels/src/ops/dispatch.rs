@@ -273,6 +273,13 @@ pub const TUNE_MAX_ROUNDS: usize = 7;
 /// prefill, where the host runs ahead of the device, and as `wide bench kernels` measures).
 pub const TUNE_SPIN_US: u32 = 100;
 
+/// `WIDE_TUNE=plain` (read once): the earlier autotuner, each candidate's three runs back to
+/// back with no spin, for A/B runs.
+pub fn tune_plain() -> bool {
+    static P: OnceLock<bool> = OnceLock::new();
+    *P.get_or_init(|| std::env::var("WIDE_TUNE").is_ok_and(|v| v.trim() == "plain"))
+}
+
 /// Adds `rounds` rounds of timings to `samples` (one vector per candidate): each round times
 /// every candidate once, starting one candidate later than the round before, so that slow
 /// drift (clock boost, temperature, a neighbour's work) falls on every candidate alike instead

@@ -702,8 +702,11 @@ fn autotune(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: 
         let _ = run_path(s, x, w, w2, layout, p)?;
     }
     let timer = GpuTimer::new(device)?;
+    let plain = dispatch::tune_plain();
     let time = |i: usize| -> Result<f64> {
-        super::gpu_spin(device, dispatch::TUNE_SPIN_US)?;
+        if !plain {
+            super::gpu_spin(device, dispatch::TUNE_SPIN_US)?;
+        }
         timer.start()?;
         let _ = run_path(s, x, w, w2, layout, paths[i])?;
         timer.stop_ms()
@@ -714,6 +717,15 @@ fn autotune(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: 
         tiles: tiles.iter().zip(&samples[1..]).map(|(&t, v)| (t, dispatch::median(v))).collect(),
         wgmma_ms: (paths.len() > tiles.len() + 1).then(|| dispatch::median(&samples[paths.len() - 1])),
     };
+    if plain {
+        // The earlier autotuner, for A/B runs: each candidate's runs back to back, no spin.
+        for (i, v) in samples.iter_mut().enumerate() {
+            for _ in 0..dispatch::TUNE_ROUNDS {
+                v.push(time(i)?);
+            }
+        }
+        return Ok(record(&samples));
+    }
     dispatch::time_interleaved(&mut samples, dispatch::TUNE_ROUNDS, &time)?;
     let mut t = record(&samples);
     if dispatch::near_tie(&t) {
