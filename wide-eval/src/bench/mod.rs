@@ -87,20 +87,18 @@ pub fn reset_peak(device: Device) -> Result<()> {
 }
 
 /// The large-M autotuner's records so far (one per op, shape, M bucket and sparsity eighth):
-/// each path's time and what the dispatch takes from it (the fastest routed kernel where it
-/// beats dense by the margin, else dense + mask), so a run's per-process choices can be read
+/// each path's time and what the dispatch policy takes from it, so a run's per-process choices can be read
 /// back from its JSON.
 pub fn autotune_json() -> serde_json::Value {
-    use wide_kernels::ops::dispatch::{GemmPath, MARGIN};
+    use wide_kernels::ops::dispatch::{choose, GemmShape};
     let mut recs = wide_kernels::ops::gemm::tuned_records();
     recs.sort_by_key(|(k, _)| (format!("{:?}", k.op), k.n, k.k, k.group, k.m_bucket, k.sparsity_eighths, k.f16, k.device));
     let v: Vec<serde_json::Value> = recs
         .into_iter()
         .map(|(k, t)| {
-            let picked = match t.best_path() {
-                Some((p, ms)) if ms < MARGIN * t.dense_ms => p,
-                _ => GemmPath::DenseMasked,
-            };
+            // The policy itself on the bucket's M (records exist only for large M).
+            let shape = GemmShape { op: k.op, m: k.m_bucket, n: k.n, k: k.k, group: k.group };
+            let picked = choose(&shape, k.sparsity_eighths as f64 / 8.0, Some(&t));
             serde_json::json!({"op": format!("{:?}", k.op), "N": k.n, "K": k.k, "G": k.group, "m_bucket": k.m_bucket,
                    "sparsity": k.sparsity_eighths as f64 / 8.0, "dense_ms": t.dense_ms,
                    "tiles": t.tiles.iter().map(|(c, ms)| serde_json::json!({"tile": c.label(), "ms": ms})).collect::<Vec<_>>(),

@@ -479,7 +479,7 @@ mod tests {
     #[test]
     fn interleaved_timing_spreads_drift_over_every_candidate() {
         // A clock that slows down 10% a run: timed back to back, the last candidate would read
-        // ~30% slower than the first though all take the same time.
+        // ~77% slower than the first though all take the same time.
         let mut clock = 1.0f64;
         let mut samples = vec![vec![]; 3];
         time_interleaved::<()>(&mut samples, 3, |_| {
