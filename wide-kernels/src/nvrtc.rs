@@ -350,7 +350,8 @@ mod tests {
 
     #[test]
     fn truncated_or_foreign_images_are_not_loaded() {
-        std::env::set_var("WIDE_KERNEL_CACHE", std::env::temp_dir().join(format!("wide-kcache-{}", std::process::id())));
+        let dir = std::env::temp_dir().join(format!("wide-kcache-{}", std::process::id()));
+        std::env::set_var("WIDE_KERNEL_CACHE", &dir);
         let src = KernelSource::new("image_check", "extern \"C\" __global__ void add_one(float* x) { x[threadIdx.x] += 1.f; }\n");
         for arch in ["compute_80", "sm_80"] {
             let image = compile(&src, arch).unwrap_or_else(|e| panic!("{e:#}"));
@@ -364,5 +365,6 @@ mod tests {
         assert!(!valid_image(&ptx, "sm_80"), "PTX where machine code is expected");
         let cubin = compile(&src, "sm_80").unwrap().image;
         assert!(!valid_image(&cubin, "compute_80"), "machine code where PTX is expected");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

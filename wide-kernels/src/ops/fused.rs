@@ -590,7 +590,7 @@ pub fn router_prefill(x: &Tensor, r: &RouterWeights, offset: f64, extra: i64, wa
     let gate_bytes = ng * (2 * rank + 8) * elt + 2 * ng * elt + 16;
     let cap = if base <= TWO_BLOCKS_SMEM { TWO_BLOCKS_SMEM } else { MAX_DYNAMIC_SMEM };
     let aligned = |t: &Tensor| t.data_ptr() as usize % 16 == 0;
-    let w2_shared = base + gate_bytes <= cap && rank % 8 == 0 && aligned(r.w2) && aligned(r.b2);
+    let w2_shared = base + gate_bytes <= cap && rank % 8 == 0 && aligned(&w2) && aligned(&b2);
     let smem = (base + if w2_shared { gate_bytes } else { 0 }) as u32;
     let mask = Tensor::empty([m, ng], (Kind::Bool, x.device()));
     let ext = (extra > 0).then(|| Tensor::empty([m, ng + extra], (Kind::Bool, x.device())));
