@@ -273,11 +273,36 @@ pub const TUNE_MAX_ROUNDS: usize = 7;
 /// prefill, where the host runs ahead of the device, and as `wide bench kernels` measures).
 pub const TUNE_SPIN_US: u32 = 100;
 
-/// `WIDE_TUNE=plain` (read once): the earlier autotuner, each candidate's three runs back to
-/// back with no spin, for A/B runs.
-pub fn tune_plain() -> bool {
-    static P: OnceLock<bool> = OnceLock::new();
-    *P.get_or_init(|| std::env::var("WIDE_TUNE").is_ok_and(|v| v.trim() == "plain"))
+/// How the autotuner times its candidates (`WIDE_TUNE`, read once; for A/B runs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TuneMode {
+    /// The default: interleaved rounds; before each run the L2 is refilled by reading a buffer
+    /// of twice its size (so the weights come from DRAM, as for every layer of a prefill), then
+    /// a device spin; each run builds its own token lists from the mask (the routed kernels
+    /// pay for them, as they do once a decision in the engine and in `wide bench kernels`).
+    Cold,
+    /// `WIDE_TUNE=warm`: interleaved rounds after a spin, on a warm L2 and the layout's cached
+    /// token lists (the autotuner of `fdc6c16`).
+    Warm,
+    /// `WIDE_TUNE=plain`: each candidate's runs back to back, no spin, warm L2, cached lists
+    /// (the autotuner before `fdc6c16`).
+    Plain,
+}
+
+/// The autotuner's timing mode from `WIDE_TUNE` (`cold`, the default; `warm`; `plain`).
+pub fn tune_mode() -> Result<TuneMode, String> {
+    static P: OnceLock<Result<TuneMode, String>> = OnceLock::new();
+    P.get_or_init(|| tune_mode_from(std::env::var("WIDE_TUNE").ok().as_deref())).clone()
+}
+
+/// [`tune_mode`]'s parse: unset or empty is the default; anything else unknown is an error.
+pub fn tune_mode_from(v: Option<&str>) -> Result<TuneMode, String> {
+    match v.map(str::trim) {
+        None | Some("") | Some("cold") => Ok(TuneMode::Cold),
+        Some("warm") => Ok(TuneMode::Warm),
+        Some("plain") => Ok(TuneMode::Plain),
+        Some(o) => Err(format!("WIDE_TUNE takes cold (the default), warm or plain, got '{o}'")),
+    }
 }
 
 /// Adds `rounds` rounds of timings to `samples` (one vector per candidate): each round times
@@ -508,6 +533,17 @@ mod tests {
         assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
         assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), 2.0);
         assert!(median(&[]).is_nan());
+    }
+
+    #[test]
+    fn tune_modes_parse_and_refuse_unknown_values() {
+        assert_eq!(tune_mode_from(None), Ok(TuneMode::Cold));
+        assert_eq!(tune_mode_from(Some(" ")), Ok(TuneMode::Cold));
+        assert_eq!(tune_mode_from(Some("cold")), Ok(TuneMode::Cold));
+        assert_eq!(tune_mode_from(Some("warm")), Ok(TuneMode::Warm));
+        assert_eq!(tune_mode_from(Some("plain ")), Ok(TuneMode::Plain));
+        let e = tune_mode_from(Some("hot")).unwrap_err();
+        assert!(e.contains("WIDE_TUNE") && e.contains("'hot'"), "{e}");
     }
 
     #[test]

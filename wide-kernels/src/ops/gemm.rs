@@ -9,7 +9,7 @@
 //!
 //! On CUDA (bf16, f16; fp32 accumulation) the op picks a path with [`super::dispatch::choose`];
 //! elsewhere, and for other dtypes, the tch reference runs.
-use super::dispatch::{self, GemmPath, GemmShape, RoutedOp, TileConfig, Tuned, TuneKey, GEMV_K_MAX_GROUPS, GEMV_MAX_M};
+use super::dispatch::{self, GemmPath, GemmShape, RoutedOp, TileConfig, TuneKey, TuneMode, Tuned, GEMV_K_MAX_GROUPS, GEMV_MAX_M};
 use super::wgmma;
 use super::layout::RouteLayout;
 use super::routed_kernel;
@@ -666,8 +666,10 @@ fn launch_tiled(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layo
 /// The autotuner's record for this shape's bucket, measuring it on these inputs on first use:
 /// dense+mask, every feasible tile and (on sm_90) the wgmma kernel, each warmed up once, then
 /// timed in interleaved rounds (median of 3, of 7 where the fastest routed kernel is a near tie
-/// with dense), each run after a device spin so that the events time device work alone. It
-/// synchronises the device, so run a first (un-captured) call before capturing a CUDA graph.
+/// with dense), each run on a cold L2 and after a device spin so that the events time device
+/// work alone, the routed kernels with the building of their token lists (see
+/// [`TuneMode`] for the A/B modes). It synchronises the device, so run a first (un-captured)
+/// call before capturing a CUDA graph.
 fn tuned(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: &RouteLayout) -> Result<Tuned> {
     let device = match x.device() {
         Device::Cuda(d) => d,
@@ -701,14 +703,29 @@ fn autotune(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: 
     for &p in &paths {
         let _ = run_path(s, x, w, w2, layout, p)?;
     }
+    let mode = dispatch::tune_mode().map_err(anyhow::Error::msg)?;
+    // Cold: read before each run, twice the L2's size (clean lines, as a layer's weight reads
+    // leave them), so every candidate starts from DRAM as in a prefill's layer.
+    let flush = match mode {
+        TuneMode::Cold => {
+            let floats = (2 * crate::cuda::l2_cache_bytes(device)?).div_ceil(4) as i64;
+            Some(Tensor::zeros([floats], (Kind::Float, x.device())))
+        }
+        _ => None,
+    };
     let timer = GpuTimer::new(device)?;
-    let plain = dispatch::tune_plain();
     let time = |i: usize| -> Result<f64> {
-        if !plain {
+        if let Some(f) = &flush {
+            let _ = f.sum(Kind::Float);
+        }
+        if mode != TuneMode::Plain {
             super::gpu_spin(device, dispatch::TUNE_SPIN_US)?;
         }
+        // Cold: the run builds its own token lists (a fresh decision's cost), ahead of the spin's
+        // end like the rest of its launches.
+        let fresh = (mode == TuneMode::Cold).then(|| layout.unbuilt());
         timer.start()?;
-        let _ = run_path(s, x, w, w2, layout, paths[i])?;
+        let _ = run_path(s, x, w, w2, fresh.as_ref().unwrap_or(layout), paths[i])?;
         timer.stop_ms()
     };
     let mut samples = vec![Vec::new(); paths.len()];
@@ -717,7 +734,7 @@ fn autotune(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: 
         tiles: tiles.iter().zip(&samples[1..]).map(|(&t, v)| (t, dispatch::median(v))).collect(),
         wgmma_ms: (paths.len() > tiles.len() + 1).then(|| dispatch::median(&samples[paths.len() - 1])),
     };
-    if plain {
+    if mode == TuneMode::Plain {
         // The earlier autotuner, for A/B runs: each candidate's runs back to back, no spin.
         for (i, v) in samples.iter_mut().enumerate() {
             for _ in 0..dispatch::TUNE_ROUNDS {

@@ -58,6 +58,24 @@ impl RouteLayout {
         };
         Ok(self.lists.get_or_init(|| l))
     }
+    /// The same decision and declarations with nothing built yet (the token lists are built
+    /// again on first use): what the autotuner times a routed kernel on, so that its time
+    /// includes the lists as a call on a fresh decision pays for them.
+    pub fn unbuilt(&self) -> Self {
+        let measured = OnceCell::new();
+        if let Some(&m) = self.measured.get() {
+            let _ = measured.set(m);
+        }
+        RouteLayout {
+            mask: self.mask.shallow_clone(),
+            lists: OnceCell::new(),
+            sparsity_hint: self.sparsity_hint,
+            measured,
+            settled: self.settled,
+            early: self.early,
+            always_on_from: self.always_on_from,
+        }
+    }
     /// The caller's expected skip rate (e.g. the router's running mean), used by dispatch so it
     /// need not synchronise to measure the mask.
     pub fn with_sparsity_hint(mut self, s: f64) -> Self {
