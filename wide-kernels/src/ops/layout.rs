@@ -194,6 +194,25 @@ mod tests {
     use super::*;
 
     #[test]
+    fn unbuilt_keeps_the_decision_and_builds_the_lists_again() {
+        let mask = Tensor::from_slice(&[1u8, 0, 0, 1, 1, 1, 0, 0, 1, 0, 1, 1]).view([4, 3]);
+        let l = route_layout(&mask).unwrap().with_sparsity_hint(0.4).with_early_mask().with_always_on_from(2).unwrap();
+        let built = l.lists().unwrap();
+        let u = l.unbuilt();
+        assert!(u.lists.get().is_none(), "an unbuilt copy has no lists until asked");
+        assert!(u.mask().equal(l.mask()));
+        assert_eq!((u.sparsity_hint(), u.early(), u.settled(), u.always_on_from()), (Some(0.4), true, true, 2));
+        let again = u.lists().unwrap();
+        assert!(again.0.equal(&built.0) && again.1.equal(&built.1));
+        // Its own tensors: building them did not touch the original's.
+        assert_ne!(again.0.data_ptr(), built.0.data_ptr());
+        // A measured skip rate carries over (no second device sync for it).
+        let m = route_layout(&mask).unwrap();
+        let s = m.sparsity();
+        assert_eq!(m.unbuilt().measured.get(), Some(&s));
+    }
+
+    #[test]
     fn reference_lists_active_first_ascending_then_inactive() {
         let mask = Tensor::from_slice(&[1u8, 0, 0, 1, 1, 1, 0, 0, 1, 0]).view([5, 2]);
         let l = route_layout(&mask).unwrap();
