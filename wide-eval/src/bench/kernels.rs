@@ -184,8 +184,7 @@ pub fn run(cfg: &KernelBenchConfig) -> Result<serde_json::Value> {
     let timer = GpuTimer::new(dev)?;
     let ceil = ceilings(device, &timer)?;
     let l2 = wide_kernels::cuda::l2_cache_bytes(dev)?;
-    let mut flush = Tensor::empty([((2 * l2).max(256 << 20) / 4) as i64], (Kind::Float, device));
-    let _ = flush.fill_(0.0);
+    let mut flush = wide_kernels::ops::l2_flush_buffer(dev, 256 << 20)?;
     let mut records = vec![];
     for opname in &cfg.ops {
         if opname == "attn_decode" {

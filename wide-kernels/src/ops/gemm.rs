@@ -707,10 +707,7 @@ fn autotune(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: 
     // Cold: read before each run, twice the L2's size (clean lines, as a layer's weight reads
     // leave them), so every candidate starts from DRAM as in a prefill's layer.
     let flush = match mode {
-        TuneMode::Cold => {
-            let floats = (2 * crate::cuda::l2_cache_bytes(device)?).div_ceil(4) as i64;
-            Some(Tensor::zeros([floats], (Kind::Float, x.device())))
-        }
+        TuneMode::Cold => Some(super::l2_flush_buffer(device, 0)?),
         _ => None,
     };
     let timer = GpuTimer::new(device)?;
@@ -721,8 +718,7 @@ fn autotune(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: 
         if mode != TuneMode::Plain {
             super::gpu_spin(device, dispatch::TUNE_SPIN_US)?;
         }
-        // Cold: the run builds its own token lists (a fresh decision's cost), ahead of the spin's
-        // end like the rest of its launches.
+        // Cold: the run builds its own token lists inside the timing (a fresh decision's cost).
         let fresh = (mode == TuneMode::Cold).then(|| layout.unbuilt());
         timer.start()?;
         let _ = run_path(s, x, w, w2, fresh.as_ref().unwrap_or(layout), paths[i])?;

@@ -17,6 +17,7 @@ use anyhow::Result;
 use dispatch::{TileConfig, TILES};
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
+use tch::{Device, Kind, Tensor};
 
 const ROUTED_SOURCE: &str = concat!(include_str!("mma_sync.cuh"), include_str!("pdl.cuh"), include_str!("partition.cuh"), include_str!("router_gate.cuh"), include_str!("rope.cuh"), include_str!("routed.cu"));
 
@@ -60,6 +61,15 @@ pub(crate) fn routed_kernel(f16: bool, tile: Option<(TileConfig, bool)>, entry: 
 pub fn gpu_spin(device: usize, micros: u32) -> Result<()> {
     let k = routed_kernel(false, None, "gpu_spin", device)?;
     unsafe { k.launch(LaunchConfig { grid: (1, 1, 1), block: (1, 1, 1), shared_mem_bytes: 0 }, &[KernelArg::I64(micros as i64 * 1000)]) }
+}
+
+/// A zeroed f32 buffer of at least twice the device's L2 size (and at least `at_least` bytes):
+/// reading it (`sum`) before a timed run leaves the L2 full of its clean lines, writing it
+/// (`fill_`) full of dirty ones, so the run's own data comes from DRAM. Used by the autotuner
+/// and by `wide bench kernels`.
+pub fn l2_flush_buffer(device: usize, at_least: usize) -> Result<Tensor> {
+    let bytes = (2 * crate::cuda::l2_cache_bytes(device)?).max(at_least);
+    Ok(Tensor::zeros([bytes.div_ceil(4) as i64], (Kind::Float, Device::Cuda(device))))
 }
 
 /// Every kernel source with every specialisation the project ships, so that a CPU-only CI
