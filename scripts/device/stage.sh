@@ -5,6 +5,8 @@
 # into .device/kernels, which env.sh then names as the kernel cache (no compiling there):
 #   scripts/device/stage.sh [--tests] [--kernels] [extra files...]
 #   device run, carry [".device"], command ". .device/env.sh && .device/wide ..."
+# The tool returns at most 8 files from $OUT: a run script writes its results elsewhere and packs
+# them into one archive there (after every stage, so a timed-out run still returns what it did).
 # WIDE_STAGE_DIR=.device-x stages into another ignored folder (two stagings side by side);
 # CARGO_TARGET_DIR is honoured.
 set -euo pipefail
