@@ -259,30 +259,6 @@ fn run_k_case(kind: Kind, m: i64, n: i64, k: i64, g: i64, p_active: f64) {
     }
 }
 
-/// The dense+mask gemm_mn as one cuBLASLt product with the bitmask epilogue: the GPU bitmask
-/// byte for byte the CPU one, the product against the f32 reference with exact zeros, over
-/// group sizes down to 8, N not a multiple of 128 (a padded bitmask row), one token and many,
-/// all-on and all-off masks, bf16 and f16.
-#[test]
-fn dense_mask_cublaslt_matches_reference() {
-    use wide_kernels::ops::lt;
-    let _ = gpu(); // the device first (one GPU test at a time)
-    tch::manual_seed(23);
-    assert!(lt::enabled(), "libcublasLt did not load (or WIDE_DENSE_MASK_LT=0)");
-    for kind in [Kind::BFloat16, Kind::Half] {
-        for (m, n, k, g, p) in [(1, 1024, 64, 128, 0.5), (3, 1000, 64, 8, 0.5), (129, 1024, 256, 32, 0.5), (1000, 4096, 512, 64, 0.5), (77, 1024, 64, 128, 1.0), (77, 1024, 64, 128, 0.0), (4096, 2048, 256, 128, 0.25)] {
-            let c = mn_case(kind, m, n, k, g, p, false);
-            let mask_u8 = c.msk.to_kind(Kind::Uint8).contiguous();
-            let bits = lt::expand_bitmask(&mask_u8, g, n, kind == Kind::Half, 0).unwrap();
-            let want = lt::bitmask_reference(&mask_u8.to_device(Device::Cpu), g, n);
-            assert!(bits.to_device(Device::Cpu).equal(&want), "{kind:?} M={m} N={n} G={g}: bitmask differs from the reference");
-            poison(m, n, kind);
-            let y = lt::masked_linear(&c.x, &c.w, &mask_u8, g).unwrap().unwrap_or_else(|| panic!("{kind:?} M={m} N={n} K={k} G={g}: cuBLASLt found no algorithm"));
-            check(&y, &c.r, Some(&c.off), &format!("cuBLASLt bitmask epilogue {kind:?} M={m} N={n} K={k} G={g} active={p}"));
-        }
-    }
-}
-
 #[test]
 fn route_layout_kernel_matches_reference() {
     let _ = gpu(); // the device first (one GPU test at a time)

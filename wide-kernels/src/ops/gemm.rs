@@ -576,11 +576,6 @@ fn dense_masked(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layo
     };
     Ok(match s.op {
         RoutedOp::Mn => {
-            // One cuBLASLt product whose epilogue applies the mask where it has an algorithm
-            // (`lt.rs`); else cuBLAS and the zero pass.
-            if let Some(y) = super::lt::masked_linear(x, w, layout.mask(), s.group)? {
-                return Ok(y);
-            }
             let y = x.linear::<&Tensor>(w, None);
             apply(&y, None, &y, s.n, 0)?;
             y

@@ -8,7 +8,6 @@ pub mod dispatch;
 pub mod fused;
 pub mod gemm;
 pub mod layout;
-pub mod lt;
 pub mod scale_shift;
 pub mod wgmma;
 

@@ -869,34 +869,6 @@ SKINNY_SWIGLU_ENTRY(1, 2)
 SKINNY_SWIGLU_ENTRY(2, 2)
 
 // ---------------------------------------------------------------------------------------
-// The per-output bitmask of a group mask, for cuBLASLt's bitmask epilogue (`ops/lt.rs`):
-// row m holds `chunks` x 16 bytes; byte j covers columns 8j .. 8j + 7 and is 0xFF where token m
-// keeps their group (G a multiple of 8) and the columns exist, else 0. A thread writes 16 bytes.
-// ---------------------------------------------------------------------------------------
-extern "C" __global__ void expand_group_bitmask(const unsigned char* __restrict__ mask, uint4* __restrict__ bits,
-                                                long long M, int NG, int G, int N, int chunks) {
-    pdl_wait();  // the mask may come from the launch just before
-    pdl_trigger();
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= chunks) return;
-    for (long long m = blockIdx.y; m < M; m += gridDim.y) {
-        const unsigned char* mr = mask + m * NG;
-        unsigned w[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            unsigned v = 0;
-#pragma unroll
-            for (int b = 0; b < 4; ++b) {
-                const int col = (c * 16 + j * 4 + b) * 8;
-                if (col < N && mr[col / G]) v |= 0xFFu << (8 * b);
-            }
-            w[j] = v;
-        }
-        bits[m * chunks + c] = make_uint4(w[0], w[1], w[2], w[3]);
-    }
-}
-
-// ---------------------------------------------------------------------------------------
 // The dense path's mask in one pass, 8 elements (16 bytes) per thread, G % 8 == 0:
 //   mode 0: dst[m, n] = 0 where group n/G of token m is off (in place, write-only)
 //   mode 1: dst = mask ? a : 0              (masked copy, e.g. a gemm_k input)
