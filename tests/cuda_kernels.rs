@@ -259,6 +259,30 @@ fn run_k_case(kind: Kind, m: i64, n: i64, k: i64, g: i64, p_active: f64) {
     }
 }
 
+/// The dispatch itself (no path given) at 16 tokens of a wide (N >= 8192) output-width product, where the
+/// static rule leaves it to dense + mask: the autotuner measures the small-M kernel against it,
+/// records both times, and whichever it takes matches the reference with exact zeros.
+#[test]
+fn dispatch_measures_small_m_kernel_against_dense() {
+    let _ = gpu(); // the device first (one GPU test at a time)
+    tch::manual_seed(29);
+    let (m, n, k, g) = (16, 8192, 512, 128);
+    for kind in [Kind::BFloat16, Kind::Half] {
+        let c = mn_case(kind, m, n, k, g, 0.5, false);
+        let s = GemmShape { op: RoutedOp::Mn, m, n, k, group: g };
+        assert!(wide_kernels::ops::dispatch::small_m_tunable(&s, c.l.sparsity()), "{s:?} at {} should be measured", c.l.sparsity());
+        poison(m, n, kind);
+        let (y, path) = routed_gemm(RoutedOp::Mn, &c.x, &c.w, None, &c.l, g, None).unwrap();
+        assert!(matches!(path, GemmPath::GemvMma | GemmPath::DenseMasked), "{path:?}");
+        check(&y, &c.r, Some(&c.off), &format!("dispatch {kind:?} M={m} N={n} K={k} G={g} ({})", path.label()));
+        let recs = wide_kernels::ops::gemm::tuned_records();
+        let rec = recs.iter().find(|(key, _)| key.n == n && key.k == k && key.m_bucket == 16 && key.f16 == (kind == Kind::Half));
+        let (_, t) = rec.unwrap_or_else(|| panic!("no autotune record for {s:?}: {recs:?}"));
+        assert!(t.skinny_ms.is_some_and(|ms| ms > 0.0) && t.dense_ms > 0.0 && t.tiles.is_empty() && t.wgmma_ms.is_none(), "{t:?}");
+        eprintln!("{kind:?} M={m}: dense + mask {:.4} ms, small-M kernel {:.4} ms, took {}", t.dense_ms, t.skinny_ms.unwrap(), path.label());
+    }
+}
+
 #[test]
 fn route_layout_kernel_matches_reference() {
     let _ = gpu(); // the device first (one GPU test at a time)

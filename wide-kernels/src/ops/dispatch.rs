@@ -125,6 +125,22 @@ pub const LARGE_M_MIN: i64 = 256;
 pub const GEMV_K_MAX_GROUPS: i64 = 1024;
 /// A routed kernel must beat dense by this factor to be chosen (timing noise margin).
 pub const MARGIN: f64 = 0.97;
+/// At 2-16 tokens the measured choice is between two of our paths that both write the zeros
+/// (the small-M kernel and cuBLAS + the zero pass) on a 15-60 us product, timed cold after a
+/// spin: the faster one is taken. The H100's grid at `065ca40` had the small-M kernel ahead of
+/// dense + mask on up at 16 tokens in all 24 cases (0.970-1.058x of cuBLAS against
+/// 0.930-0.967x); the H200's at `4dc4fe6` in 9 of 12 cold cases, 2 of 12 warm.
+pub const SMALL_M_MARGIN: f64 = 1.0;
+
+/// Whether the dispatch measures the small-M kernel against dense + mask for this shape: where
+/// the kernel can run (2-16 tokens) and the static rule of [`choose`] would leave the product
+/// to dense + mask. `WIDE_TUNE_SMALL_M=0` turns the measurement off (the static rule alone).
+pub fn small_m_tunable(s: &GemmShape, sparsity: f64) -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("WIDE_TUNE_SMALL_M").map(|v| v.trim() != "0").unwrap_or(true))
+        && skinny_feasible(s)
+        && choose(s, sparsity, None) == GemmPath::DenseMasked
+}
 
 /// A routed projection's shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -144,6 +160,9 @@ pub struct Tuned {
     pub tiles: Vec<(TileConfig, f64)>,
     /// The wgmma kernel's time, where it can run (sm_90 and a feasible shape).
     pub wgmma_ms: Option<f64>,
+    /// The small-M `mma.sync` kernel's time: measured instead of the tiles and wgmma where the
+    /// static rule leaves a 2-16 token product to dense + mask ([`small_m_tunable`]).
+    pub skinny_ms: Option<f64>,
 }
 
 impl Tuned {
@@ -151,13 +170,22 @@ impl Tuned {
     pub fn best(&self) -> Option<(TileConfig, f64)> {
         self.tiles.iter().copied().min_by(|a, b| a.1.partial_cmp(&b.1).unwrap_or(std::cmp::Ordering::Equal))
     }
-    /// The fastest routed kernel measured: a tile or the wgmma kernel.
+    /// The fastest routed kernel measured: a tile, the wgmma kernel or the small-M kernel.
     pub fn best_path(&self) -> Option<(GemmPath, f64)> {
         let tile = self.best().map(|(t, ms)| (GemmPath::Tiled(t), ms));
         let wgmma = self.wgmma_ms.map(|ms| (GemmPath::Wgmma, ms));
-        match (tile, wgmma) {
-            (Some(t), Some(w)) => Some(if w.1 <= t.1 { w } else { t }),
-            (t, w) => t.or(w),
+        let skinny = self.skinny_ms.map(|ms| (GemmPath::GemvMma, ms));
+        [tile, wgmma, skinny].into_iter().flatten().fold(None, |best: Option<(GemmPath, f64)>, c| match best {
+            Some(b) if b.1 <= c.1 => Some(b),
+            _ => Some(c),
+        })
+    }
+    /// The factor by which the record's routed kernel must beat dense + mask to be taken.
+    pub fn margin(&self) -> f64 {
+        if self.skinny_ms.is_some() {
+            SMALL_M_MARGIN
+        } else {
+            MARGIN
         }
     }
 }
@@ -249,7 +277,14 @@ pub fn choose(s: &GemmShape, sparsity: f64, tuned: Option<&Tuned>) -> GemmPath {
             // SwiGLU: where it skips bytes (the dense fallback is one stacked GEMM + the SwiGLU pass).
             _ => frac <= GEMV_MAX_FRACTION,
         };
-        return if mma { GemmPath::GemvMma } else { GemmPath::DenseMasked };
+        if mma {
+            return GemmPath::GemvMma;
+        }
+        // Where the rule leaves it to dense + mask, the autotuner's measurement decides.
+        return match tuned.and_then(|t| t.skinny_ms.map(|ms| (t.dense_ms, ms))) {
+            Some((dense, ms)) if ms < SMALL_M_MARGIN * dense => GemmPath::GemvMma,
+            _ => GemmPath::DenseMasked,
+        };
     }
     if gemv_ok && pays {
         return GemmPath::Gemv;
@@ -337,7 +372,7 @@ pub fn median(v: &[f64]) -> f64 {
 /// three runs cannot tell which side it is on, so the autotuner times more rounds.
 pub fn near_tie(t: &Tuned) -> bool {
     t.best_path().is_some_and(|(_, ms)| {
-        let line = MARGIN * t.dense_ms;
+        let line = t.margin() * t.dense_ms;
         (ms - line).abs() <= 0.05 * line
     })
 }
@@ -451,24 +486,24 @@ mod tests {
     fn large_m_follows_the_measured_timings() {
         let s = shape(RoutedOp::Mn, 4096, 128);
         assert_eq!(choose(&s, 0.5, None), GemmPath::DenseMasked, "untuned large M stays dense");
-        let t = Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], 0.6), (TILES[1], 0.7)], wgmma_ms: None };
+        let t = Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], 0.6), (TILES[1], 0.7)], wgmma_ms: None, skinny_ms: None };
         assert_eq!(choose(&s, 0.5, Some(&t)), GemmPath::Tiled(TILES[0]));
-        let slow = Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], 0.98)], wgmma_ms: None };
+        let slow = Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], 0.98)], wgmma_ms: None, skinny_ms: None };
         assert_eq!(choose(&s, 0.5, Some(&slow)), GemmPath::DenseMasked, "within the margin stays dense");
     }
 
     #[test]
     fn wgmma_is_chosen_only_where_it_measured_fastest() {
         let s = shape(RoutedOp::Mn, 4096, 128);
-        let t = Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], 0.8)], wgmma_ms: Some(0.55) };
+        let t = Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], 0.8)], wgmma_ms: Some(0.55), skinny_ms: None };
         assert_eq!(choose(&s, 0.5, Some(&t)), GemmPath::Wgmma);
         assert_eq!(choose(&shape(RoutedOp::MnSwiglu, 4096, 128), 0.5, Some(&t)), GemmPath::Wgmma);
-        let tile_wins = Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], 0.5)], wgmma_ms: Some(0.55) };
+        let tile_wins = Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], 0.5)], wgmma_ms: Some(0.55), skinny_ms: None };
         assert_eq!(choose(&s, 0.5, Some(&tile_wins)), GemmPath::Tiled(TILES[0]));
-        let slow = Tuned { dense_ms: 1.0, tiles: vec![], wgmma_ms: Some(0.99) };
+        let slow = Tuned { dense_ms: 1.0, tiles: vec![], wgmma_ms: Some(0.99), skinny_ms: None };
         assert_eq!(choose(&s, 0.5, Some(&slow)), GemmPath::DenseMasked, "within the margin stays dense");
         // Not measured (not sm_90) or a shape it cannot run: never chosen.
-        let none = Tuned { dense_ms: 1.0, tiles: vec![], wgmma_ms: None };
+        let none = Tuned { dense_ms: 1.0, tiles: vec![], wgmma_ms: None, skinny_ms: None };
         assert_eq!(choose(&s, 0.5, Some(&none)), GemmPath::DenseMasked);
         assert_eq!(choose(&shape(RoutedOp::Mn, 4096, 64), 0.5, Some(&t)), GemmPath::DenseMasked, "G = 64 < the 128-wide tile");
         assert_eq!(choose(&shape(RoutedOp::K, 4096, 128), 0.5, Some(&t)), GemmPath::DenseMasked, "gemm_k has no wgmma kernel");
@@ -495,7 +530,7 @@ mod tests {
         let k32 = feasible_tiles(&GemmShape { op: RoutedOp::K, m: 4096, n: 4096, k: 14336, group: 32 });
         assert!(!k32.is_empty() && k32.iter().all(|t| t.bk == 32), "a 64-deep k step cannot tile a group of 32");
         // A tuned tile that cannot run this group is never chosen.
-        let t = Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], 0.1)], wgmma_ms: None };
+        let t = Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], 0.1)], wgmma_ms: None, skinny_ms: None };
         assert_eq!(choose(&s, 0.5, Some(&t)), GemmPath::DenseMasked);
         let odd = GemmShape { op: RoutedOp::Mn, m: 4096, n: 14336 / 7 * 7, k: 4100, group: 128 };
         assert!(feasible_tiles(&odd).is_empty(), "K not a multiple of 32");
@@ -548,13 +583,38 @@ mod tests {
 
     #[test]
     fn near_ties_are_around_the_margin_line() {
-        let t = |ms: f64| Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], ms)], wgmma_ms: None };
+        let t = |ms: f64| Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], ms)], wgmma_ms: None, skinny_ms: None };
         assert!(near_tie(&t(0.97)));
         assert!(near_tie(&t(0.93)));
         assert!(near_tie(&t(1.01)));
         assert!(!near_tie(&t(0.80)), "a clear win");
         assert!(!near_tie(&t(1.20)), "a clear loss");
-        assert!(!near_tie(&Tuned { dense_ms: 1.0, tiles: vec![], wgmma_ms: None }), "nothing routed measured");
+        assert!(!near_tie(&Tuned { dense_ms: 1.0, tiles: vec![], wgmma_ms: None, skinny_ms: None }), "nothing routed measured");
+    }
+
+    #[test]
+    fn small_m_measures_the_kernel_where_the_rule_leaves_dense() {
+        // The rule leaves up at 16 tokens (94%+ of the rows used) to dense + mask: measured.
+        let up16 = shape(RoutedOp::Mn, 16, 128);
+        assert_eq!(choose(&up16, 0.5, None), GemmPath::DenseMasked);
+        assert!(small_m_tunable(&up16, 0.5));
+        let rec = |skinny: f64| Tuned { dense_ms: 1.0, tiles: vec![], wgmma_ms: None, skinny_ms: Some(skinny) };
+        assert_eq!(choose(&up16, 0.5, Some(&rec(0.99))), GemmPath::GemvMma, "faster than dense + mask");
+        assert_eq!(choose(&up16, 0.5, Some(&rec(1.01))), GemmPath::DenseMasked, "slower");
+        assert_eq!(choose(&up16, 0.5, Some(&Tuned { skinny_ms: None, ..rec(0.5) })), GemmPath::DenseMasked, "not measured");
+        assert_eq!(rec(0.99).best_path(), Some((GemmPath::GemvMma, 0.99)));
+        assert_eq!(rec(0.99).margin(), SMALL_M_MARGIN);
+        // Near a tie with dense + mask itself (the small-M line), more rounds.
+        assert!(near_tie(&rec(1.03)) && near_tie(&rec(0.97)));
+        assert!(!near_tie(&rec(0.8)) && !near_tie(&rec(1.2)));
+        // Not measured: where the rule already takes the kernel (4 tokens of up, Q), one token
+        // (the GEMV), gemm_k (no small-M kernel) and groups the kernel cannot tile.
+        assert!(!small_m_tunable(&shape(RoutedOp::Mn, 4, 128), 0.5));
+        assert!(!small_m_tunable(&GemmShape { op: RoutedOp::Mn, m: 16, n: 4096, k: 4096, group: 512 }, 0.5));
+        assert!(!small_m_tunable(&shape(RoutedOp::Mn, 1, 128), 0.5));
+        assert!(!small_m_tunable(&shape(RoutedOp::K, 16, 128), 0.5));
+        assert!(!small_m_tunable(&shape(RoutedOp::Mn, 16, 8), 0.5));
+        assert!(!small_m_tunable(&shape(RoutedOp::Mn, 17, 128), 0.5), "past the kernel's 16 tokens");
     }
 
     #[test]

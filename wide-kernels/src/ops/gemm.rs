@@ -119,8 +119,9 @@ pub fn routed_gemm(
 }
 
 /// The path [`routed_gemm`] takes without one given: `WIDE_ROUTED` if set, else the dispatch
-/// policy with the autotuner's record for large M (measured on first use of the shape's M
-/// bucket and skip rate: a device sync, so not inside CUDA-graph capture). Callers with a
+/// policy with the autotuner's record for large M and for the 2-16 token products the static
+/// rule leaves to dense + mask (`dispatch::small_m_tunable`), measured on first use of the
+/// shape's M bucket and skip rate: a device sync, so not inside CUDA-graph capture. Callers with a
 /// faster dense fallback of their own (the inference engine's fused gate|up GEMM) use it to
 /// decide, and run the routed kernel only when this is not `DenseMasked`.
 pub fn choose_path(op: RoutedOp, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: &RouteLayout, group: i64) -> Result<GemmPath> {
@@ -144,7 +145,7 @@ fn choose_path_for(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, l
         Some("wgmma") if wgmma_usable(s, x) => GemmPath::Wgmma,
         _ => {
             let sp = layout.sparsity();
-            let t = if s.m >= dispatch::LARGE_M_MIN { Some(tuned(s, x, w, w2, layout)?) } else { None };
+            let t = if s.m >= dispatch::LARGE_M_MIN || dispatch::small_m_tunable(s, sp) { Some(tuned(s, x, w, w2, layout)?) } else { None };
             dispatch::choose(s, sp, t.as_ref())
         }
     })
@@ -664,7 +665,8 @@ fn launch_tiled(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layo
 }
 
 /// The autotuner's record for this shape's bucket, measuring it on these inputs on first use:
-/// dense+mask, every feasible tile and (on sm_90) the wgmma kernel, each warmed up once, then
+/// dense+mask, every feasible tile and (on sm_90) the wgmma kernel (at 2-16 tokens: dense+mask
+/// and the small-M kernel), each warmed up once, then
 /// timed in interleaved rounds (median of 3, of 7 where the fastest routed kernel is a near tie
 /// with dense), each run on a cold L2 and after a device spin so that the events time device
 /// work alone, the routed kernels with the building of their token lists (see
@@ -691,11 +693,21 @@ fn autotune(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: 
     };
     // Tiles whose pipeline does not fit the device's shared memory (the 3-stage 64-deep ones
     // need 108 KiB; 99 KiB on compute capability 8.6 / 8.9) are not candidates there.
+    // At 2-16 tokens (see `dispatch::small_m_tunable`) only the small-M kernel is measured
+    // against dense + mask: the policy never takes the tiles or the wgmma kernel below
+    // LARGE_M_MIN (`WIDE_ROUTED=tiled` still measures the tiles there).
+    let small = s.m < dispatch::LARGE_M_MIN && dispatch::skinny_feasible(s) && dispatch::env_override().is_none();
     let smem_limit = crate::cuda::max_shared_per_block_optin(device)? as u32;
-    let tiles: Vec<TileConfig> = dispatch::feasible_tiles(s).into_iter().filter(|t| t.smem_bytes(s.op == RoutedOp::MnSwiglu) <= smem_limit).collect();
+    let tiles: Vec<TileConfig> = if small {
+        Vec::new()
+    } else {
+        dispatch::feasible_tiles(s).into_iter().filter(|t| t.smem_bytes(s.op == RoutedOp::MnSwiglu) <= smem_limit).collect()
+    };
     let mut paths = vec![GemmPath::DenseMasked];
     paths.extend(tiles.iter().map(|&t| GemmPath::Tiled(t)));
-    if wgmma_usable(s, x) {
+    if small {
+        paths.push(GemmPath::GemvMma);
+    } else if wgmma_usable(s, x) {
         paths.push(GemmPath::Wgmma);
     }
     // One warm-up each: compilation, module loading and the layout's cached lists stay out of
@@ -728,7 +740,8 @@ fn autotune(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: 
     let record = |samples: &[Vec<f64>]| Tuned {
         dense_ms: dispatch::median(&samples[0]),
         tiles: tiles.iter().zip(&samples[1..]).map(|(&t, v)| (t, dispatch::median(v))).collect(),
-        wgmma_ms: (paths.len() > tiles.len() + 1).then(|| dispatch::median(&samples[paths.len() - 1])),
+        wgmma_ms: (!small && paths.len() > tiles.len() + 1).then(|| dispatch::median(&samples[paths.len() - 1])),
+        skinny_ms: small.then(|| dispatch::median(&samples[paths.len() - 1])),
     };
     if mode == TuneMode::Plain {
         // The earlier autotuner, for A/B runs: each candidate's runs back to back, no spin.
