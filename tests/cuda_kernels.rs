@@ -266,6 +266,8 @@ fn run_k_case(kind: Kind, m: i64, n: i64, k: i64, g: i64, p_active: f64) {
 fn dispatch_measures_small_m_kernel_against_dense() {
     let _ = gpu(); // the device first (one GPU test at a time)
     tch::manual_seed(29);
+    // Off by default until measured; read at each call, so switching it on here is enough.
+    std::env::set_var("WIDE_TUNE_SMALL_M", "1");
     let (m, n, k, g) = (16, 8192, 512, 128);
     for kind in [Kind::BFloat16, Kind::Half] {
         let c = mn_case(kind, m, n, k, g, 0.5, false);

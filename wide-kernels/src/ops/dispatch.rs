@@ -132,14 +132,22 @@ pub const MARGIN: f64 = 0.97;
 /// 0.930-0.967x); the H200's at `4dc4fe6` in 9 of 12 cold cases, 2 of 12 warm.
 pub const SMALL_M_MARGIN: f64 = 1.0;
 
-/// Whether the dispatch measures the small-M kernel against dense + mask for this shape: where
-/// the kernel can run (2-16 tokens) and the static rule of [`choose`] would leave the product
-/// to dense + mask. `WIDE_TUNE_SMALL_M=0` turns the measurement off (the static rule alone).
+/// Whether the dispatch measures the small-M kernel against dense + mask for this shape: with
+/// `WIDE_TUNE_SMALL_M=1` (read at each call; off by default until it is measured on the GPU,
+/// NOTES v31), where the kernel can run (2-16 tokens) and the static rule of [`choose`] would
+/// leave the product to dense + mask ([`small_m_candidate`]).
 pub fn small_m_tunable(s: &GemmShape, sparsity: f64) -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("WIDE_TUNE_SMALL_M").map(|v| v.trim() != "0").unwrap_or(true))
-        && skinny_feasible(s)
-        && choose(s, sparsity, None) == GemmPath::DenseMasked
+    small_m_tuning_from(std::env::var("WIDE_TUNE_SMALL_M").ok().as_deref()) && small_m_candidate(s, sparsity)
+}
+
+/// [`small_m_tunable`]'s switch: `1` on; unset, empty or `0` off.
+pub fn small_m_tuning_from(v: Option<&str>) -> bool {
+    v.map(str::trim) == Some("1")
+}
+
+/// The shapes [`small_m_tunable`] measures once switched on.
+pub fn small_m_candidate(s: &GemmShape, sparsity: f64) -> bool {
+    skinny_feasible(s) && choose(s, sparsity, None) == GemmPath::DenseMasked
 }
 
 /// A routed projection's shape.
@@ -597,7 +605,8 @@ mod tests {
         // The rule leaves up at 16 tokens (94%+ of the rows used) to dense + mask: measured.
         let up16 = shape(RoutedOp::Mn, 16, 128);
         assert_eq!(choose(&up16, 0.5, None), GemmPath::DenseMasked);
-        assert!(small_m_tunable(&up16, 0.5));
+        assert!(small_m_candidate(&up16, 0.5));
+        assert!(small_m_tuning_from(Some("1")) && !small_m_tuning_from(None) && !small_m_tuning_from(Some("0")) && !small_m_tuning_from(Some("")));
         let rec = |skinny: f64| Tuned { dense_ms: 1.0, tiles: vec![], wgmma_ms: None, skinny_ms: Some(skinny) };
         assert_eq!(choose(&up16, 0.5, Some(&rec(0.99))), GemmPath::GemvMma, "faster than dense + mask");
         assert_eq!(choose(&up16, 0.5, Some(&rec(1.01))), GemmPath::DenseMasked, "slower");
@@ -607,14 +616,14 @@ mod tests {
         // Near a tie with dense + mask itself (the small-M line), more rounds.
         assert!(near_tie(&rec(1.03)) && near_tie(&rec(0.97)));
         assert!(!near_tie(&rec(0.8)) && !near_tie(&rec(1.2)));
-        // Not measured: where the rule already takes the kernel (4 tokens of up, Q), one token
+        // Not candidates: where the rule already takes the kernel (4 tokens of up, Q), one token
         // (the GEMV), gemm_k (no small-M kernel) and groups the kernel cannot tile.
-        assert!(!small_m_tunable(&shape(RoutedOp::Mn, 4, 128), 0.5));
-        assert!(!small_m_tunable(&GemmShape { op: RoutedOp::Mn, m: 16, n: 4096, k: 4096, group: 512 }, 0.5));
-        assert!(!small_m_tunable(&shape(RoutedOp::Mn, 1, 128), 0.5));
-        assert!(!small_m_tunable(&shape(RoutedOp::K, 16, 128), 0.5));
-        assert!(!small_m_tunable(&shape(RoutedOp::Mn, 16, 8), 0.5));
-        assert!(!small_m_tunable(&shape(RoutedOp::Mn, 17, 128), 0.5), "past the kernel's 16 tokens");
+        assert!(!small_m_candidate(&shape(RoutedOp::Mn, 4, 128), 0.5));
+        assert!(!small_m_candidate(&GemmShape { op: RoutedOp::Mn, m: 16, n: 4096, k: 4096, group: 512 }, 0.5));
+        assert!(!small_m_candidate(&shape(RoutedOp::Mn, 1, 128), 0.5));
+        assert!(!small_m_candidate(&shape(RoutedOp::K, 16, 128), 0.5));
+        assert!(!small_m_candidate(&shape(RoutedOp::Mn, 16, 8), 0.5));
+        assert!(!small_m_candidate(&shape(RoutedOp::Mn, 17, 128), 0.5), "past the kernel's 16 tokens");
     }
 
     #[test]
