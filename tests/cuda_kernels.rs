@@ -283,6 +283,7 @@ fn dispatch_measures_small_m_kernel_against_dense() {
         assert!(t.skinny_ms.is_some_and(|ms| ms > 0.0) && t.dense_ms > 0.0 && t.tiles.is_empty() && t.wgmma_ms.is_none(), "{t:?}");
         eprintln!("{kind:?} M={m}: dense + mask {:.4} ms, small-M kernel {:.4} ms, took {}", t.dense_ms, t.skinny_ms.unwrap(), path.label());
     }
+    std::env::remove_var("WIDE_TUNE_SMALL_M");
 }
 
 #[test]

@@ -129,7 +129,7 @@ pub const MARGIN: f64 = 0.97;
 /// (the small-M kernel and cuBLAS + the zero pass) on a 15-60 us product, timed cold after a
 /// spin: the faster one is taken. The H100's grid at `065ca40` had the small-M kernel ahead of
 /// dense + mask on up at 16 tokens in all 24 cases (0.970-1.058x of cuBLAS against
-/// 0.930-0.967x); the H200's at `4dc4fe6` in 9 of 12 cold cases, 2 of 12 warm.
+/// 0.930-0.967x); the H200's at `4dc4fe6` in 11 of 12 cold cases, 2 of 12 warm.
 pub const SMALL_M_MARGIN: f64 = 1.0;
 
 /// Whether the dispatch measures the small-M kernel against dense + mask for this shape: with
