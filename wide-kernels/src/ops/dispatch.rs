@@ -127,22 +127,27 @@ pub const GEMV_K_MAX_GROUPS: i64 = 1024;
 pub const MARGIN: f64 = 0.97;
 /// At 2-16 tokens the measured choice is between two of our paths that both write the zeros
 /// (the small-M kernel and cuBLAS + the zero pass) on a 15-60 us product, timed cold after a
-/// spin: the faster one is taken. The H100's grid at `065ca40` had the small-M kernel ahead of
-/// dense + mask on up at 16 tokens in all 24 cases (0.970-1.058x of cuBLAS against
-/// 0.930-0.967x); the H200's at `4dc4fe6` in 11 of 12 cold cases, 2 of 12 warm.
+/// spin: the faster one is taken. A/B of `314f1e5` (NOTES v32, two processes each, up / gate+up /
+/// Q at 4-16 tokens, every G and skip rate, cold and warm): records below 0.97x of cuBLAS on the
+/// H100 47 / 44 off, 28 / 30 on (up at 8 tokens 15 / 14 -> 0); on the H200 44 / 43 off, 45 / 46 on.
 pub const SMALL_M_MARGIN: f64 = 1.0;
 
-/// Whether the dispatch measures the small-M kernel against dense + mask for this shape: with
-/// `WIDE_TUNE_SMALL_M=1` (read at each call; off by default until it is measured on the GPU,
-/// NOTES v31), where the kernel can run (2-16 tokens) and the static rule of [`choose`] would
-/// leave the product to dense + mask ([`small_m_candidate`]).
-pub fn small_m_tunable(s: &GemmShape, sparsity: f64) -> bool {
-    small_m_tuning_from(std::env::var("WIDE_TUNE_SMALL_M").ok().as_deref()) && small_m_candidate(s, sparsity)
+/// Whether the dispatch measures the small-M kernel against dense + mask for this shape: unless
+/// `WIDE_TUNE_SMALL_M=0` (read at each call), where the kernel can run (2-16 tokens) and the
+/// static rule of [`choose`] would leave the product to dense + mask ([`small_m_candidate`]).
+/// An unknown value of the switch is an error.
+pub fn small_m_tunable(s: &GemmShape, sparsity: f64) -> Result<bool, String> {
+    Ok(small_m_tuning_from(std::env::var("WIDE_TUNE_SMALL_M").ok().as_deref())? && small_m_candidate(s, sparsity))
 }
 
-/// [`small_m_tunable`]'s switch: `1` on; unset, empty or `0` off.
-pub fn small_m_tuning_from(v: Option<&str>) -> bool {
-    v.map(str::trim) == Some("1")
+/// [`small_m_tunable`]'s switch: unset, empty or `1` on (the default); `0` off; anything else
+/// an error.
+pub fn small_m_tuning_from(v: Option<&str>) -> Result<bool, String> {
+    match v.map(str::trim) {
+        None | Some("") | Some("1") => Ok(true),
+        Some("0") => Ok(false),
+        Some(o) => Err(format!("WIDE_TUNE_SMALL_M takes 1 (the default: measure the small-M kernel against dense + mask) or 0 (the static rule), got '{o}'")),
+    }
 }
 
 /// The shapes [`small_m_tunable`] measures once switched on.
@@ -606,7 +611,11 @@ mod tests {
         let up16 = shape(RoutedOp::Mn, 16, 128);
         assert_eq!(choose(&up16, 0.5, None), GemmPath::DenseMasked);
         assert!(small_m_candidate(&up16, 0.5));
-        assert!(small_m_tuning_from(Some("1")) && !small_m_tuning_from(None) && !small_m_tuning_from(Some("0")) && !small_m_tuning_from(Some("")));
+        assert_eq!(small_m_tuning_from(None), Ok(true), "on by default");
+        assert_eq!(small_m_tuning_from(Some("")), Ok(true));
+        assert_eq!(small_m_tuning_from(Some(" 1 ")), Ok(true));
+        assert_eq!(small_m_tuning_from(Some("0")), Ok(false));
+        assert!(small_m_tuning_from(Some("yes")).unwrap_err().contains("WIDE_TUNE_SMALL_M takes 1"));
         let rec = |skinny: f64| Tuned { dense_ms: 1.0, tiles: vec![], wgmma_ms: None, skinny_ms: Some(skinny) };
         assert_eq!(choose(&up16, 0.5, Some(&rec(0.99))), GemmPath::GemvMma, "faster than dense + mask");
         assert_eq!(choose(&up16, 0.5, Some(&rec(1.01))), GemmPath::DenseMasked, "slower");

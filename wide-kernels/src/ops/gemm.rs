@@ -145,7 +145,7 @@ fn choose_path_for(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, l
         Some("wgmma") if wgmma_usable(s, x) => GemmPath::Wgmma,
         _ => {
             let sp = layout.sparsity();
-            let t = if s.m >= dispatch::LARGE_M_MIN || dispatch::small_m_tunable(s, sp) { Some(tuned(s, x, w, w2, layout)?) } else { None };
+            let t = if s.m >= dispatch::LARGE_M_MIN || dispatch::small_m_tunable(s, sp).map_err(anyhow::Error::msg)? { Some(tuned(s, x, w, w2, layout)?) } else { None };
             dispatch::choose(s, sp, t.as_ref())
         }
     })
