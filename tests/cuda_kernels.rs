@@ -266,7 +266,9 @@ fn run_k_case(kind: Kind, m: i64, n: i64, k: i64, g: i64, p_active: f64) {
 fn dispatch_measures_small_m_kernel_against_dense() {
     let _ = gpu(); // the device first (one GPU test at a time)
     tch::manual_seed(29);
-    // On by default; set here so that a caller's WIDE_TUNE_SMALL_M=0 does not skip the test.
+    // On by default; set here so that a caller's WIDE_TUNE_SMALL_M=0 does not skip the test,
+    // and put back as it was at the end.
+    let before = std::env::var_os("WIDE_TUNE_SMALL_M");
     std::env::set_var("WIDE_TUNE_SMALL_M", "1");
     let (m, n, k, g) = (16, 8192, 512, 128);
     for kind in [Kind::BFloat16, Kind::Half] {
@@ -283,7 +285,10 @@ fn dispatch_measures_small_m_kernel_against_dense() {
         assert!(t.skinny_ms.is_some_and(|ms| ms > 0.0) && t.dense_ms > 0.0 && t.tiles.is_empty() && t.wgmma_ms.is_none(), "{t:?}");
         eprintln!("{kind:?} M={m}: dense + mask {:.4} ms, small-M kernel {:.4} ms, took {}", t.dense_ms, t.skinny_ms.unwrap(), path.label());
     }
-    std::env::remove_var("WIDE_TUNE_SMALL_M");
+    match before {
+        Some(v) => std::env::set_var("WIDE_TUNE_SMALL_M", v),
+        None => std::env::remove_var("WIDE_TUNE_SMALL_M"),
+    }
 }
 
 #[test]
