@@ -565,6 +565,60 @@ fn gemm_mn_wgmma_tall_tiles_match_reference() {
     }
 }
 
+/// Groups narrower than the 128-channel tile (8 | G | 128) on the wgmma kernel: tiles of 128 / G
+/// groups computed for the tokens that keep any of them, each group's mask applied as the tile
+/// is written. Plain and fused, bf16 and f16, G = 8 / 16 / 32 / 64, random masks at several
+/// rates, all-on and all-off, a mask where tokens keep one group of a tile and skip its
+/// neighbours, M not a multiple of the tile; each of the configurations the launch rule picks
+/// (the 256-token tile, the 128-token 7-stage one, tall last tiles), two calls each on poisoned
+/// outputs; a persistent or stream-K configuration is refused with a clear error. Hopper only.
+#[test]
+fn gemm_mn_wgmma_narrow_groups_match_reference() {
+    let dev = gpu();
+    if !wide_kernels::ops::wgmma::supported(0) {
+        eprintln!("skipped: the wgmma kernel needs a compute capability 9.0 GPU");
+        return;
+    }
+    tch::manual_seed(31);
+    for fused in [false, true] {
+        for (kind, m, n, k, g, p) in [
+            (Kind::BFloat16, 2500, 14336, 1024, 32, 0.5),
+            (Kind::BFloat16, 4096, 14336, 512, 64, 0.25),
+            (Kind::Half, 777, 4096, 512, 16, 0.75),
+            (Kind::BFloat16, 1029, 2048, 256, 8, 0.9),
+            (Kind::Half, 300, 1024, 128, 64, 1.0),
+            (Kind::BFloat16, 257, 1024, 192, 32, 0.0),
+        ] {
+            run_mn_case(kind, m, n, k, g, p, fused);
+        }
+    }
+    let d = WgmmaConfig::default_for(false);
+    for cfg in [d, WgmmaConfig { mi: 1, stages: 7, ..d }, WgmmaConfig { tall: true, ..d }, WgmmaConfig { tall: true, row_tma: false, ..d }] {
+        run_wgmma_config_case(cfg, Kind::BFloat16, 2100, 4096, 256, 32, 0.6, false);
+        run_wgmma_config_case(cfg, Kind::Half, 600, 2048, 128, 64, 0.5, false);
+    }
+    run_wgmma_config_case(WgmmaConfig::default_for(true), Kind::BFloat16, 1500, 2048, 256, 32, 0.7, true);
+    // Each token keeps exactly one group of every tile (a different one a token): every tile
+    // computes all its tokens, and 3 / 4 of what it computes is written as zeros.
+    let (m, n, k, g) = (700, 1024, 128, 32);
+    let pick = Tensor::randint(4, [m, n / 128, 1], (Kind::Int64, dev));
+    let one = Tensor::arange(4, (Kind::Int64, dev)).view([1, 1, 4]).eq_tensor(&pick).reshape([m, n / g]);
+    for fused in [false, true] {
+        let MnCase { x, w, w2, l, r, off, .. } = mn_case_masked(Kind::BFloat16, one.shallow_clone(), n, k, g, fused);
+        let up = if fused { Some(&w2) } else { None };
+        for call in 0..2 {
+            poison(m, n, Kind::BFloat16);
+            let y = wide_kernels::ops::wgmma::gemm_mn_with(WgmmaConfig::default_for(fused), &x, &w, up, &l, g).unwrap();
+            check(&y, &r, Some(&off), &format!("one group of each tile a token, fused={fused} call {call}"));
+        }
+    }
+    let MnCase { x, w, l, .. } = mn_case(Kind::BFloat16, 300, 1024, 128, 32, 0.5, false);
+    for cfg in [WgmmaConfig { persist: true, mi: 1, ..d }, WgmmaConfig { stream_k: true, ..d }] {
+        let e = wide_kernels::ops::wgmma::gemm_mn_with(cfg, &x, &w, None, &l, 32).unwrap_err();
+        assert!(e.to_string().contains("narrower than the 128-channel tile"), "{e}");
+    }
+}
+
 /// One product on the wgmma kernel in a given configuration against the f32 reference, twice.
 #[allow(clippy::too_many_arguments)]
 fn run_wgmma_config_case(cfg: WgmmaConfig, kind: Kind, m: i64, n: i64, k: i64, g: i64, p_active: f64, fused: bool) {
@@ -657,6 +711,9 @@ fn sanitizer_small_all_ops() {
     run_mn_case(Kind::Half, 300, 512, 192, 128, 1.0, true);
     // Its 128-token, 7-stage tile (100 computing tiles at 512 tokens; see wgmma::config_for).
     run_mn_case(Kind::BFloat16, 512, 12800, 128, 128, 0.5, false);
+    // Groups narrower than its tile (the fine mask read as the tile is written).
+    run_mn_case(Kind::BFloat16, 300, 1024, 128, 32, 0.5, false);
+    run_mn_case(Kind::Half, 200, 512, 192, 64, 0.5, true);
     if wide_kernels::ops::wgmma::supported(0) {
         // The persistent grid: more tiles than a block takes first, zero-only tiles among them.
         run_wgmma_config_case(WgmmaConfig { persist: true, ..WgmmaConfig::default_for(true) }, Kind::BFloat16, 700, 4096, 128, 128, 0.5, true);

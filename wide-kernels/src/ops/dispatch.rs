@@ -203,17 +203,20 @@ impl Tuned {
     }
 }
 
-/// Tile units of the wgmma kernel: 128 output channels (so 128 | G), k steps of 64, token tiles
-/// a multiple of 128.
+/// Tile units of the wgmma kernel: 128 output channels (a tile within one group, or spanning
+/// 128 / G narrower groups), k steps of 64, token tiles a multiple of 128.
 pub const WGMMA_BM: i64 = 128;
 pub const WGMMA_BN: i64 = 128;
 pub const WGMMA_BK: i64 = 64;
 
 /// Shapes the wgmma kernel takes (the device must also be compute capability 9.0): gemm_mn
-/// and its SwiGLU variant, the tile width dividing the group, K a multiple of the k step.
+/// and its SwiGLU variant, the tile width dividing the group or a group of 8 | G | 128 (the
+/// tile then spans 128 / G groups: computed for the tokens that keep any of them, written with
+/// each group's mask), N a multiple of the tile, K a multiple of the k step.
 pub fn wgmma_feasible(s: &GemmShape) -> bool {
     matches!(s.op, RoutedOp::Mn | RoutedOp::MnSwiglu)
-        && s.group % WGMMA_BN == 0
+        && s.group > 0
+        && (s.group % WGMMA_BN == 0 || (WGMMA_BN % s.group == 0 && s.group % 8 == 0))
         && s.n % WGMMA_BN == 0
         && s.n / WGMMA_BN <= 65535
         && s.k % WGMMA_BK == 0
@@ -518,7 +521,8 @@ mod tests {
         // Not measured (not sm_90) or a shape it cannot run: never chosen.
         let none = Tuned { dense_ms: 1.0, tiles: vec![], wgmma_ms: None, skinny_ms: None };
         assert_eq!(choose(&s, 0.5, Some(&none)), GemmPath::DenseMasked);
-        assert_eq!(choose(&shape(RoutedOp::Mn, 4096, 64), 0.5, Some(&t)), GemmPath::DenseMasked, "G = 64 < the 128-wide tile");
+        assert_eq!(choose(&shape(RoutedOp::Mn, 4096, 64), 0.5, Some(&t)), GemmPath::Wgmma, "G = 64: tiles of two groups");
+        assert_eq!(choose(&shape(RoutedOp::Mn, 4096, 48), 0.5, Some(&t)), GemmPath::DenseMasked, "G = 48 does not divide the tile");
         assert_eq!(choose(&shape(RoutedOp::K, 4096, 128), 0.5, Some(&t)), GemmPath::DenseMasked, "gemm_k has no wgmma kernel");
         // Small M never autotunes, and M below LARGE_M_MIN stays dense whatever was measured.
         assert_eq!(choose(&shape(RoutedOp::Mn, 16, 128), 0.5, Some(&t)), GemmPath::DenseMasked);
@@ -530,7 +534,14 @@ mod tests {
     fn wgmma_shapes() {
         assert!(wgmma_feasible(&shape(RoutedOp::Mn, 4096, 128)));
         assert!(wgmma_feasible(&shape(RoutedOp::MnSwiglu, 5, 256)));
-        assert!(!wgmma_feasible(&shape(RoutedOp::Mn, 4096, 32)));
+        // Narrower groups run on 128-channel tiles of merged groups (their mask applied as the
+        // tile is written): 8 | group | 128.
+        assert!(wgmma_feasible(&shape(RoutedOp::Mn, 4096, 32)));
+        assert!(wgmma_feasible(&shape(RoutedOp::MnSwiglu, 4096, 64)));
+        assert!(wgmma_feasible(&shape(RoutedOp::Mn, 4096, 8)));
+        assert!(!wgmma_feasible(&shape(RoutedOp::Mn, 4096, 4)), "a 16-byte chunk would span groups");
+        assert!(!wgmma_feasible(&shape(RoutedOp::Mn, 4096, 48)), "48 does not divide the tile");
+        assert!(!wgmma_feasible(&shape(RoutedOp::Mn, 4096, 192)), "192 is not a multiple of the tile");
         assert!(!wgmma_feasible(&GemmShape { op: RoutedOp::Mn, m: 4096, n: 14336, k: 4000, group: 128 }), "K not a multiple of 64");
         assert!(!wgmma_feasible(&shape(RoutedOp::KPremasked, 4096, 128)));
     }

@@ -18,6 +18,7 @@ use tch::{Device, Kind, Tensor};
 pub struct RouteLayout {
     mask: Tensor,
     lists: OnceCell<(Tensor, Tensor)>,
+    coarse: OnceCell<(i64, (Tensor, Tensor))>,
     sparsity_hint: Option<f64>,
     measured: OnceCell<f64>,
     settled: bool,
@@ -58,6 +59,31 @@ impl RouteLayout {
         };
         Ok(self.lists.get_or_init(|| l))
     }
+    /// The lists of the coarser mask whose group j is on for a token where any of groups
+    /// `j * factor .. (j + 1) * factor` is (`[NG / factor, M]` and `[NG / factor]`), built on
+    /// first call: what a kernel whose tile spans `factor` groups computes on (it applies the
+    /// mask itself as it writes). One factor a layout.
+    pub fn coarse_lists(&self, factor: i64) -> Result<&(Tensor, Tensor)> {
+        if factor == 1 {
+            return self.lists();
+        }
+        let ng = self.groups();
+        if factor < 1 || ng % factor != 0 {
+            bail!("route_layout: {ng} groups cannot be merged {factor} at a time");
+        }
+        if let Some((f, l)) = self.coarse.get() {
+            if *f != factor {
+                bail!("route_layout: this layout's coarse lists merge {f} groups, not {factor}");
+            }
+            return Ok(l);
+        }
+        let coarse = self.mask.view([self.tokens(), ng / factor, factor]).amax(&[2i64][..], false).contiguous();
+        let l = match self.mask.device() {
+            Device::Cuda(d) => build_cuda(&coarse, d)?,
+            _ => build_reference(&coarse),
+        };
+        Ok(&self.coarse.get_or_init(|| (factor, l)).1)
+    }
     /// The same decision and declarations with nothing built yet (the token lists are built
     /// again on first use): what the autotuner times a routed kernel on, so that its time
     /// includes the lists as a call on a fresh decision pays for them.
@@ -69,6 +95,7 @@ impl RouteLayout {
         RouteLayout {
             mask: self.mask.shallow_clone(),
             lists: OnceCell::new(),
+            coarse: OnceCell::new(),
             sparsity_hint: self.sparsity_hint,
             measured,
             settled: self.settled,
@@ -155,7 +182,7 @@ pub fn route_layout(mask: &Tensor) -> Result<RouteLayout> {
         Kind::Uint8 => mask.contiguous(),
         k => bail!("route_layout: mask must be bool or u8, got {k:?}"),
     };
-    Ok(RouteLayout { mask, lists: OnceCell::new(), sparsity_hint: None, measured: OnceCell::new(), settled: false, early: false, always_on_from: None })
+    Ok(RouteLayout { mask, lists: OnceCell::new(), coarse: OnceCell::new(), sparsity_hint: None, measured: OnceCell::new(), settled: false, early: false, always_on_from: None })
 }
 
 /// Reference layout in tch (any device): a stable descending sort of each group's column.
@@ -221,6 +248,34 @@ mod tests {
         // group 0: tokens 0,2,4 active; 1,3 inactive. group 1: tokens 1,2 active.
         assert_eq!(Vec::<i32>::try_from(perm.view([-1])).unwrap(), vec![0, 2, 4, 1, 3, 1, 2, 0, 3, 4]);
         assert!((l.sparsity() - 0.5).abs() < 1e-12);
+    }
+
+    #[test]
+    fn coarse_lists_merge_neighbouring_groups() {
+        // 5 tokens, 4 groups merged in pairs: coarse group 0 = groups 0|1, 1 = groups 2|3.
+        #[rustfmt::skip]
+        let mask = Tensor::from_slice(&[
+            1u8, 0, 0, 0,
+            0, 0, 0, 0,
+            0, 1, 1, 1,
+            0, 0, 0, 1,
+            1, 1, 0, 0,
+        ]).view([5, 4]);
+        let l = route_layout(&mask).unwrap();
+        let (perm, count) = l.coarse_lists(2).unwrap();
+        assert_eq!(Vec::<i32>::try_from(count).unwrap(), vec![3, 2]);
+        assert_eq!(Vec::<i32>::try_from(perm.view([-1])).unwrap(), vec![0, 2, 4, 1, 3, 2, 3, 0, 1, 4]);
+        // The same lists as a layout of the merged mask; the fine lists are untouched.
+        let merged = Tensor::from_slice(&[1u8, 0, 0, 0, 1, 1, 0, 1, 1, 0]).view([5, 2]);
+        let r = route_layout_reference(&merged);
+        assert!(perm.equal(&r.0) && count.equal(&r.1));
+        assert_eq!(Vec::<i32>::try_from(&l.lists().unwrap().1).unwrap(), vec![2, 2, 1, 2]);
+        // Factor 1 is the layout's own lists; a factor that does not divide, or a second one, is an error.
+        assert!(l.coarse_lists(1).unwrap().1.equal(&l.lists().unwrap().1));
+        assert!(l.coarse_lists(3).unwrap_err().to_string().contains("cannot be merged 3"));
+        assert!(l.coarse_lists(4).unwrap_err().to_string().contains("merge 2 groups, not 4"));
+        // An unbuilt copy builds its own.
+        assert!(l.unbuilt().coarse.get().is_none());
     }
 
     #[test]

@@ -117,6 +117,18 @@
 #if TALL && (MI != 2 || FUSED || !TMA_B || PERSIST || STREAMK || L2_HINT)
 #error "TALL needs MI 2, no FUSED, TMA_B, the plain entry and no L2_HINT"
 #endif
+// FINE 1 (plain entry): groups narrower than the 128-channel tile. The host passes lists built
+// from the 128-channel OR of the mask (a token is listed in a tile's group if it keeps any of
+// the tile's fine groups) with G = 128, and the fine mask `fmask` [M, ngf] with its group size
+// `fg` (8 | fg, fg | 128): the write-out stores zeros for a listed token's channels whose fine
+// group it skips. The tile is computed whole for every listed token; only what is written
+// differs.
+#ifndef FINE
+#define FINE 0
+#endif
+#if FINE && (PERSIST || STREAMK)
+#error "FINE needs the plain entry"
+#endif
 // The weight tiles come by TMA (one producer thread, an expect_tx arrival on the stage barrier).
 #define B_BY_TMA (CLUSTER == 2 || TMA_B)
 
@@ -272,9 +284,11 @@ __device__ __forceinline__ void stage_subtile(unsigned sbase, const float (&acc)
 // A tile's rows [rbeg, rend) out (BM rows but for a tall tile's last rows and the zero tile after
 // it), 16 bytes a thread (threads `first`, `first + stride`, ...), a row's 256 bytes by 16
 // consecutive threads: the results staged at `sbase` for the active rows (r < nact), zeros for
-// the inactive tokens listed after them; rows[r] < 0 (past M) are skipped.
+// the inactive tokens listed after them; rows[r] < 0 (past M) are skipped. With FINE, an
+// active row's 16-byte chunk is zero where its token skips the chunk's fine group (fmask, fg, ngf:
+// see FINE above).
 __device__ __forceinline__ void write_rows(T* out, const int* rows, int nact, unsigned sbase, int N, int n0, int first, int stride, int rbeg = 0,
-                                           int rend = BM) {
+                                           int rend = BM, const unsigned char* __restrict__ fmask = nullptr, int fg = 0, int ngf = 0) {
 #if L2_HINT
     const unsigned long long opol = l2_policy_evict_first();
 #endif
@@ -283,7 +297,12 @@ __device__ __forceinline__ void write_rows(T* out, const int* rows, int nact, un
         const int tok = rows[r];
         if (tok < 0) continue;
         uint4 v = make_uint4(0, 0, 0, 0);
-        if (r < nact)
+#if FINE
+        const bool keep = r < nact && fmask[(long long)tok * ngf + (n0 + c * 8) / fg] != 0;
+#else
+        const bool keep = r < nact;
+#endif
+        if (keep)
             asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
                          : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                          : "r"(sbase + r * (BN * 2) + ((c ^ (r & 7)) << 4)));
@@ -409,7 +428,10 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
                                                                       const __grid_constant__ TmaDesc tmap_w2,
                                                                       // ROW_TMA: the map of x, boxes of 64 k x 64 rows
                                                                       const __grid_constant__ TmaDesc tmap_x,
-                                                                      int band) {  // token tiles a band of the tile order
+                                                                      int band,  // token tiles a band of the tile order
+                                                                      // FINE: the fine mask [M, ngf] of groups of fg
+                                                                      // channels (else unused)
+                                                                      const unsigned char* __restrict__ fmask, int fg, int ngf) {
     extern __shared__ unsigned char smem_raw[];
     __shared__ int rows[BMA];
     __shared__ __align__(8) unsigned long long full_bar[STAGES], empty_bar[STAGES];
@@ -631,7 +653,7 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
     }
     if (!run) __syncthreads();  // the rows filled above
     // All rows when the tile has no active one (nothing was staged then).
-    write_rows(out, rows, nact, base, N, n0, tid, THREADS, rbeg, rend);
+    write_rows(out, rows, nact, base, N, n0, tid, THREADS, rbeg, rend, fmask, fg, ngf);
 #if CLUSTER == 2
     // The other block may still arrive on this block's barriers: leave together.
     cluster_sync();

@@ -9,7 +9,11 @@
 //! 128-byte-swizzled K-major shared layout (k steps of 64, a multi-stage mbarrier pipeline; the
 //! sweep keeps the all-cp.async and cluster-multicast variants), two consumer warpgroups run
 //! m64n128k16 `wgmma` on them and scatter the results to the token rows; the inactive tokens
-//! listed after the active ones get exact zeros. Compiled with NVRTC for `compute_90a`, so it
+//! listed after the active ones get exact zeros. Groups narrower than the 128-channel tile (8 |
+//! G | 128) run on tiles of 128 / G neighbouring groups: the token lists are those of the
+//! mask's OR over the tile's groups ([`RouteLayout::coarse_lists`]), the tile is computed for
+//! every listed token, and the write-out stores zeros where the token skips a channel's own
+//! group (`FINE` in wgmma.cu). Compiled with NVRTC for `compute_90a`, so it
 //! runs on compute capability 9.0 devices only ([`supported`]).
 use super::dispatch::{wgmma_feasible, GemmShape, RoutedOp, WGMMA_BK, WGMMA_BM, WGMMA_BN};
 use super::gemm::cuda_inputs;
@@ -416,7 +420,14 @@ fn env_sk_mode() -> i32 {
 
 /// The module for a dtype, fusion flag and configuration.
 pub fn source(f16: bool, fused: bool, c: WgmmaConfig) -> KernelSource {
-    KernelSource::new("wgmma", SOURCE)
+    source_fine(f16, fused, c, false)
+}
+
+/// [`source`], with `fine` the variant for groups narrower than the 128-channel tile (`FINE`
+/// in wgmma.cu: lists of the 128-channel OR of the mask, the fine mask applied as the tile is
+/// written). Only the plain entry has it.
+pub fn source_fine(f16: bool, fused: bool, c: WgmmaConfig, fine: bool) -> KernelSource {
+    let k = KernelSource::new("wgmma", SOURCE)
         .target(TARGET)
         .define("WIDE_F16", f16 as u32)
         .define("FUSED", fused as u32)
@@ -429,7 +440,22 @@ pub fn source(f16: bool, fused: bool, c: WgmmaConfig) -> KernelSource {
         .define("PERSIST", c.persist as u32)
         .define("ROW_TMA", c.row_tma_on() as u32)
         .define("STREAMK", c.stream_k as u32)
-        .define("TALL", c.tall as u32)
+        .define("TALL", c.tall as u32);
+    if fine {
+        k.define("FINE", 1)
+    } else {
+        k
+    }
+}
+
+/// The configurations [`config_for`] can pick for an op (the fused kernel's one, the plain
+/// kernel's candidates of [`tile_costs`]), without `WIDE_WGMMA`.
+fn picked_configs(fused: bool) -> Vec<WgmmaConfig> {
+    let d = WgmmaConfig::default_for(fused);
+    if fused {
+        return vec![d];
+    }
+    [d, WgmmaConfig { mi: 1, stages: 7, ..d }, WgmmaConfig { tall: true, ..d }].into_iter().filter(|c| c.valid(false)).collect()
 }
 
 /// Every variant shipped (the defaults and the sweep), for the compile-everything test.
@@ -438,6 +464,8 @@ pub fn kernel_variants() -> Vec<KernelSource> {
     for f16 in [false, true] {
         for fused in [false, true] {
             v.extend(sweep(fused).into_iter().map(|c| source(f16, fused, c)));
+            // Groups narrower than the tile: the configurations the launch rule picks.
+            v.extend(picked_configs(fused).into_iter().map(|c| source_fine(f16, fused, c, true)));
         }
     }
     v
@@ -456,13 +484,13 @@ pub fn supported(device: usize) -> bool {
 }
 
 /// The kernel of a configuration and the most dynamic shared memory a launch of it can have.
-fn kernel(f16: bool, fused: bool, c: WgmmaConfig, device: usize) -> Result<(CudaKernel, u32)> {
-    static K: OnceLock<Mutex<HashMap<(bool, bool, WgmmaConfig, usize), (CudaKernel, u32)>>> = OnceLock::new();
-    let key = (f16, fused, c, device);
+fn kernel(f16: bool, fused: bool, c: WgmmaConfig, fine: bool, device: usize) -> Result<(CudaKernel, u32)> {
+    static K: OnceLock<Mutex<HashMap<(bool, bool, WgmmaConfig, bool, usize), (CudaKernel, u32)>>> = OnceLock::new();
+    let key = (f16, fused, c, fine, device);
     if let Some(k) = K.get_or_init(Default::default).lock().unwrap().get(&key) {
         return Ok(*k);
     }
-    let k = CudaKernel::get(&source(f16, fused, c), c.entry(), device)?;
+    let k = CudaKernel::get(&source_fine(f16, fused, c, fine), c.entry(), device)?;
     // The stream-K entry's schedule follows its stages in the dynamic shared memory (sized a
     // launch): its limit is what the static shared memory leaves of the multiprocessor's.
     let max = if c.stream_k { SMEM_LIMIT.saturating_sub(k.static_shared_mem()?) } else { c.smem_bytes(fused) };
@@ -542,7 +570,7 @@ pub fn gemm_mn_banded(config: WgmmaConfig, band: Option<i64>, x: &Tensor, w: &Te
 fn launch_config(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: &RouteLayout, config: Option<WgmmaConfig>, band: Option<i64>) -> Result<Tensor> {
     ensure!(
         wgmma_feasible(s),
-        "the wgmma kernel cannot run {:?} with N {} K {} group {} (needs gemm_mn, 128 | group, 64 | K)",
+        "the wgmma kernel cannot run {:?} with N {} K {} group {} (needs gemm_mn, 128 | N, 64 | K, and a group size that is a multiple of 128 or a multiple of 8 dividing 128)",
         s.op,
         s.n,
         s.k,
@@ -555,16 +583,29 @@ fn launch_config(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, lay
     // The routed groups' skip rate (always-on groups, such as the fused Q|K|V's K|V, keep every
     // token and have no partial tile).
     let routed = layout.sparsity_hint().map(|h| (h * layout.groups() as f64 / layout.always_on_from().max(1) as f64).min(1.0));
+    // Groups narrower than the 128-channel tile (FINE in wgmma.cu): the tiles run on the lists of
+    // the mask's OR over each tile's `factor` groups, which skips a token only where it skips
+    // all of them (about s^factor of the tokens for independent groups).
+    let fine = s.group < WGMMA_BN;
+    let factor = if fine { WGMMA_BN / s.group } else { 1 };
+    let routed = routed.map(|h| h.powi(factor as i32));
     let c = match config {
-        Some(c) => c,
-        None => config_for_groups(s, routed.unwrap_or(0.5), layout.groups() - layout.always_on_from(), sms as i64),
+        Some(c) => {
+            ensure!(!fine || !(c.persist || c.stream_k), "wgmma configuration {} has no form for groups of {} (narrower than the 128-channel tile): use the plain grid", c.label(), s.group);
+            c
+        }
+        // A sweep's persistent or stream-K grid has no fine form: its plain grid runs instead.
+        None => match config_for_groups(s, routed.unwrap_or(0.5f64.powi(factor as i32)), layout.groups() - layout.always_on_from(), sms as i64) {
+            c if fine && (c.persist || c.stream_k) => WgmmaConfig { persist: false, stream_k: false, ..c },
+            c => c,
+        },
     };
     // The tile order's band, and for the stream-K schedule the shared memory it needs (a
     // launch whose schedule does not fit next to the stages takes the plain grid).
     let band = band.unwrap_or_else(|| band_tiles(c.bm(), c.cluster, s.m, routed));
     let band = if c.cluster == 2 { (band - band % 2).max(2) } else { band };
     let mut smem = c.smem_bytes(fused);
-    let (mut k, max) = kernel(f16, fused, c, device)?;
+    let (mut k, max) = kernel(f16, fused, c, fine, device)?;
     let c = if c.stream_k {
         let need = smem + stream_k_schedule_bytes(c.bm(), s.m, s.n, band);
         if need <= max {
@@ -572,13 +613,13 @@ fn launch_config(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, lay
             c
         } else {
             let plain = WgmmaConfig { stream_k: false, ..c };
-            k = kernel(f16, fused, plain, device)?.0;
+            k = kernel(f16, fused, plain, fine, device)?.0;
             plain
         }
     } else {
         c
     };
-    let (perm, count) = layout.lists()?;
+    let (perm, count) = if fine { layout.coarse_lists(factor)? } else { layout.lists()? };
     let out = Tensor::empty([s.m, s.n], (x.kind(), x.device()));
     // A 1-D grid of tiles (units of `cluster` token tiles) in banded order (see wgmma.cu); a band
     // of (N / 128) * 32 tiles at most must fit an i32 too.
@@ -608,7 +649,7 @@ fn launch_config(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, lay
         KernelArg::I32(s.m as i32),
         KernelArg::I32(s.n as i32),
         KernelArg::I32(s.k as i32),
-        KernelArg::I32(s.group as i32),
+        KernelArg::I32((if fine { WGMMA_BN } else { s.group }) as i32),
         map_w,
         map_up,
         map_x,
@@ -623,6 +664,16 @@ fn launch_config(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, lay
         args.push(KernelArg::tensor(&flags)?);
     }
     args.push(KernelArg::I32(band as i32));
+    if !c.persist && !c.stream_k {
+        // The plain entry's fine mask (FINE; unread otherwise).
+        if fine {
+            args.push(KernelArg::tensor(layout.mask())?);
+            args.push(KernelArg::I32(s.group as i32));
+            args.push(KernelArg::I32(layout.groups() as i32));
+        } else {
+            args.extend([KernelArg::Ptr(0), KernelArg::I32(0), KernelArg::I32(0)]);
+        }
+    }
     let trace = if c.stream_k && std::env::var_os("WIDE_WGMMA_SK_TRACE").is_some() {
         Some(Tensor::zeros([sms as i64, 64, 8], (tch::Kind::Int64, x.device())))
     } else {
@@ -636,7 +687,8 @@ fn launch_config(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, lay
         });
     }
     // SAFETY: the arguments follow gemm_mn_wgmma's signature; x is [M, K], w and w_up [N, K]
-    // (contiguous, 16-byte aligned), perm [N / G, M] and count [N / G] come from this layout,
+    // (contiguous, 16-byte aligned), perm [N / G, M] and count [N / G] come from this layout (G
+    // the 128-channel tile for narrower groups, whose fine mask [M, N / group] is the layout's),
     // out is [M, N]; the grid has one block for each of ceil(M / bm) x N / 128 tiles (rounded
     // up to whole clusters; the persistent entry: at most one a multiprocessor, with its zeroed
     // counter pair, which every launch leaves zeroed, and the tile count; the stream-K entry:
@@ -879,7 +931,12 @@ mod tests {
             let s = GemmShape { op: if fused { RoutedOp::MnSwiglu } else { RoutedOp::Mn }, m: 4096, n: 14336, k: 4096, group: 128 };
             for (c, _) in tile_costs(&s, 0.5, 0, 132) {
                 assert!(shipped(fused, c), "{c:?} (fused {fused}) can be picked but is not among the variants");
+                // and its form for groups narrower than the tile
+                assert!(v.iter().any(|k| k.defines == source_fine(false, fused, c, true).defines), "{c:?} (fused {fused}) has no FINE variant");
             }
         }
+        // Only the plain entry has a FINE form.
+        assert!(v.iter().filter(|k| k.defines.iter().any(|(d, _)| d == "FINE")).all(|k| k.defines.iter().any(|(d, v)| d == "PERSIST" && v == "0")
+            && k.defines.iter().any(|(d, v)| d == "STREAMK" && v == "0")));
     }
 }
