@@ -285,10 +285,10 @@ __device__ __forceinline__ void stage_subtile(unsigned sbase, const float (&acc)
 // it), 16 bytes a thread (threads `first`, `first + stride`, ...), a row's 256 bytes by 16
 // consecutive threads: the results staged at `sbase` for the active rows (r < nact), zeros for
 // the inactive tokens listed after them; rows[r] < 0 (past M) are skipped. With FINE, an
-// active row's 16-byte chunk is zero where its token skips the chunk's fine group (fmask, fg, ngf:
-// see FINE above).
+// active row's 16-byte chunk is zero where its token skips the chunk's fine group of fg
+// channels (bit (c * 8) / fg of fbits[r], the row's bits of the tile's fine groups).
 __device__ __forceinline__ void write_rows(T* out, const int* rows, int nact, unsigned sbase, int N, int n0, int first, int stride, int rbeg = 0,
-                                           int rend = BM, const unsigned char* __restrict__ fmask = nullptr, int fg = 0, int ngf = 0) {
+                                           int rend = BM, const unsigned short* fbits = nullptr, int fg = 0) {
 #if L2_HINT
     const unsigned long long opol = l2_policy_evict_first();
 #endif
@@ -298,7 +298,7 @@ __device__ __forceinline__ void write_rows(T* out, const int* rows, int nact, un
         if (tok < 0) continue;
         uint4 v = make_uint4(0, 0, 0, 0);
 #if FINE
-        const bool keep = r < nact && fmask[(long long)tok * ngf + (n0 + c * 8) / fg] != 0;
+        const bool keep = r < nact && ((fbits[r] >> ((c * 8) / fg)) & 1u);
 #else
         const bool keep = r < nact;
 #endif
@@ -434,6 +434,9 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
                                                                       const unsigned char* __restrict__ fmask, int fg, int ngf) {
     extern __shared__ unsigned char smem_raw[];
     __shared__ int rows[BMA];
+#if FINE
+    __shared__ unsigned short fbits[BMA];
+#endif
     __shared__ __align__(8) unsigned long long full_bar[STAGES], empty_bar[STAGES];
     // Stages start 1024-aligned (the swizzle pattern is defined on absolute address bits); the
     // launch asks for 1024 bytes of slack.
@@ -489,7 +492,25 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
     // the first stage arrives; BM <= 256), read after the stage barriers (or the barrier of a
     // block that computes nothing). The producer reads its own rows from global memory, so its
     // first copies wait for nothing but those loads.
+#if FINE
+    // With them, each row's bits of the tile's BN / fg fine groups (bit j: group n0 / fg + j), so
+    // that the write-out waits for no global load.
+    for (int i = tid - 128; i >= 0 && i < rend; i += THREADS - 128) {
+        const int tok = (m0 + i < M) ? pg[m0 + i] : -1;
+        rows[i] = tok;
+        unsigned b = 0;
+        if (tok >= 0) {
+            const unsigned char* f = fmask + (long long)tok * ngf + n0 / fg;
+            const int per = BN / fg;
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j)
+                if (j < per && f[j] != 0) b |= 1u << j;
+        }
+        fbits[i] = (unsigned short)b;
+    }
+#else
     for (int i = tid - 128; i >= 0 && i < rend; i += THREADS - 128) rows[i] = (m0 + i < M) ? pg[m0 + i] : -1;
+#endif
     if (run) {
         const int KT = K / BK;
         if (wg == 0) {
@@ -653,7 +674,11 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
     }
     if (!run) __syncthreads();  // the rows filled above
     // All rows when the tile has no active one (nothing was staged then).
-    write_rows(out, rows, nact, base, N, n0, tid, THREADS, rbeg, rend, fmask, fg, ngf);
+#if FINE
+    write_rows(out, rows, nact, base, N, n0, tid, THREADS, rbeg, rend, fbits, fg);
+#else
+    write_rows(out, rows, nact, base, N, n0, tid, THREADS, rbeg, rend);
+#endif
 #if CLUSTER == 2
     // The other block may still arrive on this block's barriers: leave together.
     cluster_sync();
