@@ -162,13 +162,20 @@ fn run_path(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: 
 }
 
 /// The wgmma kernel can run this call: a feasible shape, bf16/f16 on a compute capability 9.0
-/// device.
+/// device (groups narrower than its tile unless `WIDE_WGMMA_NARROW=0`).
 fn wgmma_usable(s: &GemmShape, x: &Tensor) -> bool {
     let dev = match x.device() {
         Device::Cuda(d) if matches!(x.kind(), Kind::BFloat16 | Kind::Half) => d,
         _ => return false,
     };
-    dispatch::wgmma_feasible(s) && wgmma::supported(dev)
+    dispatch::wgmma_feasible(s) && (s.group >= dispatch::WGMMA_BN || narrow_allowed()) && wgmma::supported(dev)
+}
+
+/// `WIDE_WGMMA_NARROW=0` (read once) keeps groups narrower than the wgmma tile off that kernel
+/// (the earlier dispatch, for A/B runs).
+fn narrow_allowed() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("WIDE_WGMMA_NARROW").map_or(true, |v| v != "0"))
 }
 
 pub(super) fn cuda_inputs(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>) -> Result<(usize, bool, Tensor, Tensor, Option<Tensor>)> {
