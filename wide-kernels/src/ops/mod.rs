@@ -25,9 +25,6 @@ const ROUTED_SOURCE: &str = concat!(include_str!("mma_sync.cuh"), include_str!("
 /// (and gate+up fusion flag), the `mma.sync` tiled entries.
 pub fn routed_source(f16: bool, tile: Option<(TileConfig, bool)>) -> KernelSource {
     let mut s = KernelSource::new("routed", ROUTED_SOURCE).define("WIDE_F16", f16 as u32);
-    if tile.is_none() && gemv_evict() {
-        s = s.define("GEMV_EVICT", 1);
-    }
     if let Some((t, fused)) = tile {
         s = s
             .define("BM", t.bm)
@@ -39,14 +36,6 @@ pub fn routed_source(f16: bool, tile: Option<(TileConfig, bool)>) -> KernelSourc
             .define("FUSED", fused as u32);
     }
     s
-}
-
-/// `WIDE_GEMV_EVICT=1` (read once; a measurement knob): the GEMVs' weight loads carry an L2
-/// evict-first policy (`GEMV_EVICT` in routed.cu). Its module is not among the precompiled
-/// variants, so NVRTC builds it at first use.
-fn gemv_evict() -> bool {
-    static V: OnceLock<bool> = OnceLock::new();
-    *V.get_or_init(|| std::env::var("WIDE_GEMV_EVICT").map_or(false, |v| v == "1"))
 }
 
 /// A routed entry point, loaded once per (dtype, tile, entry, device): the hot path does a map

@@ -8,23 +8,10 @@
 __device__ __forceinline__ float silu(float a) { return a / (1.0f + __expf(-a)); }
 
 // Weights are streamed once: keep them out of L1 so the (re-read) activations stay there.
-// GEMV_EVICT 1 (a measurement knob, `WIDE_GEMV_EVICT=1`): the weight stream's lines are marked
-// evict-first in L2, so a stream that fills the L2 evicts its own (clean) lines before the
-// lines it found there.
-#ifndef GEMV_EVICT
-#define GEMV_EVICT 0
-#endif
 __device__ __forceinline__ uint4 ld_stream(const void* p) {
     uint4 v;
-#if GEMV_EVICT
-    unsigned long long pol;
-    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(pol));
-#else
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-#endif
     return v;
 }
 __device__ __forceinline__ uint4 ld_keep(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
