@@ -604,13 +604,7 @@ fn gemm_mn_wgmma_narrow_groups_match_reference() {
     let pick = Tensor::randint(4, [m, n / 128, 1], (Kind::Int64, dev));
     let one = Tensor::arange(4, (Kind::Int64, dev)).view([1, 1, 4]).eq_tensor(&pick).reshape([m, n / g]);
     for fused in [false, true] {
-        let MnCase { x, w, w2, l, r, off, .. } = mn_case_masked(Kind::BFloat16, one.shallow_clone(), n, k, g, fused);
-        let up = if fused { Some(&w2) } else { None };
-        for call in 0..2 {
-            poison(m, n, Kind::BFloat16);
-            let y = wide_kernels::ops::wgmma::gemm_mn_with(WgmmaConfig::default_for(fused), &x, &w, up, &l, g).unwrap();
-            check(&y, &r, Some(&off), &format!("one group of each tile a token, fused={fused} call {call}"));
-        }
+        run_wgmma_config_masked(WgmmaConfig::default_for(fused), Kind::BFloat16, one.shallow_clone(), n, k, g, fused, "one group of each tile a token");
     }
     let MnCase { x, w, l, .. } = mn_case(Kind::BFloat16, 300, 1024, 128, 32, 0.5, false);
     for cfg in [WgmmaConfig { persist: true, mi: 1, ..d }, WgmmaConfig { stream_k: true, ..d }] {
@@ -622,12 +616,19 @@ fn gemm_mn_wgmma_narrow_groups_match_reference() {
 /// One product on the wgmma kernel in a given configuration against the f32 reference, twice.
 #[allow(clippy::too_many_arguments)]
 fn run_wgmma_config_case(cfg: WgmmaConfig, kind: Kind, m: i64, n: i64, k: i64, g: i64, p_active: f64, fused: bool) {
-    let MnCase { x, w, w2, l, r, off, .. } = mn_case(kind, m, n, k, g, p_active, fused);
+    run_wgmma_config_masked(cfg, kind, mask(m, n / g, p_active), n, k, g, fused, &format!("active={p_active}"));
+}
+
+/// [`run_wgmma_config_case`] over a given `[M, N / G]` mask (`what` names it in failures).
+#[allow(clippy::too_many_arguments)]
+fn run_wgmma_config_masked(cfg: WgmmaConfig, kind: Kind, msk: Tensor, n: i64, k: i64, g: i64, fused: bool, what: &str) {
+    let m = msk.size()[0];
+    let MnCase { x, w, w2, l, r, off, .. } = mn_case_masked(kind, msk, n, k, g, fused);
     let up = if fused { Some(&w2) } else { None };
     for call in 0..2 {
         poison(m, n, kind);
         let y = wide_kernels::ops::wgmma::gemm_mn_with(cfg, &x, &w, up, &l, g).unwrap();
-        check(&y, &r, Some(&off), &format!("{} {kind:?} M={m} N={n} K={k} G={g} active={p_active} fused={fused} call {call}", cfg.label()));
+        check(&y, &r, Some(&off), &format!("{} {kind:?} M={m} N={n} K={k} G={g} {what} fused={fused} call {call}", cfg.label()));
     }
 }
 
