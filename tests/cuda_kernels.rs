@@ -295,7 +295,9 @@ fn dispatch_measures_small_m_kernel_against_dense() {
 fn route_layout_kernel_matches_reference() {
     let _ = gpu(); // the device first (one GPU test at a time)
     tch::manual_seed(11);
-    for (m, ng) in [(1, 1), (1, 112), (37, 112), (1000, 448), (4096, 112), (16384, 8), (3000, 32)] {
+    // One-pass partition: up to 32 indices a thread (32768 with 1024 threads: (32768, 2) takes
+    // exactly 32); longer columns take the chunked form ((40000, 3)).
+    for (m, ng) in [(1, 1), (1, 112), (37, 112), (1000, 448), (4096, 112), (16384, 8), (3000, 32), (1025, 5), (32768, 2), (40000, 3)] {
         for p in [0.0, 0.3, 0.5, 1.0] {
             let msk = mask(m, ng, p);
             let l = route_layout(&msk).unwrap();

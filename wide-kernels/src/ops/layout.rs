@@ -197,6 +197,18 @@ fn build_reference(mask: &Tensor) -> (Tensor, Tensor) {
     (perm.to_kind(Kind::Int).contiguous(), count.to_kind(Kind::Int))
 }
 
+/// `WIDE_LAYOUT=chunked` (read once) builds the lists with the two-pass chunked partition instead
+/// of the one-pass one (an A/B knob; both give the same lists); unset, empty or `onepass` is the
+/// default, anything else an error.
+fn layout_chunked() -> Result<bool> {
+    static V: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    match V.get_or_init(|| std::env::var("WIDE_LAYOUT").ok()).as_deref() {
+        None | Some("") | Some("onepass") => Ok(false),
+        Some("chunked") => Ok(true),
+        Some(v) => bail!("WIDE_LAYOUT={v:?}: expected `onepass` (the default) or `chunked`"),
+    }
+}
+
 fn build_cuda(mask: &Tensor, device: usize) -> Result<(Tensor, Tensor)> {
     let (m, ng) = (mask.size()[0], mask.size()[1]);
     let mask = mask.contiguous();
@@ -205,7 +217,8 @@ fn build_cuda(mask: &Tensor, device: usize) -> Result<(Tensor, Tensor)> {
     // The layout entry is the same in both dtype modules. Through the loaded-entry map: a
     // `CudaKernel::get` here hashed the whole routed source (~77 KB) on every build, ~0.1 ms of
     // host time per layout, two or three a layer in a routed prefill.
-    let k = routed_kernel(false, None, "route_layout", device).context("loading route_layout")?;
+    let entry = if layout_chunked()? { "route_layout_chunked" } else { "route_layout" };
+    let k = routed_kernel(false, None, entry, device).with_context(|| format!("loading {entry}"))?;
     let threads = (m.min(1024) as u32).div_ceil(32) * 32;
     unsafe {
         k.launch(

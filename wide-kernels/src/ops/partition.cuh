@@ -1,9 +1,12 @@
 // Stable partition of one strided byte column by one block (blockDim.x a multiple of 32, at
 // most 1024; every thread of the block calls it): perm[0 .. count) = the indices t < n whose
 // byte col[t * stride] is nonzero, ascending, then the others, ascending; *count = how many are
-// nonzero. Two passes: count (so the inactive tail starts at the right place), then place
-// through warp ballots and per-warp offsets.
-__device__ __forceinline__ void block_partition(const unsigned char* __restrict__ col, long long stride, int n,
+// nonzero.
+//
+// `block_partition_chunked`: two passes over blockDim-wide chunks: count (so the inactive tail
+// starts at the right place), then place through warp ballots and per-warp offsets, two block
+// barriers and a walk over the warps' counts a chunk.
+__device__ __forceinline__ void block_partition_chunked(const unsigned char* __restrict__ col, long long stride, int n,
                                                 int* __restrict__ perm, int* __restrict__ count) {
     __shared__ int wa[32], wi[32], tot_a;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -39,5 +42,56 @@ __device__ __forceinline__ void block_partition(const unsigned char* __restrict_
         else if (valid) perm[base_i + off_i + __popc(bi & lt)] = t;
         base_a += all_a;
         base_i += all_i;
+    }
+}
+
+// `block_partition`: one pass. Thread i owns the contiguous indices [i p, (i + 1) p), p = ceil(n /
+// blockDim) <= 32, reads their bytes once (p independent loads in flight) into a bit word, and
+// places them after one block-wide exclusive scan of the per-thread counts (two block barriers
+// in all): the owned runs are in index order, so the scan's offsets keep both parts ascending.
+// Columns longer than 32 x blockDim take the chunked form.
+__device__ __forceinline__ void block_partition(const unsigned char* __restrict__ col, long long stride, int n,
+                                                int* __restrict__ perm, int* __restrict__ count) {
+    const int nt = blockDim.x;
+    const int per = (n + nt - 1) / nt;
+    if (per > 32) {
+        block_partition_chunked(col, stride, n, perm, count);
+        return;
+    }
+    __shared__ int ws[32], tot;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = nt >> 5;
+    const int t0 = threadIdx.x * per;
+    const int mine = max(0, min(per, n - t0));
+    unsigned bits = 0;
+    for (int i = 0; i < mine; ++i) bits |= (unsigned)(col[(long long)(t0 + i) * stride] != 0) << i;
+    const int c = __popc(bits);
+    int inc = c;  // inclusive scan of the counts within the warp
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, inc, o);
+        if (lane >= o) inc += v;
+    }
+    if (lane == 31) ws[warp] = inc;
+    __syncthreads();
+    if (warp == 0) {
+        const int v = lane < nw ? ws[lane] : 0;
+        int s = v;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int u = __shfl_up_sync(0xffffffffu, s, o);
+            if (lane >= o) s += u;
+        }
+        if (lane < nw) ws[lane] = s - v;  // the warps' exclusive offsets
+        if (lane == 31) {
+            tot = s;
+            *count = s;
+        }
+    }
+    __syncthreads();
+    int a = ws[warp] + inc - c;  // active indices before t0
+    int in = tot + t0 - a;       // the inactive tail's start, plus the inactive indices before t0
+    for (int i = 0; i < mine; ++i) {
+        if ((bits >> i) & 1u) perm[a++] = t0 + i;
+        else perm[in++] = t0 + i;
     }
 }

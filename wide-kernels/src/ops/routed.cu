@@ -45,6 +45,11 @@ extern "C" __global__ void __launch_bounds__(1024) route_layout(const unsigned c
     const int g = blockIdx.x;
     block_partition(mask + g, NG, M, perm + (long long)g * M, count + g);
 }
+// The same with the two-pass chunked partition (`WIDE_LAYOUT=chunked`, for A/B).
+extern "C" __global__ void __launch_bounds__(1024) route_layout_chunked(const unsigned char* __restrict__ mask, int M, int NG, int* __restrict__ perm, int* __restrict__ count) {
+    const int g = blockIdx.x;
+    block_partition_chunked(mask + g, NG, M, perm + (long long)g * M, count + g);
+}
 
 // The want-th (from 0) group of [0, FIXED) that is on (used) or, with !used, off, where
 // on_at(g0) gives this lane's bit for group g0 + lane; -1 if there are not that many. Every
