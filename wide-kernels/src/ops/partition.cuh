@@ -45,11 +45,13 @@ __device__ __forceinline__ void block_partition_chunked(const unsigned char* __r
     }
 }
 
-// `block_partition`: one pass. Thread i owns the contiguous indices [i p, (i + 1) p), p = ceil(n /
-// blockDim) <= 32, reads their bytes once (p independent loads in flight) into a bit word, and
-// places them after one block-wide exclusive scan of the per-thread counts (two block barriers
-// in all): the owned runs are in index order, so the scan's offsets keep both parts ascending.
-// Columns longer than 32 x blockDim take the chunked form.
+// `block_partition`: one pass. Warp w owns the contiguous indices [32 p w, 32 p (w + 1)), p =
+// ceil(n / blockDim) <= 32, and walks them 32 at a time: round k reads the bytes of 32 p w + 32 k
+// + lane (p rounds of independent loads, each byte read once) and keeps the round's ballot in
+// lane k. One block-wide exclusive scan of the warps' counts gives each warp its offsets in both
+// parts (the runs are in index order, so both stay ascending); the placement then replays the
+// ballots (a shuffle each), so a warp's stores of a round are consecutive. Two block barriers
+// in all. Columns longer than 32 x blockDim take the chunked form.
 __device__ __forceinline__ void block_partition(const unsigned char* __restrict__ col, long long stride, int n,
                                                 int* __restrict__ perm, int* __restrict__ count) {
     const int nt = blockDim.x;
@@ -60,18 +62,18 @@ __device__ __forceinline__ void block_partition(const unsigned char* __restrict_
     }
     __shared__ int ws[32], tot;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = nt >> 5;
-    const int t0 = threadIdx.x * per;
-    const int mine = max(0, min(per, n - t0));
-    unsigned bits = 0;
-    for (int i = 0; i < mine; ++i) bits |= (unsigned)(col[(long long)(t0 + i) * stride] != 0) << i;
-    const int c = __popc(bits);
-    int inc = c;  // inclusive scan of the counts within the warp
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int v = __shfl_up_sync(0xffffffffu, inc, o);
-        if (lane >= o) inc += v;
+    const int base = warp * 32 * per;
+    unsigned myb = 0;
+    int c = 0;
+#pragma unroll 8
+    for (int k = 0; k < per; ++k) {
+        const int t = base + 32 * k + lane;
+        const bool on = t < n && col[(long long)t * stride] != 0;
+        const unsigned b = __ballot_sync(0xffffffffu, on);
+        if (lane == k) myb = b;
+        c += __popc(b);
     }
-    if (lane == 31) ws[warp] = inc;
+    if (lane == 0) ws[warp] = c;
     __syncthreads();
     if (warp == 0) {
         const int v = lane < nw ? ws[lane] : 0;
@@ -88,10 +90,18 @@ __device__ __forceinline__ void block_partition(const unsigned char* __restrict_
         }
     }
     __syncthreads();
-    int a = ws[warp] + inc - c;  // active indices before t0
-    int in = tot + t0 - a;       // the inactive tail's start, plus the inactive indices before t0
-    for (int i = 0; i < mine; ++i) {
-        if ((bits >> i) & 1u) perm[a++] = t0 + i;
-        else perm[in++] = t0 + i;
+    int a = ws[warp];                    // active indices before base
+    int in = tot + min(base, n) - a;     // the inactive tail's start plus the inactive ones before base
+    const unsigned lt = (1u << lane) - 1u;
+    for (int k = 0; k < per; ++k) {
+        const int t = base + 32 * k + lane;
+        const unsigned b = __shfl_sync(0xffffffffu, myb, k);
+        const int left = n - (base + 32 * k);  // valid indices in this round
+        const unsigned valid = left >= 32 ? 0xffffffffu : left > 0 ? (1u << left) - 1u : 0u;
+        const unsigned off = ~b & valid;
+        if ((b >> lane) & 1u) perm[a + __popc(b & lt)] = t;
+        else if ((valid >> lane) & 1u) perm[in + __popc(off & lt)] = t;
+        a += __popc(b);
+        in += __popc(off);
     }
 }
