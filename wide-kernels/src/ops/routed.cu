@@ -42,16 +42,11 @@ __device__ __forceinline__ float warp_sum(float v) {
 // count: i32 [NG]. One block of up to 1024 threads per group.
 // ---------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(1024) route_layout(const unsigned char* __restrict__ mask, int M, int NG, int* __restrict__ perm, int* __restrict__ count) {
-    // Launched plainly (after the launch before has finished), so the next launch, if it asked
-    // for programmatic dependent launch (the wgmma gemm_mn), may start its set-up at once; it
-    // reads the lists only after its own wait.
-    pdl_trigger();
     const int g = blockIdx.x;
     block_partition(mask + g, NG, M, perm + (long long)g * M, count + g);
 }
 // The same with the two-pass chunked partition (`WIDE_LAYOUT=chunked`, for A/B).
 extern "C" __global__ void __launch_bounds__(1024) route_layout_chunked(const unsigned char* __restrict__ mask, int M, int NG, int* __restrict__ perm, int* __restrict__ count) {
-    pdl_trigger();
     const int g = blockIdx.x;
     block_partition_chunked(mask + g, NG, M, perm + (long long)g * M, count + g);
 }

@@ -452,24 +452,6 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
     const int n0 = nt * BN;
     const int g = n0 / G;
     const int* pg = perm + (long long)g * M;
-    if (tid == 0) {
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(smem_u32(&full_bar[s]), 128 + B_BY_TMA);  // every producer thread (+ the expect_tx)
-            mbar_init(smem_u32(&empty_bar[s]), 8 * CLUSTER);          // every consumer warp of the cluster
-        }
-        // The initialised barriers visible to the async proxy (the tensor copies complete on
-        // them, the first ones right after the barrier below) and, with clusters, to the other
-        // block.
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
-#if CLUSTER == 2
-    cluster_sync();
-#endif
-    // Launched with programmatic dependent launch (cluster-free configurations): the set-up above
-    // overlaps the launch before (the routing layout's, which lets this grid start at once);
-    // the lists, x, the fine mask and the output are touched only after this wait.
-    pdl_wait();
     // Block-uniform values broadcast from lane 0, so that the compiler sees the branches around
     // the wgmma instructions as warp-uniform (in a path it thinks divergent, ptxas serialises
     // every wgmma: warning C7518).
@@ -490,6 +472,20 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
     // The blocks of a cluster run the k loop together (each loads half of the shared weight
     // tiles) if any of them has an active row; a block without one computes nothing.
     const bool run = cnt - mu * CLUSTER * BM > 0;
+#endif
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(smem_u32(&full_bar[s]), 128 + B_BY_TMA);  // every producer thread (+ the expect_tx)
+            mbar_init(smem_u32(&empty_bar[s]), 8 * CLUSTER);          // every consumer warp of the cluster
+        }
+        // The initialised barriers visible to the async proxy (the tensor copies complete on
+        // them, the first ones right after the barrier below) and, with clusters, to the other
+        // block.
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+#if CLUSTER == 2
+    cluster_sync();
 #endif
     const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
     // The tile's token rows, for the write-out only: filled by the consumer threads (idle until

@@ -26,7 +26,7 @@ use std::sync::{Mutex, OnceLock};
 use tch::Tensor;
 
 /// The module source: the shared Hopper helpers, then the kernel.
-const SOURCE: &str = concat!(include_str!("pdl.cuh"), include_str!("mbarrier.cuh"), include_str!("wgmma_common.cuh"), include_str!("wgmma.cu"));
+const SOURCE: &str = concat!(include_str!("mbarrier.cuh"), include_str!("wgmma_common.cuh"), include_str!("wgmma.cu"));
 
 /// NVRTC target of the module: `wgmma` exists only in the architecture-specific sm_90a set.
 pub const TARGET: &str = "compute_90a";
@@ -695,14 +695,8 @@ fn launch_config(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, lay
     // one block a multiprocessor, with its zeroed slots of 2 x multiprocessors tiles and flags,
     // which every launch leaves zeroed, and its schedule's shared memory); the tensor maps
     // describe w and w_up, and x where the configuration reads it by TMA (a zero map otherwise,
-    // unread). The plain entry without clusters waits (`pdl_wait`) before it reads anything a
-    // launch before it wrote, and never triggers: it may launch with programmatic dependent
-    // launch, overlapping its set-up with the launch before (`WIDE_PDL=0`: not).
-    if c.entry() == "gemm_mn_wgmma" && c.cluster == 1 {
-        unsafe { k.launch_pdl(cfg, &args)? };
-    } else {
-        unsafe { k.launch(cfg, &args)? };
-    }
+    // unread).
+    unsafe { k.launch(cfg, &args)? };
     if let (Some(t), Some(path)) = (trace, std::env::var_os("WIDE_WGMMA_SK_TRACE")) {
         // A measurement knob: the stamps of this launch (each launch overwrites the file).
         let v: Vec<i64> = Vec::<i64>::try_from(t.flatten(0, -1).to_device(tch::Device::Cpu))?;
