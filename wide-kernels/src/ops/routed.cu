@@ -37,7 +37,7 @@ __device__ __forceinline__ float warp_sum(float v) {
 #ifndef BM  // the layout and GEMV entries live in the one untiled module
 // ---------------------------------------------------------------------------------------
 // Routing layout. mask: u8 [M][NG], read in place (a group's column at stride NG: no
-// transposed copy, at most 2 M strided byte loads a block, from L2).
+// transposed copy: M strided byte loads a block, 2 M in the chunked form, from L2).
 // perm: i32 [NG][M], per group the active tokens ascending, then the inactive ones ascending.
 // count: i32 [NG]. One block of up to 1024 threads per group.
 // ---------------------------------------------------------------------------------------
