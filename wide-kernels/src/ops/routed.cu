@@ -961,7 +961,7 @@ __device__ __forceinline__ void ld_words(unsigned* dst, const void* p, bool vali
 // its heads with all of their mask loads in flight, then one ballot per 32 heads; every warp
 // computes the same bits on its own (no block barrier).
 template <int QPK>
-__device__ __forceinline__ unsigned long long active_kv_heads(const unsigned char* __restrict__ mask, int b, int HKV, int GH, int NG) {
+__device__ __forceinline__ unsigned long long active_kv_heads(const unsigned char* __restrict__ mask, int b, int HKV, int GH, int NG, bool l2) {
     const int lane = threadIdx.x & 31;
     unsigned long long bits = 0;
     for (int h0 = 0; h0 < HKV; h0 += 32) {
@@ -969,7 +969,10 @@ __device__ __forceinline__ unsigned long long active_kv_heads(const unsigned cha
         bool on = false;
         if (h < HKV) {
 #pragma unroll
-            for (int j = 0; j < QPK; ++j) on |= mask[(long long)b * NG + (h * QPK + j) / GH] != 0;
+            for (int j = 0; j < QPK; ++j) {
+                const unsigned char* p = mask + (long long)b * NG + (h * QPK + j) / GH;
+                on |= (l2 ? __ldcg(p) : *p) != 0;
+            }
         }
         bits |= (unsigned long long)__ballot_sync(0xffffffffu, on) << h0;
     }
@@ -1133,8 +1136,11 @@ __device__ __forceinline__ void attn_decode_split(const T* __restrict__ q, const
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     // The length is loaded before the mask bits are reduced, so that both loads are in flight
     // together (after the ballot it cost one more memory round trip before the first K/V load).
-    const int len_b = __ldg(lengths + b);
-    const unsigned long long heads = active_kv_heads<QPK>(mask, b, HKV, GH, NG);
+    // Not settled: the launch just before may have written them, so through L2 (__ldcg): a
+    // read-only (non-coherent) load may be scheduled above the wait, and ptxas did so for the
+    // length (its SASS had the load ahead of the wait's ACQBULK).
+    const int len_b = settled ? __ldg(lengths + b) : __ldcg(lengths + b);
+    const unsigned long long heads = active_kv_heads<QPK>(mask, b, HKV, GH, NG, !settled);
     const int n_act = __popcll(heads);
     const int len = min(len_b, TCAP);
     // Merged here and short (len <= single_max): one block a KV head, whose 4 warps merge in
@@ -1386,7 +1392,7 @@ __device__ __forceinline__ void attn_decode_combine(const float* __restrict__ pa
     const int hq = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, sl = tid / DV, dv = tid % DV;
     const bool on = mask[(long long)b * NG + hq / GH] != 0;  // uniform in the block
     int S = 0;
-    if (on) S = decode_splits(NB, __popcll(active_kv_heads<QPK>(mask, b, HKV, GH, NG)), min(lengths[b], TCAP));
+    if (on) S = decode_splits(NB, __popcll(active_kv_heads<QPK>(mask, b, HKV, GH, NG, false)), min(lengths[b], TCAP));
     pdl_wait();
     pdl_trigger();
     T* o = out + ((long long)b * HQ + hq) * D;
