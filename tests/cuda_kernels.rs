@@ -23,6 +23,18 @@ fn gpu() -> Device {
     common::exclusive_gpu()
 }
 
+/// The GPU (as `gpu`), or None with a note where the wgmma kernel cannot run (compute
+/// capability other than 9.0): the Hopper-only tests return then.
+fn hopper_gpu() -> Option<Device> {
+    let dev = gpu();
+    if wide_kernels::ops::wgmma::supported(0) {
+        Some(dev)
+    } else {
+        eprintln!("skipped: the wgmma kernel needs a compute capability 9.0 GPU");
+        None
+    }
+}
+
 fn poison(m: i64, n: i64, kind: Kind) {
     let p = Tensor::full([m, n], f64::NAN, (kind, gpu()));
     drop(p);
@@ -347,11 +359,7 @@ fn gemm_mn_swiglu_all_paths_match_reference() {
 /// multiple of the 128-token tile, all-active and all-inactive masks). Hopper only.
 #[test]
 fn gemm_mn_wgmma_matches_reference() {
-    let _ = gpu(); // the device first (one GPU test at a time)
-    if !wide_kernels::ops::wgmma::supported(0) {
-        eprintln!("skipped: the wgmma kernel needs a compute capability 9.0 GPU");
-        return;
-    }
+    let Some(_) = hopper_gpu() else { return };
     tch::manual_seed(18);
     for fused in [false, true] {
         for (m, p) in [(2500, 0.5), (1000, 0.3), (300, 1.0), (257, 0.0), (4096, 0.5)] {
@@ -398,11 +406,7 @@ const PERSISTENT_GRID_CASES: &[(Kind, i64, i64, i64, i64, f64)] = &[
 /// Outputs poisoned before every call. Hopper only.
 #[test]
 fn gemm_mn_wgmma_stream_k_matches_reference() {
-    let _ = gpu(); // the device first (one GPU test at a time)
-    if !wide_kernels::ops::wgmma::supported(0) {
-        eprintln!("skipped: the wgmma kernel needs a compute capability 9.0 GPU");
-        return;
-    }
+    let Some(_) = hopper_gpu() else { return };
     tch::manual_seed(24);
     let plain = WgmmaConfig { stream_k: true, row_tma: false, ..WgmmaConfig::default_for(false) };
     let plain_small = WgmmaConfig { mi: 1, stages: 7, ..plain };
@@ -425,11 +429,7 @@ fn gemm_mn_wgmma_stream_k_matches_reference() {
 /// contiguous and gathered tiles in one grid). Outputs poisoned before every call. Hopper only.
 #[test]
 fn gemm_mn_wgmma_contiguous_tiles_match_reference() {
-    let dev = gpu();
-    if !wide_kernels::ops::wgmma::supported(0) {
-        eprintln!("skipped: the wgmma kernel needs a compute capability 9.0 GPU");
-        return;
-    }
+    let Some(dev) = hopper_gpu() else { return };
     tch::manual_seed(19);
     for fused in [false, true] {
         let d = WgmmaConfig::default_for(fused);
@@ -481,11 +481,7 @@ fn mask_with_counts(m: i64, ng: i64, counts: &[i64]) -> Tensor {
 /// every call. Hopper only.
 #[test]
 fn gemm_mn_wgmma_tiny_tiles_match_reference() {
-    let _ = gpu(); // the device first (one GPU test at a time)
-    if !wide_kernels::ops::wgmma::supported(0) {
-        eprintln!("skipped: the wgmma kernel needs a compute capability 9.0 GPU");
-        return;
-    }
+    let Some(_) = hopper_gpu() else { return };
     tch::manual_seed(23);
     for fused in [false, true] {
         let d = WgmmaConfig::default_for(fused);
@@ -522,11 +518,7 @@ fn gemm_mn_wgmma_tiny_tiles_match_reference() {
 /// every call. Hopper only.
 #[test]
 fn gemm_mn_wgmma_tall_tiles_match_reference() {
-    let dev = gpu();
-    if !wide_kernels::ops::wgmma::supported(0) {
-        eprintln!("skipped: the wgmma kernel needs a compute capability 9.0 GPU");
-        return;
-    }
+    let Some(dev) = hopper_gpu() else { return };
     tch::manual_seed(25);
     let d = WgmmaConfig { tall: true, ..WgmmaConfig::default_for(false) };
     let cfgs = [d, WgmmaConfig { row_tma: false, ..d }];
@@ -576,11 +568,7 @@ fn gemm_mn_wgmma_tall_tiles_match_reference() {
 /// outputs; a persistent or stream-K configuration is refused with a clear error. Hopper only.
 #[test]
 fn gemm_mn_wgmma_narrow_groups_match_reference() {
-    let dev = gpu();
-    if !wide_kernels::ops::wgmma::supported(0) {
-        eprintln!("skipped: the wgmma kernel needs a compute capability 9.0 GPU");
-        return;
-    }
+    let Some(dev) = hopper_gpu() else { return };
     tch::manual_seed(31);
     for fused in [false, true] {
         for (kind, m, n, k, g, p) in [
