@@ -39,7 +39,7 @@ __device__ __forceinline__ void norm_load_weights(const T* __restrict__ w, int i
 // The rest of add_rmsnorm_row on x's row in v (see norm_load_row); the weights from wv (WV,
 // loaded before) or from w as they are written (the router launches: no registers to spare).
 template <bool WV>
-__device__ __forceinline__ void add_rmsnorm_row_loaded(float (&v)[NORM_PER], const float (&wv)[NORM_PER], const T* __restrict__ w, const T* __restrict__ delta, T* res,
+__device__ __forceinline__ void add_rmsnorm_row_loaded(float (&v)[NORM_PER], const float (&wv)[NORM_PER], const T* __restrict__ w, const T* delta, T* res,
                                                        T* __restrict__ out, int H, float eps, int has_delta, long long m, int i0, int i1) {
     __shared__ float sh[32];
     const long long row = m * H;
@@ -63,7 +63,7 @@ __device__ __forceinline__ void add_rmsnorm_row_loaded(float (&v)[NORM_PER], con
         }
     }
 }
-__device__ __forceinline__ void add_rmsnorm_row(const T* x, const T* __restrict__ delta, const T* __restrict__ w, T* res,
+__device__ __forceinline__ void add_rmsnorm_row(const T* x, const T* delta, const T* __restrict__ w, T* res,
                                                 T* __restrict__ out, int H, float eps, int has_delta, long long m,
                                                 int i0, int i1) {
     float v[NORM_PER];
@@ -76,7 +76,7 @@ __device__ __forceinline__ void add_rmsnorm_row(const T* x, const T* __restrict_
 // promise: the launch just before wrote neither x nor w, e.g. x is a residual two or more
 // launches old) x's row and the weights are loaded before the programmatic-launch wait, so
 // only delta's loads follow the launch before; else everything after it.
-extern "C" __global__ void __launch_bounds__(512) add_rmsnorm(const T* x, const T* __restrict__ delta, const T* __restrict__ w,
+extern "C" __global__ void __launch_bounds__(512) add_rmsnorm(const T* x, const T* delta, const T* __restrict__ w,
                                                               T* res, T* __restrict__ out, int H, float eps, int has_delta, int pre) {
     const int per = (H + gridDim.y - 1) / gridDim.y, i0 = blockIdx.y * per, i1 = min(H, i0 + per);
     float v[NORM_PER], wv[NORM_PER];
@@ -134,7 +134,7 @@ __device__ __forceinline__ float router_w1_dot(const T* __restrict__ wr, const u
 // xs[i] = x[row + i] (+ delta[row + i], rounded to storage like the residual), then a barrier.
 // 16-byte loads, all of a thread's in flight at once (H % 8 == 0, H <= 16 * blockDim.x; the
 // callers' conditions): one round trip to L2, where a loop of 2-byte loads took one a pass.
-__device__ __forceinline__ void residual_row_to_shared(const T* x, const T* __restrict__ delta, int has_delta, long long row, int H,
+__device__ __forceinline__ void residual_row_to_shared(const T* x, const T* delta, int has_delta, long long row, int H,
                                                        float* xs) {
     uint4 xv[2], dv[2];
 #pragma unroll
@@ -170,7 +170,7 @@ __device__ unsigned int router_tickets[ROUTER_TICKETS];
 
 // The parameters of both norm + router kernels (the host builds one argument list for either).
 #define NORM_ROUTER_PARAMS                                                                                        \
-    const T *x, const T *__restrict__ delta, const T *__restrict__ w, T *res, T *__restrict__ out, int H, float eps, \
+    const T *x, const T *delta, const T *__restrict__ w, T *res, T *__restrict__ out, int H, float eps,               \
         int has_delta, const T *__restrict__ w1, const T *__restrict__ b1, T *__restrict__ h1, int R, int RPB,       \
         const T *__restrict__ w2, const T *__restrict__ b2, float offset, unsigned char *__restrict__ mask,          \
         unsigned char *__restrict__ ext, int NG, int EXTRA, int w2_shared
@@ -337,7 +337,7 @@ extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_router_cluster(NOR
 // [B, HKV, CAP, D] at slot = that position. Block (D / 2, heads a block), grid (M, ceil((HQ + HKV)
 // / heads a block)): one block per head would be hundreds of thousands of tiny blocks at
 // prefill sizes, bound by the rate blocks are scheduled, not by the bytes.
-extern "C" __global__ void rope_qkv_cache(const T* __restrict__ qkv, const int* __restrict__ pos, int pos_add,
+extern "C" __global__ void rope_qkv_cache(const T* qkv, const int* pos, int pos_add,
                                           const float* __restrict__ inv_freq, T* __restrict__ q_out, T* __restrict__ kc,
                                           T* __restrict__ vc, long long M, int T_, int HQ, int HKV, int D, int CAP,
                                           int q_token_major, int pre) {
@@ -385,7 +385,7 @@ __device__ __forceinline__ void rope8(const T* x1p, const T* x2p, const float (&
     *reinterpret_cast<uint4*>(o2) = bq;
 }
 
-extern "C" __global__ void __launch_bounds__(256) rope_qkv_cache8(const T* __restrict__ qkv, const int* __restrict__ pos, int pos_add,
+extern "C" __global__ void __launch_bounds__(256) rope_qkv_cache8(const T* qkv, const int* pos, int pos_add,
                                                                   const float* __restrict__ inv_freq, T* __restrict__ q_out,
                                                                   T* __restrict__ kc, T* __restrict__ vc, long long M, int T_, int HQ,
                                                                   int HKV, int D, int CAP, int q_token_major, int pre) {
@@ -429,7 +429,7 @@ extern "C" __global__ void __launch_bounds__(256) rope_qkv_cache8(const T* __res
 
 // gu [M, 2I] (gate | up); out [M, I] = silu(gate) * up, zero where the token's group is off
 // (mask u8 [M, NG], group G channels; mask null = dense). 8 elements a thread.
-extern "C" __global__ void swiglu_masked(const T* __restrict__ gu, const unsigned char* __restrict__ mask, T* __restrict__ out,
+extern "C" __global__ void swiglu_masked(const T* gu, const unsigned char* mask, T* __restrict__ out,
                                          long long M, int I, int G, int NG) {
     pdl_wait();
     pdl_trigger();
@@ -459,7 +459,7 @@ extern "C" __global__ void swiglu_masked(const T* __restrict__ gu, const unsigne
 // Second router layer and deterministic gate for a few tokens (decode): h [M, R] is the first
 // layer's output (x W1^T + b1, from cuBLAS or add_rmsnorm_router); see gate_row. Grid (M), 128
 // threads.
-extern "C" __global__ void __launch_bounds__(128) router_gate(const T* __restrict__ h, const T* __restrict__ w2, const T* __restrict__ b2,
+extern "C" __global__ void __launch_bounds__(128) router_gate(const T* h, const T* __restrict__ w2, const T* __restrict__ b2,
                                                               float offset, unsigned char* __restrict__ mask,
                                                               unsigned char* __restrict__ ext, int R, int NG, int EXTRA) {
     pdl_wait();

@@ -10,6 +10,8 @@ pub mod gemm;
 pub mod layout;
 pub mod scale_shift;
 pub mod wgmma;
+#[cfg(test)]
+mod pdl_audit;
 
 use crate::cuda::{CudaKernel, KernelArg, LaunchConfig};
 use crate::nvrtc::KernelSource;
@@ -162,20 +164,33 @@ mod tests {
     /// machine too (NVRTC from the PyPI CUDA runtime). A missing NVRTC fails, never skips.
     /// The same variants through NVRTC's machine-code step for the H200 (sm_90, and sm_90a for the
     /// Hopper-only ones): what `wide kernels precompile` ships. Catches what PTX alone does not
-    /// (register or shared-memory limits the assembler enforces).
+    /// (register or shared-memory limits the assembler enforces). The same machine code then goes
+    /// through the programmatic-launch audit (`pdl_audit`): no read-only load of a kernel that
+    /// waits for the launch before it may be scheduled above that wait.
     #[test]
-    fn every_kernel_variant_assembles_for_sm_90() {
+    fn every_kernel_variant_assembles_for_sm_90_with_no_load_above_a_launch_wait() {
         let dir = std::env::temp_dir().join(format!("wide-cubins-{}", std::process::id()));
         let all = super::precompile_list("sm_90", &[]).unwrap();
         let n = all.len();
-        let done = super::precompile(all, &dir, |_| {}).unwrap_or_else(|e| panic!("{e:#}"));
-        assert_eq!(done.len(), n);
-        assert!(done.iter().any(|p| p.arch == "sm_90a"), "the wgmma variants build for sm_90a");
-        for p in &done {
+        let mut bad = Vec::new();
+        let (mut waiting, mut n_done, mut hopper) = (0, 0, false);
+        for (k, target) in all {
+            hopper |= target == "sm_90a";
+            let done = super::precompile(vec![(k.clone(), target.clone())], &dir, |_| {}).unwrap_or_else(|e| panic!("{e:#}"));
+            let p = &done[0];
             let bytes = std::fs::read(&p.file).unwrap();
             assert!(bytes.starts_with(b"\x7fELF"), "{}: not machine code", p.file.display());
+            let ptx = crate::nvrtc::compile(&k, &target.replace("sm_", "compute_")).unwrap_or_else(|e| panic!("{e:#}"));
+            let (entries, b) = super::pdl_audit::audit(&ptx.image, &p.file);
+            waiting += entries;
+            bad.extend(b.into_iter().map(|b| format!("{} {:?} ({target}): {b}", k.name, k.defines)));
+            n_done += 1;
         }
         let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(n_done, n);
+        assert!(hopper, "the wgmma variants build for sm_90a");
+        assert!(waiting > 0, "no entry with griddepcontrol.wait was found: the launch-wait audit checked nothing");
+        assert!(bad.is_empty(), "{}:\n{}", super::pdl_audit::RULE, bad.join("\n"));
     }
 
     #[test]

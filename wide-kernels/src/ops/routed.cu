@@ -15,6 +15,9 @@ __device__ __forceinline__ uint4 ld_stream(const void* p) {
     return v;
 }
 __device__ __forceinline__ uint4 ld_keep(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+// What the launch just before wrote (x, q), read after pdl_wait(): a coherent load, kept in L1
+// like ld_keep's; ld_keep's read-only load may be scheduled above the wait (pdl.cuh).
+__device__ __forceinline__ uint4 ld_fresh(const void* p) { return __ldca(reinterpret_cast<const uint4*>(p)); }
 
 __device__ __forceinline__ float dot8(uint4 a, uint4 b, float acc) {
     float2 a0 = to_f2(a.x), b0 = to_f2(b.x);
@@ -89,8 +92,8 @@ __device__ __forceinline__ int gemv_nth_group(int FIXED, bool used, int want, On
 // ---------------------------------------------------------------------------------------
 #define GEMV_MASK_WORDS 16  // groups [0, FIXED) held in registers: up to 32 x 16 = 512
 template <int MAXM, int R, bool FUSE>
-__device__ __forceinline__ void gemv_mn(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ w2,
-                                        const unsigned char* __restrict__ mask, T* __restrict__ out,
+__device__ __forceinline__ void gemv_mn(const T* x, const T* __restrict__ w, const T* __restrict__ w2,
+                                        const unsigned char* mask, T* __restrict__ out,
                                         int M, int N, int K, int G, int NG, int FIXED, int EARLY) {
     const int lane = threadIdx.x & 31;
     const int wi = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
@@ -199,7 +202,7 @@ __device__ __forceinline__ void gemv_mn(const T* __restrict__ x, const T* __rest
 #pragma unroll
                 for (int m = 0; m < MAXM; ++m) {
                     if ((act >> m) & 1u) {
-                        const uint4 xv = ld_keep(x + (long long)m * K + (c << 3));
+                        const uint4 xv = ld_fresh(x + (long long)m * K + (c << 3));
 #pragma unroll
                         for (int r = 0; r < R; ++r) {
                             acc[r][m] = dot8(wv[u][r], xv, acc[r][m]);
@@ -239,7 +242,7 @@ __device__ __forceinline__ void gemv_mn(const T* __restrict__ x, const T* __rest
 // M > 1 gbits[i] = which tokens use it, *nlist = the count. With `l2`, the mask is read from L2
 // (__ldcg: no line an earlier launch left in this multiprocessor's L1 is trusted).
 template <int MAXM>
-__device__ __forceinline__ void gemv_k_list(const unsigned char* __restrict__ mask, int M, int NG, int* glist, unsigned* gbits,
+__device__ __forceinline__ void gemv_k_list(const unsigned char* mask, int M, int NG, int* glist, unsigned* gbits,
                                             int* s_nlist, bool l2) {
     const int lane = threadIdx.x & 31;
     // Lane l looks at groups [g0 + 16 l, +16).
@@ -296,7 +299,7 @@ struct RouterFold {
 // FOLD: this block computes rows bid * R.. of the router's first layer (w = the fold W1 W,
 // [RR, K]) instead of output rows, and the last such block to finish gates.
 template <int MAXM, int R, bool FOLD = false>
-__device__ __forceinline__ void gemv_k(const T* __restrict__ x, const T* __restrict__ w, const unsigned char* __restrict__ mask,
+__device__ __forceinline__ void gemv_k(const T* x, const T* __restrict__ w, const unsigned char* mask,
                                        T* __restrict__ out, int M, int N, int K, int G, int NG, int settled, int bid,
                                        const RouterFold* fold = nullptr) {
     extern __shared__ int gemv_k_smem[];
@@ -386,7 +389,7 @@ __device__ __forceinline__ void gemv_k(const T* __restrict__ x, const T* __restr
 #pragma unroll
             for (int m = 0; m < MAXM; ++m)
                 if ((bits[u] >> m) & 1u) {
-                    const uint4 xv = ld_keep(x + (long long)m * K + col[u]);
+                    const uint4 xv = ld_fresh(x + (long long)m * K + col[u]);
 #pragma unroll
                     for (int r = 0; r < R; ++r) acc[r][m] = dot8(wv[u][r], xv, acc[r][m]);
                 }
@@ -479,7 +482,7 @@ GEMV_ENTRIES(16, 1)
 // wait (and waited is set). All threads of the block take part; part is free again only after
 // a __syncthreads.
 template <int R, bool FUSE, int U>
-__device__ __forceinline__ void gemv_split_rowset(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ w2,
+__device__ __forceinline__ void gemv_split_rowset(const T* x, const T* __restrict__ w, const T* __restrict__ w2,
                                                   T* __restrict__ out, int n0, int K, bool& waited,
                                                   float (*part)[FUSE ? 2 * R : R]) {
     constexpr int WARPS = 8;
@@ -515,7 +518,7 @@ __device__ __forceinline__ void gemv_split_rowset(const T* __restrict__ x, const
         for (int v = 0; v < U; ++v) {
             const int c = c0 + 32 * v;
             if (c < ce) {
-                const uint4 xv = ld_keep(x + (c << 3));
+                const uint4 xv = ld_fresh(x + (c << 3));
 #pragma unroll
                 for (int r = 0; r < R; ++r) {
                     acc[r] = dot8(wv[v][r], xv, acc[r]);
@@ -546,8 +549,8 @@ __device__ __forceinline__ void gemv_split_rowset(const T* __restrict__ x, const
 }
 
 template <int R, bool FUSE>
-__device__ __forceinline__ void gemv_mn_split(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ w2,
-                                              const unsigned char* __restrict__ mask, T* __restrict__ out, int N, int K,
+__device__ __forceinline__ void gemv_mn_split(const T* x, const T* __restrict__ w, const T* __restrict__ w2,
+                                              const unsigned char* mask, T* __restrict__ out, int N, int K,
                                               int G, int NG, int FIXED, int EARLY) {
     constexpr int WARPS = 8;
     constexpr int U = (FUSE ? 8 : 16) / R > 0 ? (FUSE ? 8 : 16) / R : 1;
@@ -616,7 +619,7 @@ GEMV_ROWSET_ENTRIES(split, gemv_mn_split, 8)
 // ---------------------------------------------------------------------------------------
 // The groups [0, FIXED) of the mask (one token) into list: the used ones ascending at [0, n),
 // the unused ones ascending at [n, FIXED); returns n (every thread). All 256 threads take part.
-__device__ __forceinline__ int gemv_ps_list(const unsigned char* __restrict__ mask, int FIXED, int* list) {
+__device__ __forceinline__ int gemv_ps_list(const unsigned char* mask, int FIXED, int* list) {
     __shared__ int wc[8], s_base[2];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     // Pass 1: every thread's bits (group threadIdx.x + 256 i), all loads in flight, then the total.
@@ -661,8 +664,8 @@ __device__ __forceinline__ int gemv_ps_list(const unsigned char* __restrict__ ma
 }
 
 template <int R, bool FUSE>
-__device__ __forceinline__ void gemv_mn_ps(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ w2,
-                                           const unsigned char* __restrict__ mask, T* __restrict__ out, int N, int K, int G,
+__device__ __forceinline__ void gemv_mn_ps(const T* x, const T* __restrict__ w, const T* __restrict__ w2,
+                                           const unsigned char* mask, T* __restrict__ out, int N, int K, int G,
                                            int NG, int FIXED, int EARLY) {
     constexpr int WARPS = 8;
     constexpr int U = (FUSE ? 8 : 16) / R > 0 ? (FUSE ? 8 : 16) / R : 1;
@@ -755,8 +758,8 @@ GEMV_K_ROUTER_ENTRY(8)
 // ---------------------------------------------------------------------------------------
 #define SK_WARPS 8
 template <int NT, int U, bool FUSE>
-__device__ __forceinline__ void skinny_mn(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ w2,
-                                          const unsigned char* __restrict__ mask, T* __restrict__ out,
+__device__ __forceinline__ void skinny_mn(const T* x, const T* __restrict__ w, const T* __restrict__ w2,
+                                          const unsigned char* mask, T* __restrict__ out,
                                           int M, int N, int K, int G, int NG, int FIXED) {
     constexpr int NB = FUSE ? 2 : 1;
     __shared__ float red[SK_WARPS][NB][NT * 128];
@@ -807,7 +810,7 @@ __device__ __forceinline__ void skinny_mn(const T* __restrict__ x, const T* __re
             for (int nt = 0; nt < NT; ++nt) {
                 const int tok = nt * 8 + g8;
                 const bool ok = kb + u < kb1 && tok < M && ((act >> tok) & 1u);
-                xv[u][nt] = ok ? ld_keep(x + (long long)tok * K + 32LL * (kb + u) + 8 * t) : make_uint4(0, 0, 0, 0);
+                xv[u][nt] = ok ? ld_fresh(x + (long long)tok * K + 32LL * (kb + u) + 8 * t) : make_uint4(0, 0, 0, 0);
             }
         if (kb + U < kb1) load_w(an, kb + U);
 #pragma unroll
@@ -879,8 +882,8 @@ SKINNY_SWIGLU_ENTRY(2, 2)
 //   mode 1: dst = mask ? a : 0              (masked copy, e.g. a gemm_k input)
 //   mode 2: dst = mask ? silu(a) * b : 0    (SwiGLU of two dense products)
 // ---------------------------------------------------------------------------------------
-extern "C" __global__ void apply_group_mask(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ dst,
-                                            const unsigned char* __restrict__ mask, long long M, int N, int G, int NG, int mode) {
+extern "C" __global__ void apply_group_mask(const T* a, const T* b, T* __restrict__ dst,
+                                            const unsigned char* mask, long long M, int N, int G, int NG, int mode) {
     pdl_wait();  // the product it masks comes from the launch just before (cuBLAS)
     pdl_trigger();
     // Grid (ceil(N/8/blockDim), rows): blocks loop over rows; no 64-bit division on the hot path.
@@ -944,15 +947,23 @@ __device__ __forceinline__ unsigned pack_half(unsigned lo_src, unsigned hi_src, 
     return __byte_perm(lo_src, hi_src, half ? 0x7632 : 0x5410);
 }
 
-template <int W>  // W 32-bit words, read once (streamed past L1)
+// W 32-bit words, read once (streamed past L1). FRESH: rows the launch just before may have
+// written, read after pdl_wait(): a coherent load, which ptxas keeps below the wait (pdl.cuh).
+template <int W, bool FRESH = false>
 __device__ __forceinline__ void ld_words(unsigned* dst, const void* p, bool valid) {
     if (W == 4) {
         uint4 v = make_uint4(0, 0, 0, 0);
-        if (valid) v = ld_stream(p);
+        if (valid && FRESH)
+            asm volatile("ld.global.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+        else if (valid)
+            v = ld_stream(p);
         dst[0] = v.x; dst[1] = v.y; dst[2] = v.z; dst[3] = v.w;
     } else {
         uint2 v = make_uint2(0, 0);
-        if (valid) asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+        if (valid && FRESH)
+            asm volatile("ld.global.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+        else if (valid)
+            asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
         dst[0] = v.x; dst[1] = v.y;
     }
 }
@@ -961,7 +972,7 @@ __device__ __forceinline__ void ld_words(unsigned* dst, const void* p, bool vali
 // its heads with all of their mask loads in flight, then one ballot per 32 heads; every warp
 // computes the same bits on its own (no block barrier).
 template <int QPK>
-__device__ __forceinline__ unsigned long long active_kv_heads(const unsigned char* __restrict__ mask, int b, int HKV, int GH, int NG, bool l2) {
+__device__ __forceinline__ unsigned long long active_kv_heads(const unsigned char* mask, int b, int HKV, int GH, int NG, bool l2) {
     const int lane = threadIdx.x & 31;
     unsigned long long bits = 0;
     for (int h0 = 0; h0 < HKV; h0 += 32) {
@@ -1006,7 +1017,7 @@ __device__ __forceinline__ void attn_decode_merge_head(const float* part_o, cons
 // Loads of one 16-token tile at tb for lane (g, t) (tokens at or past t1 read as zeros):
 // K: tokens tb + 8j + g, dims 32c + 8t .. +8.   V: tokens tb + {2t, 2t+1, 2t+8, 2t+9}, dims
 // [CW g, +CW) and [CW (g+8), +CW). 8 KB a warp at D = 128.
-template <int D>
+template <int D, bool FRESH = false>
 __device__ __forceinline__ void decode_tile_loads(unsigned (&kr)[2][D / 32][4], unsigned (&vr)[4][2][D / 32], const T* kb, const T* vb,
                                                   int tb, int t1, int g, int t) {
     constexpr int DC = D / 32, CW = D / 16, VW = CW / 2;
@@ -1014,13 +1025,13 @@ __device__ __forceinline__ void decode_tile_loads(unsigned (&kr)[2][D / 32][4], 
     for (int j = 0; j < 2; ++j) {
         const int tok = tb + 8 * j + g;
 #pragma unroll
-        for (int c = 0; c < DC; ++c) ld_words<4>(kr[j][c], kb + (long long)tok * D + 32 * c + 8 * t, tok < t1);
+        for (int c = 0; c < DC; ++c) ld_words<4, FRESH>(kr[j][c], kb + (long long)tok * D + 32 * c + 8 * t, tok < t1);
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
         const int tok = tb + 2 * t + (e & 1) + 8 * (e >> 1);
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) ld_words<VW>(vr[e][hh], vb + (long long)tok * D + CW * (g + 8 * hh), tok < t1);
+        for (int hh = 0; hh < 2; ++hh) ld_words<VW, FRESH>(vr[e][hh], vb + (long long)tok * D + CW * (g + 8 * hh), tok < t1);
     }
 }
 
@@ -1105,11 +1116,11 @@ __device__ __forceinline__ void decode_tile_compute(const unsigned (&qa)[D / 32]
 }
 
 template <int D, int QPK, bool ROPE>
-__device__ __forceinline__ void attn_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                                                  const int* __restrict__ lengths, const unsigned char* __restrict__ mask,
+__device__ __forceinline__ void attn_decode_split(const T* q, const T* __restrict__ k, const T* __restrict__ v,
+                                                  const int* __restrict__ lengths, const unsigned char* mask,
                                                   float* __restrict__ part_o, float* __restrict__ part_ml, T* __restrict__ out,
                                                   int HQ, int HKV, int TCAP, int NB, int GH, int NG, float scale_log2, int settled,
-                                                  int single_max, const T* __restrict__ qkv, const float* __restrict__ inv_freq) {
+                                                  int single_max, const T* qkv, const float* __restrict__ inv_freq) {
     static_assert(QPK <= 8 && D % 32 == 0 && (!ROPE || D % 64 == 0), "at most 8 query heads a KV head, head_dim a multiple of 32 (64 with RoPE)");
     constexpr int DC = D / 32;     // 32-dim blocks of K (2 mma k-steps each)
     constexpr int CW = D / 16;     // dims a lane holds per V row chunk = PV mmas
@@ -1136,10 +1147,12 @@ __device__ __forceinline__ void attn_decode_split(const T* __restrict__ q, const
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     // The length is loaded before the mask bits are reduced, so that both loads are in flight
     // together (after the ballot it cost one more memory round trip before the first K/V load).
-    // Not settled: the launch just before may have written them, so through L2 (__ldcg): a
-    // read-only (non-coherent) load may be scheduled above the wait, and ptxas did so for the
-    // length (its SASS had the load ahead of the wait's ACQBULK).
-    const int len_b = settled ? __ldg(lengths + b) : __ldcg(lengths + b);
+    // Through L2 (__ldcg), settled or not: not settled, the launch just before may have written
+    // it, and a read-only load may be scheduled above the wait (ptxas did so for the length:
+    // LDG.E.CONSTANT ahead of the wait's ACQBULK); settled, a read-only load would be predicated
+    // above the unsettled path's wait, which the machine-code audit (pdl_audit.rs) cannot tell
+    // from a hoist.
+    const int len_b = __ldcg(lengths + b);
     const unsigned long long heads = active_kv_heads<QPK>(mask, b, HKV, GH, NG, !settled);
     const int n_act = __popcll(heads);
     const int len = min(len_b, TCAP);
@@ -1179,10 +1192,11 @@ __device__ __forceinline__ void attn_decode_split(const T* __restrict__ q, const
     if (settled) {
         pdl_wait();
         pdl_trigger();
-        // The newest row, in this split's range when tp < t1: its tile again, now in full.
+        // The newest row, in this split's range when tp < t1: its tile again, now in full (the
+        // launch just before wrote that row: coherent loads).
         const int nt = len - 1;
-        if (!ROPE && tp < t1 && nt >= tb && nt < tb + 16) decode_tile_loads<D>(kr[0], vr[0], kb, vb, tb, t1, g, t);
-        if (!ROPE && tp < t1 && nt >= tb + ST && nt < tb + ST + 16) decode_tile_loads<D>(kr[1], vr[1], kb, vb, tb + ST, t1, g, t);
+        if (!ROPE && tp < t1 && nt >= tb && nt < tb + 16) decode_tile_loads<D, true>(kr[0], vr[0], kb, vb, tb, t1, g, t);
+        if (!ROPE && tp < t1 && nt >= tb + ST && nt < tb + ST + 16) decode_tile_loads<D, true>(kr[1], vr[1], kb, vb, tb + ST, t1, g, t);
     }
     if (out != nullptr) {
         // Merged here: block x writes the zeros of the x-th KV head with no active query head
@@ -1200,7 +1214,7 @@ __device__ __forceinline__ void attn_decode_split(const T* __restrict__ q, const
 #pragma unroll
         for (int c = 0; c < DC; ++c) {
             uint4 w = make_uint4(0, 0, 0, 0);
-            if (g < QPK) w = ld_keep(qkv + qkv_row + (long long)(h * QPK + g) * D + 32 * c + 8 * t);
+            if (g < QPK) w = ld_fresh(qkv + qkv_row + (long long)(h * QPK + g) * D + 32 * c + 8 * t);
             qa[c][0] = w.x; qa[c][1] = w.y; qa[c][2] = w.z; qa[c][3] = w.w;
         }
     }
@@ -1248,7 +1262,7 @@ __device__ __forceinline__ void attn_decode_split(const T* __restrict__ q, const
 #pragma unroll
         for (int c = 0; c < DC; ++c) {
             uint4 w = make_uint4(0, 0, 0, 0);
-            if (g < QPK) w = ld_keep(q + ((long long)b * HQ + h * QPK + g) * D + 32 * c + 8 * t);
+            if (g < QPK) w = ld_fresh(q + ((long long)b * HQ + h * QPK + g) * D + 32 * c + 8 * t);
             qa[c][0] = w.x; qa[c][1] = w.y; qa[c][2] = w.z; qa[c][3] = w.w;
         }
     }
