@@ -11,7 +11,12 @@
 //! read-only global loads that can run before a wait (on some path from the entry that passes no
 //! unconditional wait, branches and loops followed) than the PTX has. Loads placed before the
 //! wait on purpose (weights, data older than the launch before) are in both counts; one the
-//! assembler hoisted is not. Coherent loads are counted for the message only: ptxas keeps them on
+//! assembler hoisted is not. Nor, wait by wait, more read-only loads that can run before that
+//! wait with no other wait between (a wait on one branch only: a load after it is already ahead
+//! of any wait on the other branch, so only this count shows it moved). Predicates are not
+//! evaluated: a read-only load predicated on the branch that skips a wait, scheduled above that
+//! wait, looks hoisted; read such data with coherent loads. Coherent loads are counted for the
+//! message only: ptxas keeps them on
 //! their side of the wait, and it unrolls loops the PTX keeps rolled (a 32-step mask loop is one
 //! load in PTX and 32 in machine code), so their counts differ without any hazard.
 //! The machine code is read with `cuobjdump -sass`, which ships with the virtual environment's
