@@ -784,8 +784,13 @@ __device__ __forceinline__ void skinny_mn(const T* x, const T* __restrict__ w, c
         }
     };
     load_w(a, kb0);  // weights are never written: before the wait
-    pdl_wait();      // x and the mask come from the launches just before
-    pdl_trigger();
+    // x and the mask come from the launches just before. The wait sits behind a branch (M >= 2
+    // in every launch, launch_skinny): straight after the loads, ptxas scheduled it above them
+    // (their machine code had all of them after ACQBULK), so they did not overlap the launch before.
+    if (M > 0) {
+        pdl_wait();
+        pdl_trigger();
+    }
     unsigned act;
     if (grp >= FIXED) {
         act = M >= 32 ? 0xffffffffu : (1u << M) - 1u;
