@@ -173,22 +173,23 @@ mod tests {
         let all = super::precompile_list("sm_90", &[]).unwrap();
         let n = all.len();
         let mut bad = Vec::new();
-        let (mut waiting, mut modules, mut n_done, mut hopper) = (0, 0, 0, false);
+        let (mut waiting, mut modules, mut hopper) = (0, 0, false);
         for (k, target) in all {
             hopper |= target == "sm_90a";
-            let done = super::precompile(vec![(k.clone(), target.clone())], &dir, |_| {}).unwrap_or_else(|e| panic!("{e:#}"));
-            let p = &done[0];
-            let bytes = std::fs::read(&p.file).unwrap();
-            assert!(bytes.starts_with(b"\x7fELF"), "{}: not machine code", p.file.display());
+            let (file, _, _) = crate::nvrtc::compile_into(&k, &target, &dir).unwrap_or_else(|e| panic!("{e:#}"));
+            let bytes = std::fs::read(&file).unwrap();
+            assert!(bytes.starts_with(b"\x7fELF"), "{}: not machine code", file.display());
+            // Only a source with the wait's instruction text (pdl.cuh) can wait: the others need no PTX.
+            if !k.source.contains("griddepcontrol.wait") {
+                continue;
+            }
             let ptx = crate::nvrtc::compile(&k, &target.replace("sm_", "compute_")).unwrap_or_else(|e| panic!("{e:#}"));
-            let (entries, b) = super::pdl_audit::audit(&ptx.image, &p.file);
+            let (entries, b) = super::pdl_audit::audit(&ptx.image, &file);
             waiting += entries;
             modules += (entries > 0) as usize;
             bad.extend(b.into_iter().map(|b| format!("{} {:?} ({target}): {b}", k.name, k.defines)));
-            n_done += 1;
         }
         let _ = std::fs::remove_dir_all(&dir);
-        assert_eq!(n_done, n);
         assert!(hopper, "the wgmma variants build for sm_90a");
         assert!(waiting > 0, "no entry with griddepcontrol.wait was found: the launch-wait audit checked nothing");
         assert!(bad.is_empty(), "{}:\n{}", super::pdl_audit::RULE, bad.join("\n"));
