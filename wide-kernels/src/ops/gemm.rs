@@ -392,28 +392,13 @@ fn launch_skinny(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, lay
     );
     let (device, f16, x, w, w2) = cuda_inputs(s, x, w, w2)?;
     let nt = if s.m <= 8 { 1 } else { 2 };
-    let units = (s.n / 16) as u32;
-    let persist = skinny_persist_blocks().filter(|_| s.op == RoutedOp::Mn && skinny_unroll() == 4);
-    let (entry, grid) = match persist {
-        Some(b) => (format!("skinny_mn_p_{nt}_4"), units.min(b * crate::cuda::multiprocessor_count(device)? as u32)),
-        None if s.op == RoutedOp::MnSwiglu => (format!("skinny_mn_swiglu_{nt}_2"), units),
-        None => (format!("skinny_mn_{nt}_{}", skinny_unroll()), units),
-    };
+    let entry = if s.op == RoutedOp::MnSwiglu { format!("skinny_mn_swiglu_{nt}_2") } else { format!("skinny_mn_{nt}_{}", skinny_unroll()) };
     let kernel = routed_kernel(f16, None, &entry, device)?;
     let out = Tensor::empty([s.m, s.n], (x.kind(), x.device()));
     let args = small_m_args(s, &x, &w, w2.as_ref(), layout, &out, s.n / s.group, layout.always_on_from() as i32)?;
-    // One block of 8 warps for each 16 output rows (or, persistent, a few blocks a
-    // multiprocessor walking them); programmatic dependent launch as the GEMVs.
-    unsafe { kernel.launch_pdl(LaunchConfig { grid: (grid, 1, 1), block: (256, 1, 1), shared_mem_bytes: 0 }, &args)? };
+    // One block of 8 warps for each 16 output rows; programmatic dependent launch as the GEMVs.
+    unsafe { kernel.launch_pdl(LaunchConfig { grid: ((s.n / 16) as u32, 1, 1), block: (256, 1, 1), shared_mem_bytes: 0 }, &args)? };
     Ok(out)
-}
-
-/// Blocks a multiprocessor of the persistent plain small-M kernel (`skinny_mn_p_*`):
-/// `WIDE_SKINNY_PERSIST` (1 to 4; read once; unset or 0: one block a 16-row unit, the default).
-/// For A/B runs.
-fn skinny_persist_blocks() -> Option<u32> {
-    static V: OnceLock<Option<u32>> = OnceLock::new();
-    *V.get_or_init(|| std::env::var("WIDE_SKINNY_PERSIST").ok().and_then(|v| v.trim().parse().ok()).filter(|b| (1..=4).contains(b)))
 }
 
 /// k blocks of weights a warp of the plain small-M mma gemm_mn requests at a time (2 or 4; up to

@@ -757,23 +757,20 @@ GEMV_K_ROUTER_ENTRY(8)
 // of the current ones. The warps' partial sums meet in shared memory.
 // ---------------------------------------------------------------------------------------
 #define SK_WARPS 8
-// P (persistent): a grid of a few blocks a multiprocessor walks the 16-row units blockIdx.x,
-// + gridDim.x, ...; a block requests the next unit's first weights before the current unit's
-// partial sums meet, so its stream does not wait for a fresh block's start (the plain grid
-// starts each unit in a new block).
-template <int NT, int U, bool FUSE, bool P = false>
+template <int NT, int U, bool FUSE>
 __device__ __forceinline__ void skinny_mn(const T* x, const T* __restrict__ w, const T* __restrict__ w2,
                                           const unsigned char* mask, T* __restrict__ out,
                                           int M, int N, int K, int G, int NG, int FIXED) {
     constexpr int NB = FUSE ? 2 : 1;
     __shared__ float red[SK_WARPS][NB][NT * 128];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g8 = lane >> 2, t = lane & 3;
-    const int nunits = N >> 4;
+    const int n0 = blockIdx.x * 16;
+    const int grp = n0 / G;
     const int nkb = K >> 5, per = (nkb + SK_WARPS - 1) / SK_WARPS;
     const int kb0 = warp * per, kb1 = min(nkb, kb0 + per);
+    const long long r0 = (long long)(n0 + g8) * K + 8 * t;
     uint4 a[U][NB][2];
-    auto load_w = [&](uint4 (&dst)[U][NB][2], int unit, int kb) {
-        const long long r0 = (long long)(unit * 16 + g8) * K + 8 * t;
+    auto load_w = [&](uint4 (&dst)[U][NB][2], int kb) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const bool ok = kb + u < kb1;
@@ -786,9 +783,7 @@ __device__ __forceinline__ void skinny_mn(const T* x, const T* __restrict__ w, c
             }
         }
     };
-    int unit = blockIdx.x;
-    if (P && unit >= nunits) return;  // a persistent grid is never larger than the units
-    load_w(a, unit, kb0);  // weights are never written: before the wait
+    load_w(a, kb0);  // weights are never written: before the wait
     // x and the mask come from the launches just before. The wait sits behind a branch (M >= 2
     // in every launch, launch_skinny): straight after the loads, ptxas scheduled it above them
     // (their machine code had all of them after ACQBULK), so they did not overlap the launch before.
@@ -796,86 +791,73 @@ __device__ __forceinline__ void skinny_mn(const T* x, const T* __restrict__ w, c
         pdl_wait();
         pdl_trigger();
     }
-    for (;;) {
-        const int next = P ? unit + (int)gridDim.x : nunits;
-        const int n0 = unit * 16;
-        const int grp = n0 / G;
-        unsigned act;
-        if (grp >= FIXED) {
-            act = M >= 32 ? 0xffffffffu : (1u << M) - 1u;
-        } else {
-            const bool on = lane < M && mask[(long long)lane * NG + grp] != 0;
-            act = __ballot_sync(0xffffffffu, on);
-            if (act == 0) {  // the same for every warp: the block skips the unit together
-                for (int i = threadIdx.x; i < M * 16; i += blockDim.x) out[(long long)(i >> 4) * N + n0 + (i & 15)] = (T)0.0f;
-                if (next >= nunits) return;
-                load_w(a, next, kb0);
-                unit = next;
-                continue;
-            }
+    unsigned act;
+    if (grp >= FIXED) {
+        act = M >= 32 ? 0xffffffffu : (1u << M) - 1u;
+    } else {
+        const bool on = lane < M && mask[(long long)lane * NG + grp] != 0;
+        act = __ballot_sync(0xffffffffu, on);
+        if (act == 0) {
+            for (int i = threadIdx.x; i < M * 16; i += blockDim.x) out[(long long)(i >> 4) * N + n0 + (i & 15)] = (T)0.0f;
+            return;
         }
-        float acc[NB][NT][4];
+    }
+    float acc[NB][NT][4];
 #pragma unroll
-        for (int b = 0; b < NB; ++b)
+    for (int b = 0; b < NB; ++b)
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) acc[b][nt][0] = acc[b][nt][1] = acc[b][nt][2] = acc[b][nt][3] = 0.f;
-        for (int kb = kb0; kb < kb1; kb += U) {
-            uint4 xv[U][NT], an[U][NB][2];
+        for (int nt = 0; nt < NT; ++nt) acc[b][nt][0] = acc[b][nt][1] = acc[b][nt][2] = acc[b][nt][3] = 0.f;
+    for (int kb = kb0; kb < kb1; kb += U) {
+        uint4 xv[U][NT], an[U][NB][2];
 #pragma unroll
-            for (int u = 0; u < U; ++u)
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const int tok = nt * 8 + g8;
+                const bool ok = kb + u < kb1 && tok < M && ((act >> tok) & 1u);
+                xv[u][nt] = ok ? ld_fresh(x + (long long)tok * K + 32LL * (kb + u) + 8 * t) : make_uint4(0, 0, 0, 0);
+            }
+        if (kb + U < kb1) load_w(an, kb + U);
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int b = 0; b < NB; ++b) {
+                const unsigned A0[4] = {a[u][b][0].x, a[u][b][1].x, a[u][b][0].y, a[u][b][1].y};
+                const unsigned A1[4] = {a[u][b][0].z, a[u][b][1].z, a[u][b][0].w, a[u][b][1].w};
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
-                    const int tok = nt * 8 + g8;
-                    const bool ok = kb + u < kb1 && tok < M && ((act >> tok) & 1u);
-                    xv[u][nt] = ok ? ld_fresh(x + (long long)tok * K + 32LL * (kb + u) + 8 * t) : make_uint4(0, 0, 0, 0);
+                    const unsigned B0[2] = {xv[u][nt].x, xv[u][nt].y}, B1[2] = {xv[u][nt].z, xv[u][nt].w};
+                    mma16816(acc[b][nt], A0, B0);
+                    mma16816(acc[b][nt], A1, B1);
                 }
-            if (kb + U < kb1) load_w(an, unit, kb + U);
-#pragma unroll
-            for (int u = 0; u < U; ++u)
-#pragma unroll
-                for (int b = 0; b < NB; ++b) {
-                    const unsigned A0[4] = {a[u][b][0].x, a[u][b][1].x, a[u][b][0].y, a[u][b][1].y};
-                    const unsigned A1[4] = {a[u][b][0].z, a[u][b][1].z, a[u][b][0].w, a[u][b][1].w};
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt) {
-                        const unsigned B0[2] = {xv[u][nt].x, xv[u][nt].y}, B1[2] = {xv[u][nt].z, xv[u][nt].w};
-                        mma16816(acc[b][nt], A0, B0);
-                        mma16816(acc[b][nt], A1, B1);
-                    }
-                }
-#pragma unroll
-            for (int u = 0; u < U; ++u)
-#pragma unroll
-                for (int b = 0; b < NB; ++b) {
-                    a[u][b][0] = an[u][b][0];
-                    a[u][b][1] = an[u][b][1];
-                }
-        }
-        // P: the next unit's first weights go out before this unit's sums meet.
-        if (next < nunits) load_w(a, next, kb0);
-        if (P) __syncthreads();  // the previous unit's sums are read out of red
-#pragma unroll
-        for (int b = 0; b < NB; ++b)
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) red[warp][b][nt * 128 + lane * 4 + e] = acc[b][nt][e];
-        __syncthreads();
-        // Fragment entry (nt, lane L, e): row L/4 (+8 for e >= 2), token 8 nt + 2 (L%4) + e%2.
-        for (int o = threadIdx.x; o < NT * 128; o += blockDim.x) {
-            float v = 0.f, v2 = 0.f;
-#pragma unroll
-            for (int wi = 0; wi < SK_WARPS; ++wi) {
-                v += red[wi][0][o];
-                if (FUSE) v2 += red[wi][NB - 1][o];
             }
-            if (FUSE) v = silu(v) * v2;
-            const int L = (o & 127) >> 2, e = o & 3;
-            const int row = (L >> 2) + (e >= 2 ? 8 : 0), tok = (o >> 7) * 8 + 2 * (L & 3) + (e & 1);
-            if (tok < M) out[(long long)tok * N + n0 + row] = (T)(((act >> tok) & 1u) ? v : 0.0f);
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int b = 0; b < NB; ++b) {
+                a[u][b][0] = an[u][b][0];
+                a[u][b][1] = an[u][b][1];
+            }
+    }
+#pragma unroll
+    for (int b = 0; b < NB; ++b)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) red[warp][b][nt * 128 + lane * 4 + e] = acc[b][nt][e];
+    __syncthreads();
+    // Fragment entry (nt, lane L, e): row L/4 (+8 for e >= 2), token 8 nt + 2 (L%4) + e%2.
+    for (int o = threadIdx.x; o < NT * 128; o += blockDim.x) {
+        float v = 0.f, v2 = 0.f;
+#pragma unroll
+        for (int wi = 0; wi < SK_WARPS; ++wi) {
+            v += red[wi][0][o];
+            if (FUSE) v2 += red[wi][NB - 1][o];
         }
-        if (next >= nunits) return;
-        unit = next;
+        if (FUSE) v = silu(v) * v2;
+        const int L = (o & 127) >> 2, e = o & 3;
+        const int row = (L >> 2) + (e >= 2 ? 8 : 0), tok = (o >> 7) * 8 + 2 * (L & 3) + (e & 1);
+        if (tok < M) out[(long long)tok * N + n0 + row] = (T)(((act >> tok) & 1u) ? v : 0.0f);
     }
 }
 
@@ -896,14 +878,6 @@ SKINNY_ENTRY(1, 2)
 SKINNY_ENTRY(1, 4)
 SKINNY_ENTRY(2, 2)
 SKINNY_ENTRY(2, 4)
-// Persistent forms (P): skinny_mn_p_<NT>_<U>, a grid of a few blocks a multiprocessor.
-#define SKINNY_P_ENTRY(NT, U)                                                                                          \
-    extern "C" __global__ void __launch_bounds__(32 * SK_WARPS, 2) skinny_mn_p_##NT##_##U(const T* x, const T* w, const unsigned char* mask, \
-                                                                                       T* out, int M, int N, int K, int G, int NG, int FIXED) { \
-        skinny_mn<NT, U, false, true>(x, w, nullptr, mask, out, M, N, K, G, NG, FIXED);                                \
-    }
-SKINNY_P_ENTRY(1, 4)
-SKINNY_P_ENTRY(2, 4)
 SKINNY_SWIGLU_ENTRY(1, 2)
 SKINNY_SWIGLU_ENTRY(2, 2)
 
