@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine, from the checkout, after scripts/device/stage.sh --tests --kernels:
+# the kernel and inference GPU tests, the issue's e2e rows in two processes and the full kernel
+# grid, each result packed into $OUT/res.tar (or ./check-results.tar without $OUT) as soon as it
+# exists, so a run cut off by a time limit still returns what it finished.
+#   bash scripts/device/check.sh [--no-grid]
+set -u
+grid=1
+[ "${1:-}" = "--no-grid" ] && grid=0
+. .device/env.sh || { echo "check.sh: .device/env.sh failed: stage the binaries first (scripts/device/stage.sh --tests --kernels)" >&2; exit 1; }
+R=$(mktemp -d)/res
+mkdir -p "$R"
+if [ -n "${OUT:-}" ]; then dest=$OUT/res.tar; else dest=$PWD/check-results.tar; fi
+pack() { tar -C "$(dirname "$R")" -cf "$dest.part" res && mv "$dest.part" "$dest"; }
+run() {  # name, command...: stdout and stderr to name.log, the exit status appended
+    local name=$1; shift
+    "$@" > "$R/$name.log" 2>&1
+    echo "rc=$?" >> "$R/$name.log"
+    pack
+}
+nvidia-smi --query-gpu=name,clocks.max.sm --format=csv > "$R/gpu.txt" 2>&1
+date -u > "$R/start.txt"
+run test-cuda_kernels .device/test-cuda_kernels --test-threads=1
+run test-cuda_infer .device/test-cuda_infer --test-threads=1
+for r in 1 2; do
+    run "e2e-r$r" .device/wide bench e2e --sparsity 0.5 --prefill-tokens 2048,8192 --decode-batches 1,16 --out "$R/e2e-r$r.json"
+done
+if [ "$grid" = 1 ]; then
+    run kernels .device/wide bench kernels --ops up,gate_up,down,q,o,attn_decode,attn_prefill --out "$R/kernels.json"
+fi
+date -u > "$R/end.txt"
+pack
