@@ -4,10 +4,14 @@
 # grid, each result packed into $OUT/res.tar (or ./check-results.tar without $OUT) as soon as it
 # exists, so a run cut off by a time limit still returns what it finished.
 #   bash scripts/device/check.sh [--no-grid]
-set -u
 grid=1
-[ "${1:-}" = "--no-grid" ] && grid=0
+case "${1:-}" in
+    "") ;;
+    --no-grid) grid=0 ;;
+    *) echo "check.sh: unknown argument '$1' (takes --no-grid or nothing)" >&2; exit 2 ;;
+esac
 . .device/env.sh || { echo "check.sh: .device/env.sh failed: stage the binaries first (scripts/device/stage.sh --tests --kernels)" >&2; exit 1; }
+set -u
 R=$(mktemp -d)/res
 mkdir -p "$R"
 if [ -n "${OUT:-}" ]; then dest=$OUT/res.tar; else dest=$PWD/check-results.tar; fi
