@@ -2,7 +2,8 @@
 # Runs on the GPU machine, from the checkout, after scripts/device/stage.sh --tests --kernels:
 # the kernel and inference GPU tests, the issue's e2e rows in two processes and the full kernel
 # grid, each result packed into $OUT/res.tar (or ./check-results.tar without $OUT) as soon as it
-# exists, so a run cut off by a time limit still returns what it finished.
+# exists, so a run cut off by a time limit still returns what it finished. Every step runs even
+# if one before it failed; the exit status is 1 if any step failed (each step's line says which).
 #   bash scripts/device/check.sh [--no-grid]
 grid=1
 case "${1:-}" in
@@ -16,10 +17,13 @@ R=$(mktemp -d)/res
 mkdir -p "$R"
 if [ -n "${OUT:-}" ]; then dest=$OUT/res.tar; else dest=$PWD/check-results.tar; fi
 pack() { tar -C "$(dirname "$R")" -cf "$dest.part" res && mv "$dest.part" "$dest"; }
+failed=""
 run() {  # name, command...: stdout and stderr to name.log, the exit status appended
-    local name=$1; shift
+    local name=$1 rc; shift
     "$@" > "$R/$name.log" 2>&1
-    echo "rc=$?" >> "$R/$name.log"
+    rc=$?
+    echo "rc=$rc" >> "$R/$name.log"
+    if [ "$rc" -eq 0 ]; then echo "check.sh: $name ok"; else echo "check.sh: $name FAILED (exit $rc; see res/$name.log)"; failed="$failed $name"; fi
     pack
 }
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv > "$R/gpu.txt" 2>&1
@@ -34,3 +38,4 @@ if [ "$grid" = 1 ]; then
 fi
 date -u > "$R/end.txt"
 pack
+if [ -n "$failed" ]; then echo "check.sh: failed:$failed" >&2; exit 1; fi
