@@ -27,6 +27,13 @@ run() {  # name, command...: stdout and stderr to name.log, the exit status appe
     pack
 }
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv > "$R/gpu.txt" 2>&1
+# The SM clock, power and temperature every 200 ms for the whole run (clocks.csv), so that a
+# figure can be read against the clock it ran at (dense's full-FLOP prefills draw the most power).
+smi=""
+if command -v nvidia-smi > /dev/null; then
+    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,power.limit,temperature.gpu --format=csv -lms 200 > "$R/clocks.csv" 2>&1 &
+    smi=$!
+fi
 date -u > "$R/start.txt"
 run test-cuda_kernels .device/test-cuda_kernels --test-threads=1
 run test-cuda_infer .device/test-cuda_infer --test-threads=1
@@ -37,5 +44,6 @@ if [ "$grid" = 1 ]; then
     run kernels .device/wide bench kernels --ops up,gate_up,down,q,o,attn_decode,attn_prefill --out "$R/kernels.json"
 fi
 date -u > "$R/end.txt"
+if [ -n "$smi" ]; then kill "$smi" 2> /dev/null; wait "$smi" 2> /dev/null; fi
 pack
 if [ -n "$failed" ]; then echo "check.sh: failed:$failed" >&2; exit 1; fi
