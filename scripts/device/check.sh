@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the checkout, after scripts/device/stage.sh --tests --kernels:
-# the kernel and inference GPU tests, the issue's e2e rows in two processes and the full kernel
-# grid, each result packed into $OUT/res.tar (or ./check-results.tar without $OUT) as soon as it
-# exists, so a run cut off by a time limit still returns what it finished. Every step runs even
+# the kernel and inference GPU tests, the issue's e2e rows in two processes, the full kernel
+# grid and compute-sanitizer's memcheck on small shapes of every op, each result packed into
+# $OUT/res.tar (or ./check-results.tar without $OUT) as soon as it exists, so a run cut off by a
+# time limit still returns what it finished. Every step runs even
 # if one before it failed; the exit status is 1 if any step failed (each step's line says which).
 #   bash scripts/device/check.sh [--no-grid]
 grid=1
@@ -42,6 +43,29 @@ for r in 1 2; do
 done
 if [ "$grid" = 1 ]; then
     run kernels .device/wide bench kernels --ops up,gate_up,down,q,o,attn_decode,attn_prefill --out "$R/kernels.json"
+fi
+# Memcheck on small shapes of every op and path (the issue's "compute-sanitizer memcheck clean on
+# one run of each op"), last so that it costs the timings nothing. A runtime whose
+# compute-sanitizer does not support the device (gVisor) is reported as skipped, not failed.
+cs=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2> /dev/null)
+if [ -n "$cs" ]; then
+    timeout 300 "$cs" --tool memcheck --error-exitcode 1 .device/test-cuda_kernels sanitizer_small_all_ops --test-threads=1 > "$R/memcheck.log" 2>&1
+    rc=$?
+    echo "rc=$rc" >> "$R/memcheck.log"
+    if [ "$rc" -eq 0 ]; then
+        echo "check.sh: memcheck ok"
+    elif [ "$rc" -eq 124 ]; then
+        echo "check.sh: memcheck FAILED (not finished in 300 s; see res/memcheck.log)"
+        failed="$failed memcheck"
+    elif grep -q "Device not supported" "$R/memcheck.log"; then
+        echo "check.sh: memcheck skipped: compute-sanitizer does not support the device here (see res/memcheck.log)"
+    else
+        echo "check.sh: memcheck FAILED (exit $rc; see res/memcheck.log)"
+        failed="$failed memcheck"
+    fi
+    pack
+else
+    echo "check.sh: memcheck skipped: no compute-sanitizer on this machine"
 fi
 date -u > "$R/end.txt"
 if [ -n "$smi" ]; then kill "$smi" 2> /dev/null; wait "$smi" 2> /dev/null; fi
