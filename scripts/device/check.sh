@@ -3,8 +3,8 @@
 # the kernel and inference GPU tests, the e2e rows in two processes, the full kernel
 # grid and compute-sanitizer's memcheck on small shapes of every op, each result packed into
 # $OUT/res.tar (or ./check-results.tar without $OUT) as soon as it exists, so a run cut off by a
-# time limit still returns what it finished. Every step runs even
-# if one before it failed; the exit status is 1 if any step failed (each step's line says which).
+# time limit still returns what it finished. Every step runs even if one before it failed; the
+# exit status is 1 if any step failed (each step's line says which).
 #   bash scripts/device/check.sh [--no-grid]
 grid=1
 case "${1:-}" in
