@@ -344,6 +344,11 @@ struct E2eArgs {
     /// twice in turn (embed, norm, qkv, rope_kv, attention, o_proj, gate_up, down, lm_head).
     #[arg(long, value_delimiter = ',')]
     repeat_ops: Vec<String>,
+    /// After the rows, time the prefills of dense and every variant again in turn: --iters
+    /// rounds of one prefill each, the order rotated each round, so that all run under the same
+    /// spread of clock and power states (JSON `prefill_interleaved`).
+    #[arg(long)]
+    interleave: bool,
     #[arg(long)]
     out: Option<PathBuf>,
     #[arg(long, default_value_t = 0)]
@@ -744,6 +749,7 @@ fn run(cli: Cli) -> Result<()> {
                 cuda_graph: !a.no_cuda_graph,
                 profile: a.profile,
                 repeat_ops: a.repeat_ops,
+                interleave: a.interleave,
                 out: a.out,
                 commit: env!("WIDE_GIT_COMMIT").to_string(),
                 seed: a.seed,

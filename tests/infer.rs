@@ -221,3 +221,65 @@ fn committed_testbed_small_routers_route_a_generation() {
     let rates: Vec<f64> = line.split_whitespace().filter_map(|w| w.trim_end_matches([',', ';']).parse::<f64>().ok()).collect();
     assert!(rates.len() >= 2 && rates.iter().all(|r| (0.2..0.8).contains(r)), "{line}");
 }
+
+/// A second engine on the same model shares the first one's fused weights (no copy of
+/// Q|K|V or gate|up) and computes the same logits.
+#[test]
+fn engines_on_one_model_share_the_fused_weights() {
+    let _g = tch::no_grad_guard();
+    tch::manual_seed(5);
+    let p = tiny();
+    let vs = nn::VarStore::new(Device::Cpu);
+    let r = routing(&p, Variant::Wide, &vs);
+    let (b, t) = (1, 11);
+    let ids = Tensor::randint(p.model.config.vocab_size, [b, t], (Kind::Int64, Device::Cpu));
+    let first = Engine::new(&p.model, Some(&r)).unwrap();
+    let cache = EngineCache::new(&p.model, b, t);
+    let want = first.prefill(&ids, &[t], &cache, &mut MaskSource::Routers, None, true).unwrap();
+    let ptrs = |m: &wide_core::LlamaModel| -> Vec<usize> {
+        m.layers.iter().flat_map(|l| [l.self_attn.q_proj.weight.data_ptr() as usize, l.self_attn.v_proj.weight.data_ptr() as usize, l.mlp.up_proj.weight.data_ptr() as usize]).collect()
+    };
+    let before = ptrs(&p.model);
+    let dense = Engine::new(&p.model, None).unwrap();
+    let second = Engine::new(&p.model, Some(&r)).unwrap();
+    second.set_offsets_per_layer(&first.offsets()).unwrap();
+    assert_eq!(ptrs(&p.model), before, "a later engine moved the model's weights (a copy of the fused tensors)");
+    let got = second.prefill(&ids, &[t], &cache, &mut MaskSource::Routers, None, true).unwrap();
+    assert!(max_diff(&got, &want) == 0.0, "second engine's logits differ by {}", max_diff(&got, &want));
+    let d = dense.prefill(&ids, &[t], &cache, &mut MaskSource::Routers, None, true).unwrap();
+    assert!(max_diff(&d, &want) > 0.0, "dense and routed logits should differ");
+    assert!(second.set_offsets_per_layer(&[[0.0; 3]]).is_err());
+}
+
+/// `wide bench e2e --interleave` on CPU: the prefills of dense and each variant timed in turn,
+/// every variant once a round, recorded beside the ordinary rows.
+#[test]
+fn bench_e2e_interleave_times_every_variant_each_round() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out_path = tmp.path().join("e2e.json");
+    let args = ["bench", "e2e", "--preset", "tiny", "--device", "cpu", "--dtype", "f32", "--sparsity", "0.3,0.5", "--prefill-tokens", "16,40", "--decode-batches", "1", "--prompt-tokens", "8", "--new-tokens", "3", "--warmup", "1", "--iters", "4"];
+    let out = common::run_wide(&[&args[..], &["--interleave", "--out", out_path.to_str().unwrap()]].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out_path).unwrap()).unwrap();
+    let il = &v["prefill_interleaved"];
+    assert_eq!(il["rounds"], 4);
+    let rows = il["rows"].as_array().unwrap();
+    assert_eq!(rows.iter().map(|r| r["tokens"].as_i64().unwrap()).collect::<Vec<_>>(), vec![16, 40]);
+    for row in rows {
+        let vars = row["variants"].as_array().unwrap();
+        let names: Vec<&str> = vars.iter().map(|x| x["variant"].as_str().unwrap()).collect();
+        assert_eq!(names, vec!["dense", "wide 0.3", "wide 0.5"]);
+        assert_eq!(vars[0]["x_dense"].as_f64().unwrap(), 1.0);
+        for x in vars {
+            let runs = x["runs_ms"].as_array().unwrap();
+            assert_eq!(runs.len(), 4, "{x}");
+            assert!(runs.iter().all(|r| r.as_f64().unwrap() > 0.0), "{x}");
+        }
+    }
+    assert!(String::from_utf8_lossy(&out.stdout).contains("prefill, interleaved (4 rounds"));
+    // Without the flag the field is null and nothing extra is timed.
+    let plain = common::run_wide(&[&args[..], &["--out", out_path.to_str().unwrap()]].concat());
+    assert!(plain.status.success(), "{}", String::from_utf8_lossy(&plain.stderr));
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out_path).unwrap()).unwrap();
+    assert!(v["prefill_interleaved"].is_null());
+}

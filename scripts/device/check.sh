@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the checkout, after scripts/device/stage.sh --tests --kernels:
-# the kernel and inference GPU tests, the e2e rows in two processes, the full kernel
+# the kernel and inference GPU tests, the e2e rows in two processes (with the prefills
+# also timed interleaved, dense and routed in turn), the full kernel
 # grid and compute-sanitizer's memcheck on small shapes of every op, each result packed into
 # $OUT/res.tar (or ./check-results.tar without $OUT) as soon as it exists, so a run cut off by a
 # time limit still returns what it finished. Every step runs even if one before it failed; the
@@ -48,7 +49,7 @@ date -u > "$R/start.txt"
 run test-cuda_kernels .device/test-cuda_kernels --test-threads=1
 run test-cuda_infer .device/test-cuda_infer --test-threads=1
 for r in 1 2; do
-    run "e2e-r$r" .device/wide bench e2e --sparsity 0.5 --prefill-tokens 2048,8192 --decode-batches 1,16 --out "$R/e2e-r$r.json"
+    run "e2e-r$r" .device/wide bench e2e --sparsity 0.5 --prefill-tokens 2048,8192 --decode-batches 1,16 --interleave --out "$R/e2e-r$r.json"
 done
 if [ "$grid" = 1 ]; then
     run kernels .device/wide bench kernels --ops up,gate_up,down,q,o,attn_decode,attn_prefill --out "$R/kernels.json"

@@ -80,8 +80,13 @@ pub fn fuse_projections(model: &LlamaModel) -> Result<Vec<FusedLayer>> {
 }
 
 /// One tensor holding `parts` back to back along dim 0; each part becomes a view of it (the
-/// parts' old storage is freed once nothing else holds it).
+/// parts' old storage is freed once nothing else holds it). Parts that already are consecutive
+/// row blocks of one storage (an earlier engine on the same model fused them) are returned as
+/// that tensor without a copy, so several engines on one model share one set of fused weights.
 fn fuse(parts: &[&Tensor]) -> Result<Tensor> {
+    if let Some(fused) = already_fused(parts) {
+        return Ok(fused);
+    }
     let fused = Tensor::cat(parts, 0);
     let mut off = 0;
     for p in parts {
@@ -91,6 +96,39 @@ fn fuse(parts: &[&Tensor]) -> Result<Tensor> {
         off += r;
     }
     Ok(fused)
+}
+
+/// `parts` as one tensor over their shared storage when they are contiguous, of one dtype and
+/// device and trailing shape, and each starts where the one before ends; `None` otherwise. Two
+/// tensors that merely sit next to each other in memory (separate allocations of the caching
+/// allocator) fail the view's bounds check against the first part's storage, so they are
+/// copied as before.
+fn already_fused(parts: &[&Tensor]) -> Option<Tensor> {
+    let first = parts.first()?;
+    let size = first.size();
+    if size.is_empty() {
+        return None;
+    }
+    let row: i64 = size[1..].iter().product();
+    let elt = first.kind().elt_size_in_bytes() as i64;
+    let mut rows = 0;
+    for p in parts {
+        let s = p.size();
+        if !p.is_contiguous() || p.kind() != first.kind() || p.device() != first.device() || s[1..] != size[1..] {
+            return None;
+        }
+        if p.data_ptr() as i64 != first.data_ptr() as i64 + rows * row * elt {
+            return None;
+        }
+        rows += s[0];
+    }
+    let mut shape = size.clone();
+    shape[0] = rows;
+    let mut strides = vec![1i64; shape.len()];
+    for d in (0..shape.len() - 1).rev() {
+        strides[d] = strides[d + 1] * shape[d + 1];
+    }
+    first.f_as_strided(shape.as_slice(), strides.as_slice(), None).ok()
 }
 
 /// Per-op device times (ms) of a profiled run, summed by op name, and the host time (ms) each
@@ -390,6 +428,15 @@ impl<'m> Engine<'m> {
         for o in self.offsets.borrow_mut().iter_mut() {
             *o = [attention, ffn, layer];
         }
+    }
+
+    /// Sets every layer's offsets (attention, FFN, layer), e.g. from [`Engine::offsets`] of an
+    /// earlier engine on the same routers.
+    pub fn set_offsets_per_layer(&self, offsets: &[[f64; 3]]) -> Result<()> {
+        let mut o = self.offsets.borrow_mut();
+        ensure!(offsets.len() == o.len(), "{} offsets given for {} layers", offsets.len(), o.len());
+        o.copy_from_slice(offsets);
+        Ok(())
     }
 
     /// The offsets per layer: (attention, FFN, layer).
@@ -1279,5 +1326,46 @@ impl<'m> Engine<'m> {
             prefill_skip,
             decode_skip: dec.skip_counts(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fuse_reuses_parts_that_are_already_one_tensor() {
+        let base = Tensor::arange(4 * 6 * 3, (Kind::Float, Device::Cpu)).reshape([24, 3]);
+        let (a, b, c) = (base.narrow(0, 0, 4), base.narrow(0, 4, 12), base.narrow(0, 16, 8));
+        let f = already_fused(&[&a, &b, &c]).expect("consecutive row blocks of one tensor");
+        assert_eq!(f.size(), vec![24, 3]);
+        assert_eq!(f.data_ptr(), base.data_ptr());
+        assert!(f.equal(&base));
+        // A prefix of the storage is fine; out of order, a gap, or a transposed part is not.
+        assert_eq!(already_fused(&[&a, &b]).map(|t| t.size()), Some(vec![16, 3]));
+        assert!(already_fused(&[&b, &a]).is_none());
+        assert!(already_fused(&[&a, &c]).is_none());
+        let t = base.narrow(0, 0, 3).t_();
+        assert!(already_fused(&[&t]).is_none());
+        // Separate tensors are copied by `fuse` and then are views of the copy.
+        let (x, y) = (Tensor::ones([2, 3], (Kind::Float, Device::Cpu)), Tensor::zeros([5, 3], (Kind::Float, Device::Cpu)));
+        assert!(already_fused(&[&x, &y]).is_none());
+        let fused = fuse(&[&x, &y]).unwrap();
+        assert_eq!(x.data_ptr(), fused.data_ptr());
+        assert_eq!(fused.size(), vec![7, 3]);
+        // A second fuse of the same parts shares the first one's storage.
+        let again = fuse(&[&x, &y]).unwrap();
+        assert_eq!(again.data_ptr(), fused.data_ptr());
+        assert!(again.equal(&fused));
+    }
+
+    #[test]
+    fn a_view_past_its_storage_is_refused() {
+        // What keeps two allocations that merely sit next to each other apart: the view over
+        // the first part's storage fails torch's bounds check, and `already_fused` says `None`.
+        let big = Tensor::zeros([8, 4], (Kind::Float, Device::Cpu));
+        let own = big.narrow(0, 0, 4).copy();
+        assert!(own.f_as_strided([8, 4], [4, 1], None).is_err());
+        assert!(big.narrow(0, 0, 4).f_as_strided([8, 4], [4, 1], None).is_ok());
     }
 }

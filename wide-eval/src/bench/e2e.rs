@@ -39,6 +39,9 @@ pub struct E2eBenchConfig {
     /// Ops (see `wide_core::infer::REPEATABLE_OPS`) whose in-graph cost is measured by running
     /// each twice in the batch-1 decode step.
     pub repeat_ops: Vec<String>,
+    /// After the rows, time the prefills of dense and every variant in turn (see
+    /// [`interleaved_prefill`]).
+    pub interleave: bool,
     pub out: Option<PathBuf>,
     pub commit: String,
     pub seed: i64,
@@ -163,6 +166,81 @@ fn measure(engine: &Engine, cfg: &E2eBenchConfig, vocab: i64, label: &str) -> Re
         profile = profile_ops(engine, cfg, vocab)?;
     }
     Ok(json!({"prefill": prefill, "decode": decode, "decode_skip": decode_skip, "profile": profile, "repeat_ops_ms_per_step": repeat, "allocated_before_gib": gib(resident)}))
+}
+
+/// A routed variant's routers and fitted offsets, kept for [`interleaved_prefill`].
+struct Kept {
+    label: String,
+    sparsity: f64,
+    routing: Routing,
+    _vs: nn::VarStore,
+    offsets: Vec<[f64; 3]>,
+}
+
+/// Prefill times of dense and every kept variant on the same prompt, timed in turn: after
+/// `warmup` rounds, `iters` rounds each run every engine once, the order rotated by one each
+/// round. A full-FLOP prefill runs at the board's power limit and where the clock settles moves
+/// over seconds, so the rows above, which time each variant's prefills together, can put dense
+/// and a variant under different clocks; here every engine sees the same spread of states. The
+/// engines share the model's fused weights (no copy); one KV cache serves all of them.
+fn interleaved_prefill(model: &LlamaModel, kept: &[Kept], cfg: &E2eBenchConfig, vocab: i64) -> Result<Value> {
+    let device = cfg.device;
+    let mut engines = vec![("dense".to_string(), 0.0, Engine::new(model, None)?)];
+    for k in kept {
+        let e = Engine::new(model, Some(&k.routing))?;
+        e.set_offsets_per_layer(&k.offsets)?;
+        engines.push((k.label.clone(), k.sparsity, e));
+    }
+    let n = engines.len();
+    let mut out = vec![];
+    for &t in &cfg.prefill_tokens {
+        let ids = Tensor::randint(vocab, [1, t], (Kind::Int64, device));
+        let cache = EngineCache::new(model, 1, t);
+        let run = |i: usize| -> Result<()> {
+            let _ = engines[i].2.prefill(&ids, &[t], &cache, &mut MaskSource::Routers, None, false)?;
+            Ok(())
+        };
+        for _ in 0..cfg.warmup {
+            for i in 0..n {
+                run(i)?;
+            }
+        }
+        let mut times = vec![Vec::with_capacity(cfg.iters); n];
+        for round in 0..cfg.iters {
+            for j in 0..n {
+                let i = (round + j) % n;
+                sync(device)?;
+                let start = std::time::Instant::now();
+                run(i)?;
+                sync(device)?;
+                times[i].push(start.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+        let dense_ms = median(&mut times[0].clone());
+        let variants: Vec<Value> = engines
+            .iter()
+            .zip(&times)
+            .map(|((label, s, _), runs)| {
+                let ms = median(&mut runs.clone());
+                eprintln!("{label:>10} prefill {t:>6} interleaved: {ms:>8.2} ms ({:.2}x dense)", dense_ms / ms);
+                json!({"variant": label, "sparsity": s, "ms": ms, "tokens_per_s": t as f64 * 1e3 / ms, "x_dense": dense_ms / ms, "runs_ms": runs})
+            })
+            .collect();
+        out.push(json!({"tokens": t, "variants": variants}));
+    }
+    Ok(json!({"warmup_rounds": cfg.warmup, "rounds": cfg.iters, "order": "each round runs every engine once, the order rotated by one each round", "rows": out}))
+}
+
+fn print_interleaved(v: &Value) {
+    let Some(rows) = v["rows"].as_array() else { return };
+    println!("\nprefill, interleaved ({} rounds, rotating order):\n", v["rounds"]);
+    println!("| variant | tokens | ms | tokens/s | x dense |");
+    println!("|---|---|---|---|---|");
+    for row in rows {
+        for x in row["variants"].as_array().into_iter().flatten() {
+            println!("| {} | {} | {:.2} | {:.0} | {:.2}x |", x["variant"].as_str().unwrap_or(""), row["tokens"], x["ms"].as_f64().unwrap_or(0.0), x["tokens_per_s"].as_f64().unwrap_or(0.0), x["x_dense"].as_f64().unwrap_or(0.0));
+        }
+    }
 }
 
 /// Times `warmup + iters` batch-`b` generations (prefill, graph capture, then `new_tokens - 1`
@@ -297,6 +375,8 @@ pub fn run(cfg: &E2eBenchConfig) -> Result<Value> {
     eprintln!("built {label} ({:.3}B parameters, {:?}) on {} in {:.1}s", mc.parameter_count() as f64 / 1e9, cfg.kind, device_label(cfg.device), t0.elapsed().as_secs_f64());
     let vocab = mc.vocab_size;
     let mut rows = vec![];
+    // The routed variants kept for the interleaved prefills (with --interleave).
+    let mut kept: Vec<Kept> = vec![];
     // The routing each row ran (from the routers' own manifest with --routing).
     let mut routing_used: Option<(String, i64, i64)> = None;
     let dense = Engine::new(&model, None)?;
@@ -314,9 +394,15 @@ pub fn run(cfg: &E2eBenchConfig) -> Result<Value> {
         let label = format!("{} {s}", rc.variant.name());
         eprintln!("{label}: prefill skip rates on the fitting prompt {:?}", achieved.per_kind.keys().map(|k| format!("{k} {:.3}", achieved.rate(k).unwrap_or(0.0))).collect::<Vec<_>>());
         let r = measure(&engine, cfg, vocab, &label)?;
+        let offsets = engine.offsets();
         rows.push(json!({"variant": routing.config.variant.name(), "sparsity": s, "fit_skip": skip_json(&achieved), "results": r,
-            "offsets_per_layer": engine.offsets()}));
+            "offsets_per_layer": offsets}));
+        drop(engine);
+        if cfg.interleave {
+            kept.push(Kept { label, sparsity: s, routing, _vs: _rvs, offsets });
+        }
     }
+    let interleaved = if cfg.interleave { interleaved_prefill(&model, &kept, cfg, vocab)? } else { Value::Null };
     let prov = Provenance::new(&cfg.commit, &device_label(cfg.device));
     let result = json!({
         "benchmark": "e2e",
@@ -330,10 +416,12 @@ pub fn run(cfg: &E2eBenchConfig) -> Result<Value> {
                      "decode_tokens_per_s": "batch x (new_tokens - 1) / time of the decode steps after prefill and graph capture"},
         "floors_per_layer": floors_json(&mc, cfg),
         "rows": rows,
+        "prefill_interleaved": interleaved,
         // The large-M paths each M bucket took in this process (the prefills' routed products).
         "autotune": super::autotune_json(),
     });
     print_table(&result);
+    print_interleaved(&result["prefill_interleaved"]);
     if let Some(out) = &cfg.out {
         write_json(out, &result)?;
         eprintln!("wrote {}", out.display());
