@@ -164,6 +164,22 @@ impl CudaKernel {
         .map_err(|e| driver_err(e, "setting the dynamic shared memory limit"))
     }
 
+    /// Sets this kernel's preferred shared-memory carveout: `percent` of the largest shared
+    /// memory a multiprocessor can have, the rest of its 256 KiB of L1 / shared storage left to
+    /// L1. A hint: the driver takes a larger carveout where the kernel's blocks need one. Set
+    /// once per loaded function (later calls with the same value are free).
+    pub fn set_carveout(&self, percent: i32) -> Result<()> {
+        static SET: OnceLock<Mutex<HashMap<usize, i32>>> = OnceLock::new();
+        let mut set = SET.get_or_init(Default::default).lock().unwrap();
+        if set.get(&(self.func as usize)) == Some(&percent) {
+            return Ok(());
+        }
+        unsafe { drv::function::set_function_attribute(self.func, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, percent) }
+            .map_err(|e| driver_err(e, "setting the shared memory carveout"))?;
+        set.insert(self.func as usize, percent);
+        Ok(())
+    }
+
     /// Bytes of statically declared shared memory of this kernel (the dynamic shared memory of a
     /// launch must fit beside them).
     pub fn static_shared_mem(&self) -> Result<u32> {

@@ -394,11 +394,23 @@ fn launch_skinny(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, lay
     let nt = if s.m <= 8 { 1 } else { 2 };
     let entry = if s.op == RoutedOp::MnSwiglu { format!("skinny_mn_swiglu_{nt}_2") } else { format!("skinny_mn_{nt}_{}", skinny_unroll()) };
     let kernel = routed_kernel(f16, None, &entry, device)?;
+    if let Some(pct) = skinny_carveout() {
+        kernel.set_carveout(pct)?;
+    }
     let out = Tensor::empty([s.m, s.n], (x.kind(), x.device()));
     let args = small_m_args(s, &x, &w, w2.as_ref(), layout, &out, s.n / s.group, layout.always_on_from() as i32)?;
     // One block of 8 warps for each 16 output rows; programmatic dependent launch as the GEMVs.
     unsafe { kernel.launch_pdl(LaunchConfig { grid: ((s.n / 16) as u32, 1, 1), block: (256, 1, 1), shared_mem_bytes: 0 }, &args)? };
     Ok(out)
+}
+
+/// The small-M mma gemm_mn's preferred shared-memory carveout (percent; see
+/// [`CudaKernel::set_carveout`]), from `WIDE_SKINNY_CARVEOUT` (read once): unset or `default`
+/// leaves the driver's choice. Every block reads all of x (16 x K) through L1 beside weights
+/// that bypass it, so a small carveout keeps more of x in L1 (a measurement knob).
+pub fn skinny_carveout() -> Option<i32> {
+    static V: OnceLock<Option<i32>> = OnceLock::new();
+    *V.get_or_init(|| std::env::var("WIDE_SKINNY_CARVEOUT").ok().and_then(|v| v.trim().parse::<i32>().ok()).filter(|p| (0..=100).contains(p)))
 }
 
 /// k blocks of weights a warp of the plain small-M mma gemm_mn requests at a time (2 or 4; up to
