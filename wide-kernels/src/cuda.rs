@@ -82,6 +82,18 @@ pub fn ensure_context(device: usize) -> Result<()> {
     unsafe { drv::ctx::set_current(ctx) }.map_err(|e| driver_err(e, "making the context current"))
 }
 
+/// The PCI bus id of a CUDA device (`0000:18:00.0`), which names the same GPU in NVML whatever
+/// `CUDA_VISIBLE_DEVICES` renumbers.
+pub fn pci_bus_id(device: usize) -> Result<String> {
+    ensure_context(device)?;
+    let dev = drv::device::get(device as i32).map_err(|e| driver_err(e, "opening the device"))?;
+    let mut buf = [0 as std::ffi::c_char; 32];
+    unsafe { sys::cuDeviceGetPCIBusId(buf.as_mut_ptr(), buf.len() as i32, dev) }
+        .result()
+        .map_err(|e| driver_err(e, "reading the PCI bus id"))?;
+    Ok(unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned())
+}
+
 /// `compute_XY` of a device, the NVRTC target for it.
 pub fn compute_arch(device: usize) -> Result<String> {
     ensure_context(device)?;

@@ -6,7 +6,8 @@
 //! router kind to hit each sparsity; otherwise random routers (Kaiming-uniform, as freshly
 //! initialised) whose per-layer offsets (equivalently, skip biases) are fitted on a random
 //! 2048-token prompt to skip the target share of groups.
-use super::{device_label, median, peak_bytes, reset_peak, sync, time_median_with_host};
+use super::clock::ClockSampler;
+use super::{device_label, median, peak_bytes, reset_peak, sync};
 use crate::report::{write_json, Provenance};
 use anyhow::{Context, Result};
 use serde_json::{json, Value};
@@ -94,7 +95,7 @@ fn routing_for(cfg: &E2eBenchConfig, mc: &ModelConfig, s: f64) -> Result<(Routin
 }
 
 /// One engine's measurements.
-fn measure(engine: &Engine, cfg: &E2eBenchConfig, vocab: i64, label: &str) -> Result<Value> {
+fn measure(engine: &Engine, cfg: &E2eBenchConfig, vocab: i64, label: &str, clock: Option<&ClockSampler>) -> Result<Value> {
     let device = cfg.device;
     sync(device)?;
     let resident = allocated(device)?;
@@ -105,32 +106,56 @@ fn measure(engine: &Engine, cfg: &E2eBenchConfig, vocab: i64, label: &str) -> Re
         let cache = EngineCache::new(engine.model, 1, t);
         sync(device)?;
         reset_peak(device)?;
-        let (secs, host) = time_median_with_host(device, cfg.warmup, cfg.iters, || {
+        let run = || -> Result<()> {
             let _ = engine.prefill(&ids, &[t], &cache, &mut MaskSource::Routers, None, false)?;
             Ok(())
-        })?;
+        };
+        for _ in 0..cfg.warmup {
+            run()?;
+        }
+        sync(device)?;
+        let (mut times, mut hosts, mut windows) = (vec![], vec![], vec![]);
+        for _ in 0..cfg.iters {
+            let start = std::time::Instant::now();
+            run()?;
+            hosts.push(start.elapsed().as_secs_f64());
+            sync(device)?;
+            times.push(start.elapsed().as_secs_f64());
+            windows.push((start, std::time::Instant::now()));
+        }
+        let (secs, host) = (median(&mut times), median(&mut hosts));
+        let mhz = clock.and_then(|c| c.median_mhz(&windows));
         let peak = peak_bytes(device)?;
         eprintln!(
-            "{label:>10} prefill {t:>6}: {:>8.2} ms {:>9.0} tokens/s  peak {:.2} GiB  (host issue {:.2} ms)",
+            "{label:>10} prefill {t:>6}: {:>8.2} ms {:>9.0} tokens/s  peak {:.2} GiB  (host issue {:.2} ms){}",
             secs * 1e3,
             t as f64 / secs,
             gib(peak),
-            host * 1e3
+            host * 1e3,
+            mhz_note(mhz)
         );
-        prefill.push(json!({"tokens": t, "ms": secs * 1e3, "tokens_per_s": t as f64 / secs, "peak_gib": gib(peak), "host_issue_ms": host * 1e3}));
+        prefill.push(json!({"tokens": t, "ms": secs * 1e3, "tokens_per_s": t as f64 / secs, "peak_gib": gib(peak), "host_issue_ms": host * 1e3, "sm_mhz": mhz}));
     }
     let mut decode = vec![];
     for &b in &cfg.decode_batches {
         sync(device)?;
         reset_peak(device)?;
-        let (mut steps, mut totals) = time_decode(engine, cfg, vocab, b)?;
+        let (mut steps, mut totals, windows) = time_decode(engine, cfg, vocab, b)?;
         let peak = peak_bytes(device)?;
         let (step, total) = (median(&mut steps), median(&mut totals));
+        let mhz = clock.and_then(|c| c.median_mhz(&windows));
         let n = (cfg.new_tokens - 1) as f64;
         let tps = b as f64 * n / step;
-        eprintln!("{label:>10} decode batch {b:>3}: {:>7.3} ms/step {:>9.1} tokens/s ({:.1} with prefill)  peak {:.2} GiB", step * 1e3 / n, tps, (b * cfg.new_tokens) as f64 / total, gib(peak));
+        eprintln!(
+            "{label:>10} decode batch {b:>3}: {:>7.3} ms/step {:>9.1} tokens/s ({:.1} with prefill)  peak {:.2} GiB{}",
+            step * 1e3 / n,
+            tps,
+            (b * cfg.new_tokens) as f64 / total,
+            gib(peak),
+            mhz_note(mhz)
+        );
         decode.push(json!({"batch": b, "ms_per_step": step * 1e3 / n, "decode_tokens_per_s": tps,
-            "generate_tokens_per_s": (b * cfg.new_tokens) as f64 / total, "peak_gib": gib(peak)}));
+            "generate_tokens_per_s": (b * cfg.new_tokens) as f64 / total, "peak_gib": gib(peak), "sm_mhz": mhz}));
     }
     // Achieved skip rates while decoding (batch 1, the graph accumulating on the device).
     let mut decode_skip = Value::Null;
@@ -148,7 +173,7 @@ fn measure(engine: &Engine, cfg: &E2eBenchConfig, vocab: i64, label: &str) -> Re
     // In-graph cost of single ops: each listed op runs twice in the captured batch-1 step.
     let mut repeat = serde_json::Map::new();
     if !cfg.repeat_ops.is_empty() {
-        let (mut base, _) = time_decode(engine, cfg, vocab, 1)?;
+        let (mut base, _, _) = time_decode(engine, cfg, vocab, 1)?;
         let n = (cfg.new_tokens - 1) as f64;
         let base_ms = median(&mut base) * 1e3 / n;
         repeat.insert("none".into(), json!(base_ms));
@@ -183,7 +208,7 @@ struct Kept {
 /// over seconds, so the rows above, which time each variant's prefills together, can put dense
 /// and a variant under different clocks; here every engine sees the same spread of states. The
 /// engines share the model's fused weights (no copy); one KV cache serves all of them.
-fn interleaved_prefill(model: &LlamaModel, kept: &[Kept], cfg: &E2eBenchConfig, vocab: i64) -> Result<Value> {
+fn interleaved_prefill(model: &LlamaModel, kept: &[Kept], cfg: &E2eBenchConfig, vocab: i64, clock: Option<&ClockSampler>) -> Result<Value> {
     let device = cfg.device;
     let mut engines = vec![("dense".to_string(), 0.0, Engine::new(model, None)?)];
     for k in kept {
@@ -206,6 +231,7 @@ fn interleaved_prefill(model: &LlamaModel, kept: &[Kept], cfg: &E2eBenchConfig, 
             }
         }
         let mut times = vec![Vec::with_capacity(cfg.iters); n];
+        let mut windows = vec![Vec::with_capacity(cfg.iters); n];
         for round in 0..cfg.iters {
             for j in 0..n {
                 let i = (round + j) % n;
@@ -214,21 +240,30 @@ fn interleaved_prefill(model: &LlamaModel, kept: &[Kept], cfg: &E2eBenchConfig, 
                 run(i)?;
                 sync(device)?;
                 times[i].push(start.elapsed().as_secs_f64() * 1e3);
+                windows[i].push((start, std::time::Instant::now()));
             }
         }
         let dense_ms = median(&mut times[0].clone());
         let variants: Vec<Value> = engines
             .iter()
-            .zip(&times)
-            .map(|((label, s, _), runs)| {
+            .zip(times.iter().zip(&windows))
+            .map(|((label, s, _), (runs, win))| {
                 let ms = median(&mut runs.clone());
-                eprintln!("{label:>10} prefill {t:>6} interleaved: {ms:>8.2} ms ({:.2}x dense)", dense_ms / ms);
-                json!({"variant": label, "sparsity": s, "ms": ms, "tokens_per_s": t as f64 * 1e3 / ms, "x_dense": dense_ms / ms, "runs_ms": runs})
+                let mhz = clock.and_then(|c| c.median_mhz(win));
+                let runs_mhz: Vec<Option<f64>> = win.iter().map(|w| clock.and_then(|c| c.median_mhz(std::slice::from_ref(w)))).collect();
+                eprintln!("{label:>10} prefill {t:>6} interleaved: {ms:>8.2} ms ({:.2}x dense){}", dense_ms / ms, mhz_note(mhz));
+                json!({"variant": label, "sparsity": s, "ms": ms, "tokens_per_s": t as f64 * 1e3 / ms, "x_dense": dense_ms / ms, "runs_ms": runs,
+                       "sm_mhz": mhz, "runs_sm_mhz": runs_mhz})
             })
             .collect();
         out.push(json!({"tokens": t, "variants": variants}));
     }
     Ok(json!({"warmup_rounds": cfg.warmup, "rounds": cfg.iters, "order": "each round runs every engine once, the order rotated by one each round", "rows": out}))
+}
+
+/// " at N MHz" for a console line, where the SM clock was sampled.
+fn mhz_note(mhz: Option<f64>) -> String {
+    mhz.map(|m| format!("  SM clock {m:.0} MHz")).unwrap_or_default()
 }
 
 fn print_interleaved(v: &Value) {
@@ -244,12 +279,14 @@ fn print_interleaved(v: &Value) {
 }
 
 /// Times `warmup + iters` batch-`b` generations (prefill, graph capture, then `new_tokens - 1`
-/// steps); returns the measured iterations' step-loop and total seconds.
-fn time_decode(engine: &Engine, cfg: &E2eBenchConfig, vocab: i64, b: i64) -> Result<(Vec<f64>, Vec<f64>)> {
+/// steps); returns the measured iterations' step-loop and total seconds, and the step loops'
+/// time windows.
+#[allow(clippy::type_complexity)]
+fn time_decode(engine: &Engine, cfg: &E2eBenchConfig, vocab: i64, b: i64) -> Result<(Vec<f64>, Vec<f64>, Vec<(std::time::Instant, std::time::Instant)>)> {
     let device = cfg.device;
     let prompts: Vec<Vec<i64>> = (0..b).map(|_| Vec::<i64>::try_from(Tensor::randint(vocab, [cfg.prompt_tokens], (Kind::Int64, Device::Cpu))).unwrap()).collect();
     let capacity = cfg.prompt_tokens + cfg.new_tokens;
-    let (mut steps, mut totals) = (vec![], vec![]);
+    let (mut steps, mut totals, mut windows) = (vec![], vec![], vec![]);
     for rep in 0..cfg.warmup + cfg.iters {
         sync(device)?;
         let start = std::time::Instant::now();
@@ -266,9 +303,10 @@ fn time_decode(engine: &Engine, cfg: &E2eBenchConfig, vocab: i64, b: i64) -> Res
         if rep >= cfg.warmup {
             steps.push(after.elapsed().as_secs_f64());
             totals.push(start.elapsed().as_secs_f64());
+            windows.push((after, std::time::Instant::now()));
         }
     }
-    Ok((steps, totals))
+    Ok((steps, totals, windows))
 }
 
 /// Calls of `op` in one decode step (to express a step's extra time per call).
@@ -379,8 +417,14 @@ pub fn run(cfg: &E2eBenchConfig) -> Result<Value> {
     let mut kept: Vec<Kept> = vec![];
     // The routing each row ran (from the routers' own manifest with --routing).
     let mut routing_used: Option<(String, i64, i64)> = None;
+    // The SM clock every 2 ms (NVML; absent on CPU), each timed run's median in the JSON.
+    let clock = match cfg.device {
+        Device::Cuda(d) => ClockSampler::start(d, std::time::Duration::from_millis(2)),
+        _ => None,
+    };
+    let clock = clock.as_ref();
     let dense = Engine::new(&model, None)?;
-    let d = measure(&dense, cfg, vocab, "dense")?;
+    let d = measure(&dense, cfg, vocab, "dense", clock)?;
     rows.push(json!({"variant": "dense", "sparsity": 0.0, "results": d}));
     drop(dense);
     for &s in &cfg.sparsities {
@@ -393,7 +437,7 @@ pub fn run(cfg: &E2eBenchConfig) -> Result<Value> {
         routing_used = Some((rc.variant.name().to_string(), rc.attn_group_size, rc.ffn_group_size));
         let label = format!("{} {s}", rc.variant.name());
         eprintln!("{label}: prefill skip rates on the fitting prompt {:?}", achieved.per_kind.keys().map(|k| format!("{k} {:.3}", achieved.rate(k).unwrap_or(0.0))).collect::<Vec<_>>());
-        let r = measure(&engine, cfg, vocab, &label)?;
+        let r = measure(&engine, cfg, vocab, &label, clock)?;
         let offsets = engine.offsets();
         rows.push(json!({"variant": routing.config.variant.name(), "sparsity": s, "fit_skip": skip_json(&achieved), "results": r,
             "offsets_per_layer": offsets}));
@@ -402,7 +446,7 @@ pub fn run(cfg: &E2eBenchConfig) -> Result<Value> {
             kept.push(Kept { label, sparsity: s, routing, _vs: _rvs, offsets });
         }
     }
-    let interleaved = if cfg.interleave { interleaved_prefill(&model, &kept, cfg, vocab)? } else { Value::Null };
+    let interleaved = if cfg.interleave { interleaved_prefill(&model, &kept, cfg, vocab, clock)? } else { Value::Null };
     let prov = Provenance::new(&cfg.commit, &device_label(cfg.device));
     let result = json!({
         "benchmark": "e2e",
@@ -412,7 +456,8 @@ pub fn run(cfg: &E2eBenchConfig) -> Result<Value> {
                     "variant": routing_used.as_ref().map(|r| r.0.clone()),
                     "attn_group_size": routing_used.as_ref().map_or(cfg.attn_group_size, |r| r.1), "ffn_group_size": routing_used.as_ref().map_or(cfg.ffn_group_size, |r| r.2),
                     "routing_dir": cfg.routing_dir.as_ref().map(|p| p.display().to_string())},
-        "settings": {"warmup": cfg.warmup, "iters": cfg.iters, "cuda_graph": cfg.cuda_graph, "prompt_tokens": cfg.prompt_tokens, "new_tokens": cfg.new_tokens, "eos_ignored": true,
+        "settings": {"sm_clock": if clock.is_some() { "NVML, sampled every 2 ms; each figure's sm_mhz is the median over its timed runs" } else { "not sampled (no NVML)" },
+                     "warmup": cfg.warmup, "iters": cfg.iters, "cuda_graph": cfg.cuda_graph, "prompt_tokens": cfg.prompt_tokens, "new_tokens": cfg.new_tokens, "eos_ignored": true,
                      "decode_tokens_per_s": "batch x (new_tokens - 1) / time of the decode steps after prefill and graph capture"},
         "floors_per_layer": floors_json(&mc, cfg),
         "rows": rows,

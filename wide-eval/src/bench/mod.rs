@@ -1,5 +1,6 @@
 //! Benchmark programs. Timing follows the device method: warm-up first, then the median of
 //! repeated runs, each bracketed by device synchronisation.
+pub mod clock;
 pub mod dense;
 pub mod e2e;
 pub mod train;
