@@ -87,6 +87,11 @@ impl ClockSampler {
         Some(Self { samples, stop, thread: Some(thread) })
     }
 
+    /// The samples taken between `from` and `to`: (ms since `from`, MHz).
+    pub fn trace(&self, from: Instant, to: Instant) -> Vec<(f64, u32)> {
+        self.samples.lock().unwrap().iter().filter(|(t, _)| *t >= from && *t < to).map(|&(t, m)| ((t - from).as_secs_f64() * 1e3, m)).collect()
+    }
+
     /// Median SM clock (MHz) of the samples taken inside the windows; `None` if there are none.
     pub fn median_mhz(&self, windows: &[(Instant, Instant)]) -> Option<f64> {
         median_in_windows(&self.samples.lock().unwrap(), windows)

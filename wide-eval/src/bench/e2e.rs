@@ -225,6 +225,7 @@ fn interleaved_prefill(model: &LlamaModel, kept: &[Kept], cfg: &E2eBenchConfig, 
             let _ = engines[i].2.prefill(&ids, &[t], &cache, &mut MaskSource::Routers, None, false)?;
             Ok(())
         };
+        let phase = std::time::Instant::now();
         for _ in 0..cfg.warmup {
             for i in 0..n {
                 run(i)?;
@@ -251,12 +252,17 @@ fn interleaved_prefill(model: &LlamaModel, kept: &[Kept], cfg: &E2eBenchConfig, 
                 let ms = median(&mut runs.clone());
                 let mhz = clock.and_then(|c| c.median_mhz(win));
                 let runs_mhz: Vec<Option<f64>> = win.iter().map(|w| clock.and_then(|c| c.median_mhz(std::slice::from_ref(w)))).collect();
+                let ms_since = |i: std::time::Instant| (i - phase).as_secs_f64() * 1e3;
+                let runs_window: Vec<[f64; 2]> = win.iter().map(|&(a, b)| [ms_since(a), ms_since(b)]).collect();
                 eprintln!("{label:>10} prefill {t:>6} interleaved: {ms:>8.2} ms ({:.2}x dense){}", dense_ms / ms, mhz_note(mhz));
                 json!({"variant": label, "sparsity": s, "ms": ms, "tokens_per_s": t as f64 * 1e3 / ms, "x_dense": dense_ms / ms, "runs_ms": runs,
-                       "sm_mhz": mhz, "runs_sm_mhz": runs_mhz})
+                       "sm_mhz": mhz, "runs_sm_mhz": runs_mhz, "runs_window_ms": runs_window})
             })
             .collect();
-        out.push(json!({"tokens": t, "variants": variants}));
+        // Every clock sample of this length's rounds (ms since its first warm-up run, MHz), to
+        // read a run's clock along its length against the windows above.
+        let trace: Vec<[f64; 2]> = clock.map(|c| c.trace(phase, std::time::Instant::now())).unwrap_or_default().into_iter().map(|(ms, m)| [(ms * 10.0).round() / 10.0, m as f64]).collect();
+        out.push(json!({"tokens": t, "variants": variants, "clock_trace_ms_mhz": trace}));
     }
     Ok(json!({"warmup_rounds": cfg.warmup, "rounds": cfg.iters, "order": "each round runs every engine once, the order rotated by one each round", "rows": out}))
 }
