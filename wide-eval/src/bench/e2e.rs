@@ -7,7 +7,7 @@
 //! initialised) whose per-layer offsets (equivalently, skip biases) are fitted on a random
 //! 2048-token prompt to skip the target share of groups.
 use super::clock::ClockSampler;
-use super::{device_label, median, peak_bytes, reset_peak, sync};
+use super::{device_label, median, peak_bytes, reset_peak, sync, time_runs};
 use crate::report::{write_json, Provenance};
 use anyhow::{Context, Result};
 use serde_json::{json, Value};
@@ -106,25 +106,12 @@ fn measure(engine: &Engine, cfg: &E2eBenchConfig, vocab: i64, label: &str, clock
         let cache = EngineCache::new(engine.model, 1, t);
         sync(device)?;
         reset_peak(device)?;
-        let run = || -> Result<()> {
+        let mut runs = time_runs(device, cfg.warmup, cfg.iters, || {
             let _ = engine.prefill(&ids, &[t], &cache, &mut MaskSource::Routers, None, false)?;
             Ok(())
-        };
-        for _ in 0..cfg.warmup {
-            run()?;
-        }
-        sync(device)?;
-        let (mut times, mut hosts, mut windows) = (vec![], vec![], vec![]);
-        for _ in 0..cfg.iters {
-            let start = std::time::Instant::now();
-            run()?;
-            hosts.push(start.elapsed().as_secs_f64());
-            sync(device)?;
-            times.push(start.elapsed().as_secs_f64());
-            windows.push((start, std::time::Instant::now()));
-        }
-        let (secs, host) = (median(&mut times), median(&mut hosts));
-        let mhz = clock.and_then(|c| c.median_mhz(&windows));
+        })?;
+        let (secs, host) = (median(&mut runs.secs), median(&mut runs.host_secs));
+        let mhz = clock.and_then(|c| c.median_mhz(&runs.windows));
         let peak = peak_bytes(device)?;
         eprintln!(
             "{label:>10} prefill {t:>6}: {:>8.2} ms {:>9.0} tokens/s  peak {:.2} GiB  (host issue {:.2} ms){}",

@@ -20,26 +20,35 @@ pub fn sync(device: Device) -> Result<()> {
 
 /// Median wall time in seconds of `iters` runs of `f` after `warmup` runs.
 pub fn time_median(device: Device, warmup: usize, iters: usize, f: impl FnMut() -> Result<()>) -> Result<f64> {
-    Ok(time_median_with_host(device, warmup, iters, f)?.0)
+    Ok(median(&mut time_runs(device, warmup, iters, f)?.secs))
 }
 
-/// [`time_median`] that also returns the median host time spent inside `f` (issuing the work,
-/// before the sync): when it is close to the total, the host sets the pace (or `f` itself
-/// waits for the device).
-pub fn time_median_with_host(device: Device, warmup: usize, iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
+/// The timed runs of [`time_runs`]: wall seconds of each (issue and device work), the host's
+/// seconds inside `f` (issuing the work, before the sync: when close to the total, the host sets
+/// the pace or `f` waits for the device), and each run's window (to read a clock trace against).
+pub struct Runs {
+    pub secs: Vec<f64>,
+    pub host_secs: Vec<f64>,
+    pub windows: Vec<(std::time::Instant, std::time::Instant)>,
+}
+
+/// `warmup` runs of `f`, a device sync, then `iters` (at least one) runs each ended by a sync.
+pub fn time_runs(device: Device, warmup: usize, iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<Runs> {
     for _ in 0..warmup {
         f()?;
     }
     sync(device)?;
-    let (mut times, mut host) = (Vec::with_capacity(iters), Vec::with_capacity(iters));
-    for _ in 0..iters.max(1) {
+    let n = iters.max(1);
+    let mut r = Runs { secs: Vec::with_capacity(n), host_secs: Vec::with_capacity(n), windows: Vec::with_capacity(n) };
+    for _ in 0..n {
         let t = std::time::Instant::now();
         f()?;
-        host.push(t.elapsed().as_secs_f64());
+        r.host_secs.push(t.elapsed().as_secs_f64());
         sync(device)?;
-        times.push(t.elapsed().as_secs_f64());
+        r.secs.push(t.elapsed().as_secs_f64());
+        r.windows.push((t, std::time::Instant::now()));
     }
-    Ok((median(&mut times), median(&mut host)))
+    Ok(r)
 }
 
 /// Checks a benchmark's counts before anything is built: at least one timed iteration, and for
