@@ -114,7 +114,7 @@ fn already_fused(parts: &[&Tensor]) -> Option<Tensor> {
     let mut rows = 0;
     for p in parts {
         let s = p.size();
-        if !p.is_contiguous() || p.kind() != first.kind() || p.device() != first.device() || s[1..] != size[1..] {
+        if s.len() != size.len() || !p.is_contiguous() || p.kind() != first.kind() || p.device() != first.device() || s[1..] != size[1..] {
             return None;
         }
         if p.data_ptr() as i64 != first.data_ptr() as i64 + rows * row * elt {
@@ -1347,6 +1347,11 @@ mod tests {
         assert!(already_fused(&[&a, &c]).is_none());
         let t = base.narrow(0, 0, 3).t_();
         assert!(already_fused(&[&t]).is_none());
+        // A part of another rank right after the first is not a row block of it.
+        let flat = base.narrow(0, 4, 1).view([3]);
+        assert!(already_fused(&[&a, &flat]).is_none());
+        let scalar = base.get(4).get(0);
+        assert!(already_fused(&[&a, &scalar]).is_none());
         // Separate tensors are copied by `fuse` and then are views of the copy.
         let (x, y) = (Tensor::ones([2, 3], (Kind::Float, Device::Cpu)), Tensor::zeros([5, 3], (Kind::Float, Device::Cpu)));
         assert!(already_fused(&[&x, &y]).is_none());
