@@ -223,12 +223,10 @@ fn interleaved_prefill(model: &LlamaModel, kept: &[Kept], cfg: &E2eBenchConfig, 
         for round in 0..cfg.iters {
             for j in 0..n {
                 let i = (round + j) % n;
-                sync(device)?;
-                let start = std::time::Instant::now();
-                run(i)?;
-                sync(device)?;
-                times[i].push(start.elapsed().as_secs_f64() * 1e3);
-                windows[i].push((start, std::time::Instant::now()));
+                // One timed run, bracketed by syncs like every other figure here.
+                let r = time_runs(device, 0, 1, || run(i))?;
+                times[i].push(r.secs[0] * 1e3);
+                windows[i].push(r.windows[0]);
             }
         }
         let dense_ms = median(&mut times[0].clone());

@@ -405,12 +405,20 @@ fn launch_skinny(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, lay
 }
 
 /// The small-M mma gemm_mn's preferred shared-memory carveout (percent; see
-/// [`CudaKernel::set_carveout`]), from `WIDE_SKINNY_CARVEOUT` (read once): unset or `default`
-/// leaves the driver's choice. Every block reads all of x (16 x K) through L1 beside weights
-/// that bypass it, so a small carveout keeps more of x in L1 (a measurement knob).
+/// [`CudaKernel::set_carveout`]), from `WIDE_SKINNY_CARVEOUT` (read once): unset leaves the
+/// driver's choice; a value outside 0..=100 is named in a warning and ignored. Every block reads
+/// all of x (16 x K) through L1 beside weights that bypass it, so a small carveout keeps more of
+/// x in L1 (a measurement knob).
 pub fn skinny_carveout() -> Option<i32> {
     static V: OnceLock<Option<i32>> = OnceLock::new();
-    *V.get_or_init(|| std::env::var("WIDE_SKINNY_CARVEOUT").ok().and_then(|v| v.trim().parse::<i32>().ok()).filter(|p| (0..=100).contains(p)))
+    *V.get_or_init(|| {
+        let v = std::env::var("WIDE_SKINNY_CARVEOUT").ok()?;
+        let p = v.trim().parse::<i32>().ok().filter(|p| (0..=100).contains(p));
+        if p.is_none() {
+            eprintln!("warning: WIDE_SKINNY_CARVEOUT={v:?} is not a percentage 0..=100; the driver's carveout is kept");
+        }
+        p
+    })
 }
 
 /// k blocks of weights a warp of the plain small-M mma gemm_mn requests at a time (2 or 4; up to
