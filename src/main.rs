@@ -349,6 +349,10 @@ struct E2eArgs {
     /// spread of clock and power states (JSON `prefill_interleaved`).
     #[arg(long)]
     interleave: bool,
+    /// With --interleave: idle the device this many milliseconds between two interleaved runs
+    /// (to see what a run leaves the next one, such as the power state).
+    #[arg(long, default_value_t = 0)]
+    interleave_gap_ms: u64,
     #[arg(long)]
     out: Option<PathBuf>,
     #[arg(long, default_value_t = 0)]
@@ -731,6 +735,7 @@ fn run(cli: Cli) -> Result<()> {
             for s in &a.sparsity {
                 wide_core::routing::check_sparsity(*s)?;
             }
+            anyhow::ensure!(a.interleave || a.interleave_gap_ms == 0, "--interleave-gap-ms applies to the interleaved prefills: add --interleave");
             wide_eval::bench::e2e::run(&wide_eval::bench::e2e::E2eBenchConfig {
                 preset: a.preset,
                 model_dir: a.model_dir,
@@ -750,6 +755,7 @@ fn run(cli: Cli) -> Result<()> {
                 profile: a.profile,
                 repeat_ops: a.repeat_ops,
                 interleave: a.interleave,
+                interleave_gap_ms: a.interleave_gap_ms,
                 out: a.out,
                 commit: env!("WIDE_GIT_COMMIT").to_string(),
                 seed: a.seed,

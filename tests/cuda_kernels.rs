@@ -1007,3 +1007,22 @@ fn launch_paths_do_not_rehash_kernel_sources() {
     let after = wide_kernels::nvrtc::source_hashes();
     assert_eq!(after, before, "{} kernel sources hashed again by launches whose kernels were already loaded", after - before);
 }
+
+/// The clock probe reads an SM clock a GPU can run at, in every slot it wrote and in no other,
+/// from a spin of at least its length.
+#[test]
+fn clock_probe_reads_the_sm_clock() {
+    let dev = gpu();
+    let p = wide_kernels::ops::probe::ClockProbe::new(dev, 3, 200).unwrap();
+    p.record(0).unwrap();
+    let x = Tensor::randn([2048, 2048], (Kind::BFloat16, dev));
+    let _ = x.matmul(&x);
+    p.record(2).unwrap();
+    let mhz = p.mhz().unwrap();
+    assert_eq!(mhz[1], None, "slot 1 was never written: {mhz:?}");
+    for m in [mhz[0], mhz[2]] {
+        let m = m.unwrap_or_else(|| panic!("a written slot reads no clock: {mhz:?}"));
+        assert!((300.0..4000.0).contains(&m), "{m} MHz is no SM clock");
+    }
+    assert!(p.record(3).is_err(), "slot 3 is out of range");
+}

@@ -274,9 +274,27 @@ fn bench_e2e_interleave_times_every_variant_each_round() {
             let runs = x["runs_ms"].as_array().unwrap();
             assert_eq!(runs.len(), 4, "{x}");
             assert!(runs.iter().all(|r| r.as_f64().unwrap() > 0.0), "{x}");
+            // No clock probe on CPU; every run names the run before it.
+            assert!(x["probe_start_mhz"].is_null() && x["runs_probe_mhz"].as_array().unwrap().iter().all(|p| p[0].is_null()), "{x}");
+            assert_eq!(x["runs_after"].as_array().unwrap().len(), 4, "{x}");
+            let by = x["by_predecessor"].as_array().unwrap();
+            assert_eq!(by.iter().map(|b| b["runs"].as_u64().unwrap()).sum::<u64>(), 4, "{x}");
         }
+        // The first timed run follows the warm-up's last (the last engine), then the rotation:
+        // engines 0 1 2 | 1 2 0 | 2 0 1 | 0 1 2 in the four rounds.
+        let after = |k: usize| vars[k]["runs_after"].as_array().unwrap().iter().map(|a| a.as_str().unwrap().to_string()).collect::<Vec<_>>();
+        assert_eq!(after(0), vec!["wide 0.5", "wide 0.5", "wide 0.5", "wide 0.3"]);
+        assert_eq!(after(1), vec!["dense", "wide 0.5", "dense", "dense"]);
     }
+    assert_eq!(il["gap_ms"], 0);
     assert!(String::from_utf8_lossy(&out.stdout).contains("prefill, interleaved (4 rounds"));
+    // A gap between runs is recorded; without --interleave it is refused.
+    let gap = common::run_wide(&[&args[..], &["--interleave", "--interleave-gap-ms", "5", "--out", out_path.to_str().unwrap()]].concat());
+    assert!(gap.status.success(), "{}", String::from_utf8_lossy(&gap.stderr));
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out_path).unwrap()).unwrap();
+    assert_eq!(v["prefill_interleaved"]["gap_ms"], 5);
+    let bad = common::run_wide(&[&args[..], &["--interleave-gap-ms", "5"]].concat());
+    assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("add --interleave"), "{}", String::from_utf8_lossy(&bad.stderr));
     // Without the flag the field is null and nothing extra is timed.
     let plain = common::run_wide(&[&args[..], &["--out", out_path.to_str().unwrap()]].concat());
     assert!(plain.status.success(), "{}", String::from_utf8_lossy(&plain.stderr));

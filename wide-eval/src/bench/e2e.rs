@@ -43,6 +43,8 @@ pub struct E2eBenchConfig {
     /// After the rows, time the prefills of dense and every variant in turn (see
     /// [`interleaved_prefill`]).
     pub interleave: bool,
+    /// With `interleave`: the device idle this long (after a sync) between two interleaved runs.
+    pub interleave_gap_ms: u64,
     pub out: Option<PathBuf>,
     pub commit: String,
     pub seed: i64,
@@ -195,6 +197,11 @@ struct Kept {
 /// over seconds, so the rows above, which time each variant's prefills together, can put dense
 /// and a variant under different clocks; here every engine sees the same spread of states. The
 /// engines share the model's fused weights (no copy); one KV cache serves all of them.
+///
+/// On a GPU a clock probe (`wide_kernels::ops::probe`, 200 us, outside the timed window) runs
+/// in the stream just before and just after every run: the SM clock a run started and ended at,
+/// which NVML's ~100 ms refresh cannot resolve. Each run's predecessor is recorded, and with
+/// `interleave_gap_ms` the device idles that long between runs.
 fn interleaved_prefill(model: &LlamaModel, kept: &[Kept], cfg: &E2eBenchConfig, vocab: i64, clock: Option<&ClockSampler>) -> Result<Value> {
     let device = cfg.device;
     let mut engines = vec![("dense".to_string(), 0.0, Engine::new(model, None)?)];
@@ -204,10 +211,15 @@ fn interleaved_prefill(model: &LlamaModel, kept: &[Kept], cfg: &E2eBenchConfig, 
         engines.push((k.label.clone(), k.sparsity, e));
     }
     let n = engines.len();
+    let gap = std::time::Duration::from_millis(cfg.interleave_gap_ms);
     let mut out = vec![];
     for &t in &cfg.prefill_tokens {
         let ids = Tensor::randint(vocab, [1, t], (Kind::Int64, device));
         let cache = EngineCache::new(model, 1, t);
+        let probe = match device {
+            Device::Cuda(_) => Some(wide_kernels::ops::probe::ClockProbe::new(device, 2 * n * cfg.iters, 200)?),
+            _ => None,
+        };
         let run = |i: usize| -> Result<()> {
             let _ = engines[i].2.prefill(&ids, &[t], &cache, &mut MaskSource::Routers, None, false)?;
             Ok(())
@@ -220,28 +232,79 @@ fn interleaved_prefill(model: &LlamaModel, kept: &[Kept], cfg: &E2eBenchConfig, 
         }
         let mut times = vec![Vec::with_capacity(cfg.iters); n];
         let mut windows = vec![Vec::with_capacity(cfg.iters); n];
+        let mut slots = vec![Vec::with_capacity(cfg.iters); n];
+        let mut after: Vec<Vec<Option<usize>>> = vec![Vec::with_capacity(cfg.iters); n];
+        let mut prev = (cfg.warmup > 0).then_some(n - 1);
         for round in 0..cfg.iters {
             for j in 0..n {
                 let i = (round + j) % n;
-                // One timed run, bracketed by syncs like every other figure here.
+                let slot = 2 * (round * n + j);
+                if let Some(p) = &probe {
+                    p.record(slot)?;
+                }
+                // One timed run, bracketed by syncs like every other figure here (the first
+                // sync also waits for the start probe).
                 let r = time_runs(device, 0, 1, || run(i))?;
+                if let Some(p) = &probe {
+                    p.record(slot + 1)?;
+                }
                 times[i].push(r.secs[0] * 1e3);
                 windows[i].push(r.windows[0]);
+                slots[i].push(slot);
+                after[i].push(prev);
+                prev = Some(i);
+                if !gap.is_zero() {
+                    sync(device)?;
+                    std::thread::sleep(gap);
+                }
             }
         }
+        sync(device)?;
+        let probed = match &probe {
+            Some(p) => p.mhz()?,
+            None => vec![],
+        };
         let dense_ms = median(&mut times[0].clone());
+        let label_of = |p: &Option<usize>| p.map(|k| engines[k].0.clone());
         let variants: Vec<Value> = engines
             .iter()
-            .zip(times.iter().zip(&windows))
-            .map(|((label, s, _), (runs, win))| {
+            .enumerate()
+            .map(|(i, (label, s, _))| {
+                let (runs, win) = (&times[i], &windows[i]);
                 let ms = median(&mut runs.clone());
                 let mhz = clock.and_then(|c| c.median_mhz(win));
                 let runs_mhz: Vec<Option<f64>> = win.iter().map(|w| clock.and_then(|c| c.median_mhz(std::slice::from_ref(w)))).collect();
                 let ms_since = |i: std::time::Instant| (i - phase).as_secs_f64() * 1e3;
                 let runs_window: Vec<[f64; 2]> = win.iter().map(|&(a, b)| [ms_since(a), ms_since(b)]).collect();
-                eprintln!("{label:>10} prefill {t:>6} interleaved: {ms:>8.2} ms ({:.2}x dense){}", dense_ms / ms, mhz_note(mhz));
+                let probe_mhz: Vec<[Option<f64>; 2]> = slots[i].iter().map(|&s| [probed.get(s).copied().flatten(), probed.get(s + 1).copied().flatten()]).collect();
+                let runs_after: Vec<Option<String>> = after[i].iter().map(label_of).collect();
+                // Median time and start clock by the run before (the warm-up's last for the first).
+                let by_pred: Vec<Value> = (0..n)
+                    .filter_map(|k| {
+                        let idx: Vec<usize> = (0..runs.len()).filter(|&r| after[i][r] == Some(k)).collect();
+                        (!idx.is_empty()).then(|| {
+                            let mut ms: Vec<f64> = idx.iter().map(|&r| runs[r]).collect();
+                            let mut start: Vec<f64> = idx.iter().filter_map(|&r| probe_mhz[r][0]).collect();
+                            json!({"after": engines[k].0, "runs": idx.len(), "ms": median(&mut ms),
+                                   "start_mhz": (!start.is_empty()).then(|| median(&mut start))})
+                        })
+                    })
+                    .collect();
+                let mut starts: Vec<f64> = probe_mhz.iter().filter_map(|p| p[0]).collect();
+                let mut ends: Vec<f64> = probe_mhz.iter().filter_map(|p| p[1]).collect();
+                let (start_mhz, end_mhz) = ((!starts.is_empty()).then(|| median(&mut starts)), (!ends.is_empty()).then(|| median(&mut ends)));
+                let probe_note = match (start_mhz, end_mhz) {
+                    (Some(a), Some(b)) => format!("  probe {a:.0} -> {b:.0} MHz"),
+                    _ => String::new(),
+                };
+                eprintln!("{label:>10} prefill {t:>6} interleaved: {ms:>8.2} ms ({:.2}x dense){}{probe_note}", dense_ms / ms, mhz_note(mhz));
+                for p in &by_pred {
+                    eprintln!("{:>10}   after {:>10}: {:>8.2} ms over {} runs", "", p["after"].as_str().unwrap_or(""), p["ms"].as_f64().unwrap_or(f64::NAN), p["runs"]);
+                }
                 json!({"variant": label, "sparsity": s, "ms": ms, "tokens_per_s": t as f64 * 1e3 / ms, "x_dense": dense_ms / ms, "runs_ms": runs,
-                       "sm_mhz": mhz, "runs_sm_mhz": runs_mhz, "runs_window_ms": runs_window})
+                       "sm_mhz": mhz, "runs_sm_mhz": runs_mhz, "runs_window_ms": runs_window,
+                       "probe_start_mhz": start_mhz, "probe_end_mhz": end_mhz, "runs_probe_mhz": probe_mhz,
+                       "runs_after": runs_after, "by_predecessor": by_pred})
             })
             .collect();
         // Every clock sample of this length's rounds (ms since its first warm-up run, MHz), to
@@ -249,7 +312,8 @@ fn interleaved_prefill(model: &LlamaModel, kept: &[Kept], cfg: &E2eBenchConfig, 
         let trace: Vec<[f64; 2]> = clock.map(|c| c.trace(phase, std::time::Instant::now())).unwrap_or_default().into_iter().map(|(ms, m)| [(ms * 10.0).round() / 10.0, m as f64]).collect();
         out.push(json!({"tokens": t, "variants": variants, "clock_trace_ms_mhz": trace}));
     }
-    Ok(json!({"warmup_rounds": cfg.warmup, "rounds": cfg.iters, "order": "each round runs every engine once, the order rotated by one each round", "rows": out}))
+    Ok(json!({"warmup_rounds": cfg.warmup, "rounds": cfg.iters, "gap_ms": cfg.interleave_gap_ms,
+              "order": "each round runs every engine once, the order rotated by one each round", "rows": out}))
 }
 
 /// " at N MHz" for a console line, where the SM clock was sampled.
@@ -260,11 +324,21 @@ fn mhz_note(mhz: Option<f64>) -> String {
 fn print_interleaved(v: &Value) {
     let Some(rows) = v["rows"].as_array() else { return };
     println!("\nprefill, interleaved ({} rounds, rotating order):\n", v["rounds"]);
-    println!("| variant | tokens | ms | tokens/s | x dense |");
-    println!("|---|---|---|---|---|");
+    println!("| variant | tokens | ms | tokens/s | x dense | SM MHz at start / end (probe) |");
+    println!("|---|---|---|---|---|---|");
+    let mhz = |v: &Value| v.as_f64().map(|m| format!("{m:.0}")).unwrap_or_else(|| "-".into());
     for row in rows {
         for x in row["variants"].as_array().into_iter().flatten() {
-            println!("| {} | {} | {:.2} | {:.0} | {:.2}x |", x["variant"].as_str().unwrap_or(""), row["tokens"], x["ms"].as_f64().unwrap_or(0.0), x["tokens_per_s"].as_f64().unwrap_or(0.0), x["x_dense"].as_f64().unwrap_or(0.0));
+            println!(
+                "| {} | {} | {:.2} | {:.0} | {:.2}x | {} / {} |",
+                x["variant"].as_str().unwrap_or(""),
+                row["tokens"],
+                x["ms"].as_f64().unwrap_or(0.0),
+                x["tokens_per_s"].as_f64().unwrap_or(0.0),
+                x["x_dense"].as_f64().unwrap_or(0.0),
+                mhz(&x["probe_start_mhz"]),
+                mhz(&x["probe_end_mhz"])
+            );
         }
     }
 }

@@ -8,6 +8,7 @@ pub mod dispatch;
 pub mod fused;
 pub mod gemm;
 pub mod layout;
+pub mod probe;
 pub mod scale_shift;
 pub mod wgmma;
 #[cfg(test)]
@@ -82,6 +83,7 @@ pub fn all_kernel_variants() -> Vec<KernelSource> {
     v.extend(fused::kernel_variants());
     v.extend(wgmma::kernel_variants());
     v.extend(attention::kernel_variants());
+    v.extend(probe::kernel_variants());
     for f16 in [false, true] {
         v.push(routed_source(f16, None));
         for t in TILES {
