@@ -1,8 +1,10 @@
 //! The GPU's SM clock sampled in the background while a benchmark runs (NVML, loaded at run time
 //! from the driver's `libnvidia-ml.so.1`), so that each timed run can be read against the clock
 //! it ran at: a full-FLOP prefill runs at the board's power limit, where the clock moves by a
-//! fifth within a second (RESULTS, end to end, 2026-12-06). Absent NVML (CPU runs, a machine
-//! without the driver's library) the sampler is simply not there and the figures carry no clock.
+//! fifth within tens of milliseconds (RESULTS, end to end, 2026-12-06). NVML refreshes the value
+//! only about every 100 ms, so a shorter run needs the in-stream probe
+//! (`wide_kernels::ops::probe`) to see its own clock. Absent NVML (CPU runs, a machine without
+//! the driver's library) the sampler is simply not there and the figures carry no clock.
 use std::ffi::{c_char, c_uint, c_void, CString};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
