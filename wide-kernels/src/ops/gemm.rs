@@ -341,8 +341,18 @@ pub fn gemm_k_fold_router(x: &Tensor, w: &Tensor, layout: &RouteLayout, group: i
     let shared = w2.data_ptr() as usize % 16 == 0 && rank % 8 == 0 && base + gate_bytes <= 48 * 1024;
     let smem = (base + if shared { gate_bytes } else { 0 }) as u32;
     args.push(KernelArg::I32(shared as i32));
+    args.push(KernelArg::I32(fold_tail_on() as i32));
     unsafe { kernel.launch_pdl(LaunchConfig { grid: (blocks, 1, 1), block: (256, 1, 1), shared_mem_bytes: smem }, &args)? };
     Ok((out, mask, ext))
+}
+
+/// `WIDE_FOLD_TAIL=0` (read once; measurement only): the folded router's fold blocks compute
+/// their hidden values but do not count in or gate, and the launch writes a fixed decision
+/// (every other group on) instead, so that a decode step can be timed without the gate's tail
+/// (the arrival count and the last fold block's gate). The decisions are then not the router's.
+fn fold_tail_on() -> bool {
+    static V: OnceLock<bool> = OnceLock::new();
+    *V.get_or_init(|| std::env::var("WIDE_FOLD_TAIL").map_or(true, |v| v != "0"))
 }
 
 /// The routed groups of a GEMV call, after the checks every GEMV launch needs (tokens, group

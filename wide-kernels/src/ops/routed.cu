@@ -294,6 +294,9 @@ struct RouterFold {
     unsigned char* rext;   // [RNG + REXTRA] with REXTRA trailing groups on, or null
     int RR, RNG, REXTRA, H;
     int w2_shared;  // copy w2 and b2 into dynamic shared memory (after the list and partial sums)
+    // 0: measurement only (`WIDE_FOLD_TAIL=0`): no arrival count and no gate; block 0 writes a
+    // fixed decision (every other group on) instead, so a step can be timed without the tail.
+    int tail;
 };
 
 // FOLD: this block computes rows bid * R.. of the router's first layer (w = the fold W1 W,
@@ -412,6 +415,15 @@ __device__ __forceinline__ void gemv_k(const T* x, const T* __restrict__ w, cons
             else
                 out[(long long)m * N + n0 + r] = (T)v;
         }
+    }
+    if (FOLD && !fold->tail) {
+        if (bid == 0)
+            for (int g = threadIdx.x; g < fold->RNG + fold->REXTRA; g += blockDim.x) {
+                const unsigned char on = g >= fold->RNG || (g & 1) == 0;
+                if (g < fold->RNG) fold->rmask[g] = on;
+                if (fold->rext != nullptr) fold->rext[g] = on;
+            }
+        return;
     }
     if (FOLD) {
         // Publish, count this block in; the last of the RR / R fold blocks adds b1, rounds to
@@ -725,8 +737,8 @@ GEMV_ROWSET_ENTRIES(ps, gemv_mn_ps, 8)
     extern "C" __global__ void __launch_bounds__(256) gemv_k_router_1_##R(                                          \
         const T* x, const T* w, const unsigned char* mask, T* out, int M, int N, int K, int G, int NG, int settled,  \
         const T* wf, const T* xres, const T* w1, const T* b1, const T* w2, const T* b2, float offset, float* hpart,  \
-        unsigned char* rmask, unsigned char* rext, int RR, int RNG, int REXTRA, int H, int w2_shared) {              \
-        const RouterFold f{xres, w1, b1, w2, b2, offset, hpart, rmask, rext, RR, RNG, REXTRA, H, w2_shared};         \
+        unsigned char* rmask, unsigned char* rext, int RR, int RNG, int REXTRA, int H, int w2_shared, int tail) {    \
+        const RouterFold f{xres, w1, b1, w2, b2, offset, hpart, rmask, rext, RR, RNG, REXTRA, H, w2_shared, tail};   \
         const int fb = RR / FOLD_RPR;                                                                                \
         if ((int)blockIdx.x < fb)                                                                                    \
             gemv_k<1, FOLD_RPR, true>(x, wf, mask, nullptr, M, RR, K, G, NG, settled, blockIdx.x, &f);              \
