@@ -258,9 +258,6 @@ pub struct Engine<'m> {
     fold_calls: std::cell::Cell<u64>,
 }
 
-/// Whether one-token decode folds each router into the projection before it (the mask then
-/// exists a launch earlier, and the next projection loads weights before its wait like a dense
-/// one). `WIDE_ROUTER_FOLD=0` (read once) keeps the router in the norm launch.
 /// Residual add + RMSNorm in the layers: with a delta (the projection just before) the residual
 /// x is the output of an earlier norm, two or more launches old, so the kernel may load it before
 /// waiting for that projection; without one (the first layer's input) x is the embedding, just
@@ -272,41 +269,56 @@ fn plain_norm(x: &Tensor, delta: Option<&Tensor>, w: &Tensor, eps: f64) -> Resul
     }
 }
 
-fn router_fold_enabled() -> bool {
-    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("WIDE_ROUTER_FOLD").map_or(true, |v| v.trim() != "0"))
+/// Which routers one-token decode folds into the projection before them (the mask then exists
+/// a launch earlier, and the next projection loads weights before its wait like a dense one):
+/// `[attention (into the previous layer's down), FFN (into O)]`. `WIDE_ROUTER_FOLD` (an A/B
+/// knob): unset or `1` both, `0` neither (the router runs in the norm launch), `attention` or
+/// `ffn` that one only; any other value is an error.
+fn router_fold_kinds() -> Result<[bool; 2]> {
+    parse_router_fold(std::env::var("WIDE_ROUTER_FOLD").ok().as_deref())
+}
+
+fn parse_router_fold(v: Option<&str>) -> Result<[bool; 2]> {
+    Ok(match v.map(str::trim) {
+        None | Some("1") => [true, true],
+        Some("0") => [false, false],
+        Some("attention") => [true, false],
+        Some("ffn") => [false, true],
+        Some(o) => bail!("WIDE_ROUTER_FOLD={o} is not a fold setting: use 1 (both routers, the default), 0 (none), attention or ffn"),
+    })
 }
 
 /// `w1 w` for each router whose input adds a bias-free projection's output (see
 /// [`Engine::folds`]): on CUDA in bf16/f16 (cuBLAS, fp32 accumulation, one rounding), where the
 /// decode kernels can use them; none elsewhere.
-fn router_folds(model: &LlamaModel, routing: Option<&Routing>) -> Vec<[Option<Tensor>; 2]> {
+fn router_folds(model: &LlamaModel, routing: Option<&Routing>) -> Result<Vec<[Option<Tensor>; 2]>> {
     let n = model.layers.len();
     let mut out: Vec<[Option<Tensor>; 2]> = (0..n).map(|_| [None, None]).collect();
-    let Some(r) = routing else { return out };
+    let [fold_attn, fold_ffn] = router_fold_kinds()?;
+    let Some(r) = routing else { return Ok(out) };
     let fast = matches!(model.device, Device::Cuda(_)) && matches!(model.kind, Kind::BFloat16 | Kind::Half);
-    if !fast || !router_fold_enabled() {
-        return out;
+    if !fast {
+        return Ok(out);
     }
     let _g = tch::no_grad_guard();
     let fold = |rt: &crate::routing::Router, w: &Tensor| -> Option<Tensor> {
         (fold_rank_ok(rt.compressor_w.size()[0]) && rt.compressor_w.kind() == w.kind()).then(|| rt.compressor_w.matmul(w).contiguous())
     };
     for (i, l) in r.layers.iter().enumerate() {
-        if let (Some(a), true) = (&l.attention, i > 0) {
+        if let (Some(a), true) = (&l.attention, i > 0 && fold_attn) {
             let down = &model.layers[i - 1].mlp.down_proj;
             if down.bias.is_none() {
                 out[i][0] = fold(a, &down.weight);
             }
         }
-        if let Some(f) = &l.ffn {
+        if let (Some(f), true) = (&l.ffn, fold_ffn) {
             let o = &model.layers[i].self_attn.o_proj;
             if o.bias.is_none() {
                 out[i][1] = fold(f, &o.weight);
             }
         }
     }
-    out
+    Ok(out)
 }
 
 /// The ops [`Engine::set_repeat`] can run twice: each recomputes its outputs from inputs it
@@ -393,7 +405,7 @@ impl<'m> Engine<'m> {
         let target = routing.map(|r| r.config.shared_target()).unwrap_or(0.0);
         let (ta, tf) = routing.and_then(|r| r.config.per_type_targets()).unwrap_or((target, target));
         let inv_freq = Tensor::from_slice(&inverse_frequencies(c)).to_device(model.device);
-        let folds = router_folds(model, routing);
+        let folds = router_folds(model, routing)?;
         let fold_scratch = folds.iter().flatten().flatten().map(|f| f.size()[0]).map(|r| (r, Tensor::zeros([r + 1], (Kind::Float, model.device)))).collect();
         Ok(Self {
             model,
@@ -1332,6 +1344,17 @@ impl<'m> Engine<'m> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn router_fold_setting_parses_or_names_the_choices() {
+        assert_eq!(parse_router_fold(None).unwrap(), [true, true]);
+        assert_eq!(parse_router_fold(Some("1")).unwrap(), [true, true]);
+        assert_eq!(parse_router_fold(Some("0")).unwrap(), [false, false]);
+        assert_eq!(parse_router_fold(Some(" attention")).unwrap(), [true, false]);
+        assert_eq!(parse_router_fold(Some("ffn")).unwrap(), [false, true]);
+        let e = parse_router_fold(Some("yes")).unwrap_err().to_string();
+        assert!(e.contains("WIDE_ROUTER_FOLD=yes") && e.contains("attention or ffn"), "{e}");
+    }
 
     #[test]
     fn fuse_reuses_parts_that_are_already_one_tensor() {
