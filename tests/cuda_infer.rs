@@ -301,8 +301,10 @@ fn graph_decode_matches_eager_decode_and_full_forwards() {
     let vs = nn::VarStore::new(gpu());
     let r = wide_routing(&p, &vs, true);
     let v = p.model.config.vocab_size;
-    for routed in [true, false] {
-        let engine = Engine::new(&p.model, routed.then_some(&r)).unwrap();
+    // Routed with both routers folded at one-token decode, with the default (the FFN router
+    // only), and dense.
+    for (routed, folds) in [(true, [true, true]), (true, wide_core::infer::DEFAULT_ROUTER_FOLDS), (false, [true, true])] {
+        let engine = Engine::with_router_folds(&p.model, routed.then_some(&r), folds).unwrap();
         for lens in [vec![17i64], vec![17, 5, 11]] {
             let prompts: Vec<Vec<i64>> = lens.iter().map(|&n| Vec::<i64>::try_from(Tensor::randint(v, [n], (Kind::Int64, Device::Cpu))).unwrap()).collect();
             let steps = 12;
@@ -326,9 +328,11 @@ fn graph_decode_matches_eager_decode_and_full_forwards() {
             let folded = engine.folded_router_calls();
             let (eager, seqs) = run(false);
             if routed && lens.len() == 1 {
-                // One sequence: every router after the first is folded into the projection before it.
+                // One sequence: every router of a folded kind (after the first layer's attention
+                // router) is folded into the projection before it.
                 let n = p.model.config.num_hidden_layers as u64;
-                assert_eq!(engine.folded_router_calls() - folded, steps as u64 * (2 * n - 1), "folded routers in eager decode");
+                let per_step = folds[0] as u64 * (n - 1) + folds[1] as u64 * n;
+                assert_eq!(engine.folded_router_calls() - folded, steps as u64 * per_step, "folded routers in eager decode ({folds:?})");
             }
             let (graph, seqs_g) = run(true);
             assert_eq!(seqs, seqs_g, "graph decode chose other tokens (routed {routed})");

@@ -271,34 +271,37 @@ fn plain_norm(x: &Tensor, delta: Option<&Tensor>, w: &Tensor, eps: f64) -> Resul
 
 /// Which routers one-token decode folds into the projection before them (the mask then exists
 /// a launch earlier, and the next projection loads weights before its wait like a dense one):
-/// `[attention (into the previous layer's down), FFN (into O)]`. `WIDE_ROUTER_FOLD` (an A/B
-/// knob): unset or `1` both, `0` neither (the router runs in the norm launch), `attention` or
-/// `ffn` that one only; any other value is an error.
+/// `[attention (into the previous layer's down), FFN (into O)]`. By default the FFN router only:
+/// on an H100 the attention router folded into down cost the decode step 0.02-0.05 ms more than
+/// it saved Q|K|V (`wide-kernels/NOTES.md` v42). `WIDE_ROUTER_FOLD` (an A/B knob): `ffn` (the
+/// default), `both` (or `1`), `attention`, `none` (or `0`: the routers run in the norm launch);
+/// any other value is an error.
+pub const DEFAULT_ROUTER_FOLDS: [bool; 2] = [false, true];
+
 fn router_fold_kinds() -> Result<[bool; 2]> {
     parse_router_fold(std::env::var("WIDE_ROUTER_FOLD").ok().as_deref())
 }
 
 fn parse_router_fold(v: Option<&str>) -> Result<[bool; 2]> {
     Ok(match v.map(str::trim) {
-        None | Some("1") => [true, true],
-        Some("0") => [false, false],
+        None | Some("ffn") => DEFAULT_ROUTER_FOLDS,
+        Some("1") | Some("both") => [true, true],
+        Some("0") | Some("none") => [false, false],
         Some("attention") => [true, false],
-        Some("ffn") => [false, true],
-        Some(o) => bail!("WIDE_ROUTER_FOLD={o} is not a fold setting: use 1 (both routers, the default), 0 (none), attention or ffn"),
+        Some(o) => bail!("WIDE_ROUTER_FOLD={o} is not a fold setting: use ffn (the default), both (or 1), attention or none (or 0)"),
     })
 }
 
 /// `w1 w` for each router whose input adds a bias-free projection's output (see
 /// [`Engine::folds`]): on CUDA in bf16/f16 (cuBLAS, fp32 accumulation, one rounding), where the
 /// decode kernels can use them; none elsewhere.
-fn router_folds(model: &LlamaModel, routing: Option<&Routing>) -> Result<Vec<[Option<Tensor>; 2]>> {
+fn router_folds(model: &LlamaModel, routing: Option<&Routing>, [fold_attn, fold_ffn]: [bool; 2]) -> Vec<[Option<Tensor>; 2]> {
     let n = model.layers.len();
     let mut out: Vec<[Option<Tensor>; 2]> = (0..n).map(|_| [None, None]).collect();
-    let [fold_attn, fold_ffn] = router_fold_kinds()?;
-    let Some(r) = routing else { return Ok(out) };
+    let Some(r) = routing else { return out };
     let fast = matches!(model.device, Device::Cuda(_)) && matches!(model.kind, Kind::BFloat16 | Kind::Half);
     if !fast {
-        return Ok(out);
+        return out;
     }
     let _g = tch::no_grad_guard();
     let fold = |rt: &crate::routing::Router, w: &Tensor| -> Option<Tensor> {
@@ -318,7 +321,7 @@ fn router_folds(model: &LlamaModel, routing: Option<&Routing>) -> Result<Vec<[Op
             }
         }
     }
-    Ok(out)
+    out
 }
 
 /// The ops [`Engine::set_repeat`] can run twice: each recomputes its outputs from inputs it
@@ -395,6 +398,12 @@ impl<'m> Engine<'m> {
     /// O / down weight before it, see [`gemm_k_fold_router`]) are computed here, so the routers'
     /// and projections' weights must not change while the engine is in use (offsets may).
     pub fn new(model: &'m LlamaModel, routing: Option<&'m Routing>) -> Result<Self> {
+        Self::with_router_folds(model, routing, router_fold_kinds()?)
+    }
+
+    /// [`Engine::new`] with the routers folded at one-token decode chosen here
+    /// (`[attention, FFN]`, see [`DEFAULT_ROUTER_FOLDS`]) instead of by `WIDE_ROUTER_FOLD`.
+    pub fn with_router_folds(model: &'m LlamaModel, routing: Option<&'m Routing>, folds: [bool; 2]) -> Result<Self> {
         let fused = fuse_projections(model)?;
         let c = &model.config;
         let routing = routing.filter(|r| r.config.variant != Variant::Dense);
@@ -405,7 +414,7 @@ impl<'m> Engine<'m> {
         let target = routing.map(|r| r.config.shared_target()).unwrap_or(0.0);
         let (ta, tf) = routing.and_then(|r| r.config.per_type_targets()).unwrap_or((target, target));
         let inv_freq = Tensor::from_slice(&inverse_frequencies(c)).to_device(model.device);
-        let folds = router_folds(model, routing)?;
+        let folds = router_folds(model, routing, folds);
         let fold_scratch = folds.iter().flatten().flatten().map(|f| f.size()[0]).map(|r| (r, Tensor::zeros([r + 1], (Kind::Float, model.device)))).collect();
         Ok(Self {
             model,
@@ -1347,13 +1356,17 @@ mod tests {
 
     #[test]
     fn router_fold_setting_parses_or_names_the_choices() {
-        assert_eq!(parse_router_fold(None).unwrap(), [true, true]);
-        assert_eq!(parse_router_fold(Some("1")).unwrap(), [true, true]);
-        assert_eq!(parse_router_fold(Some("0")).unwrap(), [false, false]);
-        assert_eq!(parse_router_fold(Some(" attention")).unwrap(), [true, false]);
+        assert_eq!(parse_router_fold(None).unwrap(), [false, true]);
         assert_eq!(parse_router_fold(Some("ffn")).unwrap(), [false, true]);
+        for both in ["1", "both"] {
+            assert_eq!(parse_router_fold(Some(both)).unwrap(), [true, true]);
+        }
+        for none in ["0", "none"] {
+            assert_eq!(parse_router_fold(Some(none)).unwrap(), [false, false]);
+        }
+        assert_eq!(parse_router_fold(Some(" attention")).unwrap(), [true, false]);
         let e = parse_router_fold(Some("yes")).unwrap_err().to_string();
-        assert!(e.contains("WIDE_ROUTER_FOLD=yes") && e.contains("attention or ffn"), "{e}");
+        assert!(e.contains("WIDE_ROUTER_FOLD=yes") && e.contains("attention or none"), "{e}");
     }
 
     #[test]
