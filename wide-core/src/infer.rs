@@ -394,7 +394,7 @@ fn dense_gemv_enabled(m: i64) -> bool {
 
 impl<'m> Engine<'m> {
     /// Fuses the model's projections and prepares the engine; `routing` = None (or the
-    /// `dense` variant) runs dense. On CUDA the folded routers (`W1 W` of each router and the
+    /// `dense` variant) runs dense. On CUDA the folded routers (`W1 W` of each folded router and the
     /// O / down weight before it, see [`gemm_k_fold_router`]) are computed here, so the routers'
     /// and projections' weights must not change while the engine is in use (offsets may).
     pub fn new(model: &'m LlamaModel, routing: Option<&'m Routing>) -> Result<Self> {
