@@ -272,7 +272,7 @@ fn plain_norm(x: &Tensor, delta: Option<&Tensor>, w: &Tensor, eps: f64) -> Resul
 /// Which routers one-token decode folds into the projection before them (the mask then exists
 /// a launch earlier, and the next projection loads weights before its wait like a dense one):
 /// `[attention (into the previous layer's down), FFN (into O)]`. By default the FFN router only:
-/// on an H100 the attention router folded into down cost the decode step 0.02-0.05 ms more than
+/// on an H100 the attention router folded into down cost the decode step 0.02-0.03 ms more than
 /// it saved Q|K|V (`wide-kernels/NOTES.md` v42). `WIDE_ROUTER_FOLD` (an A/B knob): `ffn` (the
 /// default), `both` (or `1`), `attention`, `none` (or `0`: the routers run in the norm launch);
 /// any other value is an error.

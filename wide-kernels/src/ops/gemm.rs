@@ -352,7 +352,7 @@ pub fn gemm_k_fold_router(x: &Tensor, w: &Tensor, layout: &RouteLayout, group: i
 /// (the arrival count and the last fold block's gate). The decisions are then not the router's.
 fn fold_tail_on() -> bool {
     static V: OnceLock<bool> = OnceLock::new();
-    *V.get_or_init(|| std::env::var("WIDE_FOLD_TAIL").map_or(true, |v| v != "0"))
+    *V.get_or_init(|| env_switch("WIDE_FOLD_TAIL") != Some(false))
 }
 
 /// The routed groups of a GEMV call, after the checks every GEMV launch needs (tokens, group
