@@ -357,3 +357,39 @@ fn graph_decode_matches_eager_decode_and_full_forwards() {
         }
     }
 }
+
+/// The decode-step measurement `WIDE_STEP_READS` (here through `Engine::set_step_reads`): every
+/// one-token projection is a pure read that outputs zeros, so the residual stream stays the
+/// token's embedding and each step's logits are the LM head of its normalised embedding, eager
+/// and replayed in a CUDA graph, dense and routed (routers then in the norm launches).
+#[test]
+fn step_reads_leave_the_embedding_through_every_layer() {
+    let _ = gpu(); // the device first (one GPU test at a time)
+    let _g = tch::no_grad_guard();
+    tch::manual_seed(4);
+    let p = small();
+    let vs = nn::VarStore::new(gpu());
+    let r = wide_routing(&p, &vs, true);
+    let v = p.model.config.vocab_size;
+    for routed in [false, true] {
+        let mut engine = Engine::new(&p.model, routed.then_some(&r)).unwrap();
+        engine.set_step_reads(Some(2)).unwrap();
+        assert!(engine.set_step_reads(Some(9)).is_err());
+        for graph in [false, true] {
+            let prompt = Vec::<i64>::try_from(Tensor::randint(v, [9], (Kind::Int64, Device::Cpu))).unwrap();
+            let (mut dec, _) = Decoder::new(&engine, &[prompt], 9 + 6, true, false, None).unwrap();
+            if graph {
+                dec.capture().unwrap();
+            }
+            for step in 0..5 {
+                let tok = (step * 37 + 11) % v;
+                dec.set_tokens(&[tok]).unwrap();
+                let got = dec.step().unwrap().to_kind(Kind::Float).view([-1]);
+                let emb = p.model.embed_tokens.get(tok).view([1, -1]);
+                let want = p.model.norm.forward(&emb).linear::<Tensor>(&p.model.lm_head, None).to_kind(Kind::Float).view([-1]);
+                let e = rel(&got, &want);
+                assert!(e < 2e-2, "routed {routed} graph {graph} step {step}: logits vs the LM head of the token's embedding: rel {e}");
+            }
+        }
+    }
+}

@@ -683,6 +683,28 @@ fn gemv_path_replays_in_a_cuda_graph() {
     check(&y, &r, None, "graph replay gemv");
 }
 
+/// The decode step's pure-read stand-in (`WIDE_STEP_READS`): zeros of the asked shape whatever
+/// was in the memory before, on views with a storage offset too, and one error for bytes past
+/// the tensor.
+#[test]
+fn step_read_writes_zeros_and_refuses_bytes_past_the_weights() {
+    let dev = gpu();
+    let w = Tensor::randn([2 * 1024, 512], (Kind::BFloat16, dev));
+    let (g, u) = (w.narrow(0, 0, 1024), w.narrow(0, 1024, 1024));
+    for (rows, n) in [(1024, 1024), (333, 4096), (0, 8)] {
+        poison(1, n, Kind::BFloat16);
+        let y = wide_kernels::ops::attention::step_read(&g, rows * 1024, &u, rows * 1024, (1, n), 2).unwrap();
+        assert_eq!(y.size(), [1, n]);
+        assert_eq!(y.kind(), Kind::BFloat16);
+        let nonzero = y.to_kind(Kind::Float).abs().sum(Kind::Float).double_value(&[]);
+        assert!(nonzero == 0.0, "rows {rows}, n {n}: the output is not all zeros ({nonzero})");
+    }
+    let e = wide_kernels::ops::attention::step_read(&g, 1025 * 1024, &u, 0, (1, 8), 2).unwrap_err().to_string();
+    assert!(e.contains("within a tensor of [1024, 512]"), "{e}");
+    let e = wide_kernels::ops::attention::step_read(&g, 1024, &u, 0, (1, 7), 2).unwrap_err().to_string();
+    assert!(e.contains("16-byte words"), "{e}");
+}
+
 /// Small shapes of every op and path, for one `compute-sanitizer --tool memcheck` run.
 #[test]
 fn sanitizer_small_all_ops() {

@@ -256,6 +256,9 @@ pub struct Engine<'m> {
     fold_scratch: BTreeMap<i64, Tensor>,
     /// Router decisions made by folded routers so far (host count of launches issued).
     fold_calls: std::cell::Cell<u64>,
+    /// Measurement only (`WIDE_STEP_READS`, see [`parse_step_reads`]): one-token projections
+    /// replaced by a pure read of their weight bytes, this many blocks a multiprocessor.
+    step_reads: Option<u32>,
 }
 
 /// Residual add + RMSNorm in the layers: with a delta (the projection just before) the residual
@@ -280,6 +283,25 @@ pub const DEFAULT_ROUTER_FOLDS: [bool; 2] = [false, true];
 
 fn router_fold_kinds() -> Result<[bool; 2]> {
     parse_router_fold(std::env::var("WIDE_ROUTER_FOLD").ok().as_deref())
+}
+
+/// `WIDE_STEP_READS=B` (measurement only, B = 1..8 blocks a multiprocessor; unset or 0 off): every
+/// one-token projection (Q|K|V, O, gate+up, down) is replaced by a launch that only reads the
+/// weight bytes it would read (all of them dense; at the engine's expected skip rate, the used
+/// share of the routed ones, K|V whole) and writes zeros ([`wide_kernels::ops::attention::
+/// step_read`]); the routers then run in the norm launches (nothing to fold into). The decode
+/// step's time is then what the step would take with every projection at the speed of a pure
+/// read of its bytes, everything else (norms, routers, attention, the LM head) as it is: dense
+/// against routed in one process, the ceiling of the decode speedup for this step's launches.
+/// The outputs are not the model's (zeros from every projection).
+fn parse_step_reads(v: Option<&str>) -> Result<Option<u32>> {
+    match v.map(str::trim) {
+        None | Some("") | Some("0") => Ok(None),
+        Some(b) => match b.parse::<u32>() {
+            Ok(n @ 1..=8) => Ok(Some(n)),
+            _ => bail!("WIDE_STEP_READS={b} is not a block count: use 1 to 8 blocks a multiprocessor (a measurement that replaces the one-token projections by pure reads), or 0 / unset for the model"),
+        },
+    }
 }
 
 fn parse_router_fold(v: Option<&str>) -> Result<[bool; 2]> {
@@ -414,7 +436,8 @@ impl<'m> Engine<'m> {
         let target = routing.map(|r| r.config.shared_target()).unwrap_or(0.0);
         let (ta, tf) = routing.and_then(|r| r.config.per_type_targets()).unwrap_or((target, target));
         let inv_freq = Tensor::from_slice(&inverse_frequencies(c)).to_device(model.device);
-        let folds = router_folds(model, routing, folds);
+        let step_reads = parse_step_reads(std::env::var("WIDE_STEP_READS").ok().as_deref())?;
+        let folds = router_folds(model, routing, if step_reads.is_some() { [false, false] } else { folds });
         let fold_scratch = folds.iter().flatten().flatten().map(|f| f.size()[0]).map(|r| (r, Tensor::zeros([r + 1], (Kind::Float, model.device)))).collect();
         Ok(Self {
             model,
@@ -431,7 +454,18 @@ impl<'m> Engine<'m> {
             folds,
             fold_scratch,
             fold_calls: Default::default(),
+            step_reads,
         })
+    }
+
+    /// Measurement only: replaces every one-token projection by a pure read of its weight bytes
+    /// (`blocks_per_sm` blocks a multiprocessor, 1 to 8; None restores the model), as
+    /// `WIDE_STEP_READS` does at construction (see [`parse_step_reads`]). Only the decode step of
+    /// one sequence changes; its projections then output zeros.
+    pub fn set_step_reads(&mut self, blocks_per_sm: Option<u32>) -> Result<()> {
+        ensure!(blocks_per_sm.is_none_or(|b| (1..=8).contains(&b)), "step reads take 1 to 8 blocks a multiprocessor, not {blocks_per_sm:?}");
+        self.step_reads = blocks_per_sm;
+        Ok(())
     }
 
     pub fn is_routed(&self) -> bool {
@@ -926,10 +960,37 @@ impl<'m> Engine<'m> {
         Ok(d.layout.get().unwrap())
     }
 
+    /// With `WIDE_STEP_READS` and one token on CUDA (see [`parse_step_reads`]): a launch that reads
+    /// `rows` rows of `w` (and `rows2` of `w2`) and returns zeros `[1, n]`, in place of the
+    /// projection whose weights they are; None otherwise.
+    fn step_read(&self, x: &Tensor, w: &Tensor, rows: i64, w2: Option<(&Tensor, i64)>, n: i64) -> Result<Option<Tensor>> {
+        let Some(bps) = self.step_reads else { return Ok(None) };
+        if x.size()[0] != 1 || !x.device().is_cuda() {
+            return Ok(None);
+        }
+        let row_bytes = |t: &Tensor| t.size()[1] * t.kind().elt_size_in_bytes() as i64;
+        let (b, b_bytes) = w2.map_or((w, 0), |(u, r)| (u, r * row_bytes(u)));
+        Ok(Some(wide_kernels::ops::attention::step_read(w, rows * row_bytes(w), b, b_bytes, (1, n), bps)?))
+    }
+
+    /// The rows of `n` a routed projection reads at the expected skip rate of `kind` (all of them
+    /// dense), for [`Engine::step_read`].
+    fn rows_read(&self, n: i64, d: Option<&Decision>, kind: usize) -> i64 {
+        match d {
+            Some(_) => ((1.0 - self.sparsity_hint[kind]) * n as f64).round() as i64,
+            None => n,
+        }
+    }
+
     /// `[M, hidden] -> [M, (HQ + 2 HKV) D]`; with a routed GEMV, Q rows of skipped head groups
     /// are not read (their values are never used: attention zeroes those heads).
     fn project_qkv(&self, i: usize, h: &Tensor, d: Option<&Decision>, ext: Option<&Tensor>) -> Result<Tensor> {
         let f = &self.fused[i];
+        let n = f.qkv.size()[0];
+        let q_rows = self.model.config.num_attention_heads * self.model.config.head_dim;
+        if let Some(y) = self.step_read(h, &f.qkv, self.rows_read(q_rows, d, 0) + n - q_rows, None, n)? {
+            return Ok(y);
+        }
         if let (Some(d), Some(ext), None) = (d, ext, &f.qkv_bias) {
             let hd = self.model.config.head_dim;
             let (n, k) = (f.qkv.size()[0], f.qkv.size()[1]);
@@ -975,6 +1036,9 @@ impl<'m> Engine<'m> {
     /// `rc.gated`, where the norm launch after this one would have put it).
     #[allow(clippy::too_many_arguments)]
     fn project_k(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>, d: Option<&Decision>, unit: i64, kind: usize, next: Option<(usize, RouterKind, &Tensor)>, rc: &mut RouteCtx) -> Result<Tensor> {
+        if let Some(y) = self.step_read(x, w, self.rows_read(w.size()[0], d, kind), None, w.size()[0])? {
+            return Ok(y);
+        }
         if let (Some(d), None) = (d, bias) {
             let (n, k) = (w.size()[0], w.size()[1]);
             if let Some(path) = self.small_m_path(x, RoutedOp::KPremasked, n, k, d.group * unit, self.sparsity_hint[kind]) {
@@ -1037,6 +1101,10 @@ impl<'m> Engine<'m> {
     fn project_gate_up(&self, i: usize, h: &Tensor, d: Option<&Decision>) -> Result<Tensor> {
         let f = &self.fused[i];
         let inter = self.model.config.intermediate_size;
+        let rows = self.rows_read(inter, d, 1);
+        if let Some(y) = self.step_read(h, &f.gate_up.narrow(0, 0, inter), rows, Some((&f.gate_up.narrow(0, inter, inter), rows)), inter)? {
+            return Ok(y);
+        }
         if let (Some(d), None) = (d, &f.gate_up_bias) {
             let (g, u) = (f.gate_up.narrow(0, 0, inter), f.gate_up.narrow(0, inter, inter));
             if let Some(path) = self.small_m_path(h, RoutedOp::MnSwiglu, inter, f.gate_up.size()[1], d.group, self.sparsity_hint[1]) {
@@ -1353,6 +1421,19 @@ impl<'m> Engine<'m> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn step_reads_setting_is_a_block_count_or_off() {
+        for off in [None, Some(""), Some("0"), Some(" 0 ")] {
+            assert_eq!(parse_step_reads(off).unwrap(), None, "{off:?}");
+        }
+        assert_eq!(parse_step_reads(Some("1")).unwrap(), Some(1));
+        assert_eq!(parse_step_reads(Some("8")).unwrap(), Some(8));
+        for bad in ["9", "-1", "two", "1.5"] {
+            let e = parse_step_reads(Some(bad)).unwrap_err().to_string();
+            assert!(e.contains(&format!("WIDE_STEP_READS={bad}")) && e.contains("1 to 8"), "{e}");
+        }
+    }
 
     #[test]
     fn router_fold_setting_parses_or_names_the_choices() {

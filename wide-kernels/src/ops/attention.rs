@@ -304,6 +304,34 @@ pub fn stream_read(a: &Tensor, a_bytes: i64, b: &Tensor, b_bytes: i64, blocks_pe
     }
 }
 
+/// Measurement only (the engine's `WIDE_STEP_READS`): a launch that reads the first `a_bytes`
+/// of `a` and `b_bytes` of `b` (as [`stream_read`]) and returns a zeroed `[m, n]` tensor of
+/// `a`'s dtype, standing in for a projection of the decode step whose weight bytes those are.
+/// Programmatic dependent launch: its first weight loads go out before it waits for the launch
+/// before it, as the projections' do. `blocks_per_sm` blocks of 256 threads a multiprocessor.
+pub fn step_read(a: &Tensor, a_bytes: i64, b: &Tensor, b_bytes: i64, (m, n): (i64, i64), blocks_per_sm: u32) -> Result<Tensor> {
+    let device = match a.device() {
+        Device::Cuda(d) => d,
+        _ => bail!("step_read: needs CUDA tensors"),
+    };
+    for (t, nb) in [(a, a_bytes), (b, b_bytes)] {
+        ensure!(t.is_contiguous() && t.device() == a.device(), "step_read: tensors must be contiguous on one device");
+        ensure!(nb >= 0 && nb % 16 == 0 && nb <= t.numel() as i64 * t.kind().elt_size_in_bytes() as i64, "step_read: {nb} bytes is not a multiple of 16 within a tensor of {:?}", t.size());
+    }
+    let out_bytes = m * n * a.kind().elt_size_in_bytes() as i64;
+    ensure!(m > 0 && out_bytes % 16 == 0, "step_read: an output of [{m}, {n}] {:?} is not a whole number of 16-byte words", a.kind());
+    let out = Tensor::empty([m, n], (a.kind(), a.device()));
+    let k = routed_kernel(false, None, "step_read", device)?;
+    let blocks = blocks_per_sm.clamp(1, 8) * crate::cuda::multiprocessor_count(device)? as u32;
+    unsafe {
+        k.launch_pdl(
+            LaunchConfig { grid: (blocks, 1, 1), block: (256, 1, 1), shared_mem_bytes: 0 },
+            &[KernelArg::tensor(a)?, KernelArg::I64(a_bytes / 16), KernelArg::tensor(b)?, KernelArg::I64(b_bytes / 16), KernelArg::tensor(&out)?, KernelArg::I64(out_bytes / 16), KernelArg::Ptr(0)],
+        )?;
+    }
+    Ok(out)
+}
+
 /// (sequence, KV head) pairs the split kernel can merge itself (`ATTN_TICKETS` in routed.cu).
 const ATTN_TICKETS: i64 = 65536;
 

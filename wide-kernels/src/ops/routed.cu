@@ -1552,6 +1552,43 @@ extern "C" __global__ void __launch_bounds__(256) stream_read(const uint4* __res
     }
     if (acc == 0x9e3779b9u && sink != nullptr) sink[blockIdx.x] = acc;
 }
+
+// Measurement only (`WIDE_STEP_READS`, infer.rs): stands in for one projection of the decode
+// step. Reads na 16-byte words at a and nb at b (the weight bytes the projection reads) as
+// stream_read does and writes nout zero words to out. Launched with programmatic dependent
+// launch: the first round of weight loads goes out before the wait, as the projections' own
+// weight loads do; out is written after it.
+extern "C" __global__ void __launch_bounds__(256) step_read(const uint4* a, long long na, const uint4* b, long long nb,
+                                                            uint4* out, long long nout, unsigned* sink) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const uint4 z = make_uint4(0, 0, 0, 0);
+    uint4 v[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) v[u] = tid + u * stride < na ? ld_stream(a + tid + u * stride) : z;
+    pdl_wait();
+    pdl_trigger();
+    unsigned acc = 0;
+#pragma unroll
+    for (int u = 0; u < 8; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+    for (int part = 0; part < 2; ++part) {
+        const uint4* p = part ? b : a;
+        const long long n = part ? nb : na;
+        long long i = tid + (part ? 0 : 8 * stride);
+        for (; i + 7 * stride < n; i += 8 * stride) {
+#pragma unroll
+            for (int u = 0; u < 8; ++u) v[u] = ld_stream(p + i + u * stride);
+#pragma unroll
+            for (int u = 0; u < 8; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+        }
+        for (; i < n; i += stride) {
+            const uint4 w = ld_stream(p + i);
+            acc ^= w.x ^ w.y ^ w.z ^ w.w;
+        }
+    }
+    for (long long j = tid; j < nout; j += stride) out[j] = z;
+    if (acc == 0x9e3779b9u && sink != nullptr) sink[blockIdx.x] = acc;
+}
 #endif
 
 // ---------------------------------------------------------------------------------------
