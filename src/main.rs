@@ -353,6 +353,11 @@ struct E2eArgs {
     /// (to see what a run leaves the next one, such as the power state).
     #[arg(long, default_value_t = 0)]
     interleave_gap_ms: u64,
+    /// After the rows, measure dense a model of only the width wide keeps at each --sparsity
+    /// (query heads and FFN channels in whole groups; random weights): routing at no cost on
+    /// dense's kernels, the ceiling of the routed speedup (rows `kept-width`).
+    #[arg(long)]
+    kept_width: bool,
     #[arg(long)]
     out: Option<PathBuf>,
     #[arg(long, default_value_t = 0)]
@@ -756,6 +761,7 @@ fn run(cli: Cli) -> Result<()> {
                 repeat_ops: a.repeat_ops,
                 interleave: a.interleave,
                 interleave_gap_ms: a.interleave_gap_ms,
+                kept_width: a.kept_width,
                 out: a.out,
                 commit: env!("WIDE_GIT_COMMIT").to_string(),
                 seed: a.seed,

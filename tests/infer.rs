@@ -300,4 +300,18 @@ fn bench_e2e_interleave_times_every_variant_each_round() {
     assert!(plain.status.success(), "{}", String::from_utf8_lossy(&plain.stderr));
     let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out_path).unwrap()).unwrap();
     assert!(v["prefill_interleaved"].is_null());
+    assert!(v["rows"].as_array().unwrap().iter().all(|r| r["variant"] != "kept-width"));
+    // --kept-width: one more dense row a sparsity, on a model of the kept width (tiny: 4 query
+    // heads in one group of 4, 384 FFN channels in 3 groups of 128 -> 2 kept at 0.3 and 0.5).
+    let kw = common::run_wide(&[&args[..], &["--kept-width", "--attn-group-size", "4", "--out", out_path.to_str().unwrap()]].concat());
+    assert!(kw.status.success(), "{}", String::from_utf8_lossy(&kw.stderr));
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out_path).unwrap()).unwrap();
+    let rows: Vec<&serde_json::Value> = v["rows"].as_array().unwrap().iter().filter(|r| r["variant"] == "kept-width").collect();
+    assert_eq!(rows.iter().map(|r| r["sparsity"].as_f64().unwrap()).collect::<Vec<_>>(), vec![0.3, 0.5]);
+    for r in rows {
+        assert_eq!((r["shape"]["num_attention_heads"].as_i64(), r["shape"]["intermediate_size"].as_i64()), (Some(4), Some(256)), "{r}");
+        let d = &r["results"]["decode"][0];
+        assert!(d["ms_per_step"].as_f64().unwrap() > 0.0 && r["results"]["prefill"].as_array().unwrap().len() == 2, "{r}");
+    }
+    assert!(String::from_utf8_lossy(&kw.stdout).contains("| kept-width | 0.5 | decode |"));
 }

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the checkout, after scripts/device/stage.sh --tests --kernels:
-# the batch-1 decode step's read ceiling (README, `WIDE_STEP_READS`). Processes of `wide bench
-# e2e` at s = 0.5 alternate the model (WIDE_STEP_READS unset) with the step-read measurement at
-# 2 and 4 blocks a multiprocessor, ROUNDS rounds (default 2), each process timing dense and wide
-# in turn. Results (JSON and logs) go to
-# $OUT/step-ceiling (or ./step-ceiling-results without $OUT) as each process ends, so a run cut
-# off by a time limit still returns what it finished; the last lines print each process's
-# decode rows. Exit status 1 if any process failed.
+# the batch-1 decode step's ceilings (README: `WIDE_STEP_READS`, `--kept-width`). Processes of
+# `wide bench e2e` at s = 0.5 alternate the model (WIDE_STEP_READS=0, with the kept-width row:
+# dense on a model of only the kept width) with the step-read measurement at 2 and 4 blocks a
+# multiprocessor, ROUNDS rounds (default 2), each process timing dense and wide in turn.
+# Results (JSON and logs) are packed into $OUT/step-ceiling.tar (without $OUT: the folder
+# ./step-ceiling-results and its .tar) as each process ends, so a run cut off by a time limit
+# still returns what it finished; the last lines print each process's decode rows. Exit status
+# 1 if any process failed.
 #   bash scripts/device/step-ceiling.sh [ROUNDS]
 rounds=${1:-2}
 case "$rounds" in
@@ -15,22 +16,27 @@ case "$rounds" in
 esac
 . .device/env.sh || { echo "step-ceiling.sh: .device/env.sh failed: stage the binaries first (scripts/device/stage.sh --tests --kernels)" >&2; exit 1; }
 set -u
-if [ -n "${OUT:-}" ]; then R=$OUT/step-ceiling; else R=$PWD/step-ceiling-results; fi
+# Everything in one tar, rewritten after each process (the device tool returns few files).
+if [ -n "${OUT:-}" ]; then R=$(mktemp -d)/step-ceiling; dest=$OUT/step-ceiling.tar; else R=$PWD/step-ceiling-results; dest=$R.tar; fi
 mkdir -p "$R"
+pack() { tar -C "$(dirname "$R")" -cf "$dest.part" "$(basename "$R")" && mv "$dest.part" "$dest"; }
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv > "$R/gpu.txt" 2>&1
 failed=""
 for r in $(seq 1 "$rounds"); do
     for b in 0 2 4; do
         name=e2e-reads$b-r$r
+        kw=""
+        [ "$b" = 0 ] && kw=--kept-width
         WIDE_STEP_READS=$b .device/wide bench e2e --sparsity 0.5 --prefill-tokens 128 --decode-batches 1 --warmup 1 --iters 3 \
-            --out "$R/$name.json" > "$R/$name.log" 2>&1
+            $kw --out "$R/$name.json" > "$R/$name.log" 2>&1
         rc=$?
+        pack
         echo "step-ceiling.sh: $name exit $rc $(date -u +%T)"
         [ "$rc" -eq 0 ] || failed="$failed $name"
     done
 done
 for f in "$R"/e2e-reads*.log; do
     echo "== $(basename "$f" .log)"
-    grep -E "^\| (dense|wide).*decode" "$f"
+    grep -E "^\| (dense|wide|kept-width).*decode" "$f"
 done
 if [ -n "$failed" ]; then echo "step-ceiling.sh: failed:$failed" >&2; exit 1; fi

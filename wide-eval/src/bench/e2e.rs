@@ -45,6 +45,9 @@ pub struct E2eBenchConfig {
     pub interleave: bool,
     /// With `interleave`: the device idle this long (after a sync) between two interleaved runs.
     pub interleave_gap_ms: u64,
+    /// After the rows, measure dense a model of only the width `wide` keeps at each sparsity
+    /// (see [`kept_width_config`]): routing at no cost, on dense's kernels.
+    pub kept_width: bool,
     pub out: Option<PathBuf>,
     pub commit: String,
     pub seed: i64,
@@ -69,6 +72,32 @@ fn build_model(cfg: &E2eBenchConfig) -> Result<(LlamaModel, nn::VarStore, ModelC
             Ok((model, vs, mc, cfg.preset.clone()))
         }
     }
+}
+
+/// The model `mc` with only the width a router skipping `s` of its groups keeps: query heads in
+/// whole groups of `attn_group` heads and FFN channels in whole groups of `ffn_group`, each the
+/// nearest count to (1 - s) of the groups (at least one); K/V heads, hidden size, layers and
+/// vocabulary as they are. Run dense, it is what the routed model would cost if routing were
+/// free and its projections ran on dense's kernels over the kept bytes: the ceiling of the
+/// routed speedup for the engine's launches (`wide bench e2e --kept-width`).
+pub fn kept_width_config(mc: &ModelConfig, s: f64, attn_group: i64, ffn_group: i64) -> Result<ModelConfig> {
+    anyhow::ensure!((0.0..1.0).contains(&s), "--kept-width: sparsity {s} is outside [0, 1)");
+    let kept = |n: i64, g: i64, what: &str| -> Result<i64> {
+        anyhow::ensure!(g > 0 && n % g == 0, "--kept-width: {n} {what} are not whole groups of {g}");
+        Ok((((1.0 - s) * (n / g) as f64).round() as i64).max(1) * g)
+    };
+    let mut k = mc.clone();
+    k.num_attention_heads = kept(mc.num_attention_heads, attn_group, "query heads")?;
+    k.intermediate_size = kept(mc.intermediate_size, ffn_group, "FFN channels")?;
+    anyhow::ensure!(
+        k.num_attention_heads % k.num_key_value_heads == 0,
+        "--kept-width at sparsity {s} keeps {} of the {} query heads, which the {} K/V heads do not divide: choose a sparsity whose kept heads are a multiple of the K/V heads",
+        k.num_attention_heads,
+        mc.num_attention_heads,
+        k.num_key_value_heads
+    );
+    k.validate()?;
+    Ok(k)
 }
 
 fn routing_for(cfg: &E2eBenchConfig, mc: &ModelConfig, s: f64) -> Result<(Routing, nn::VarStore)> {
@@ -512,6 +541,21 @@ pub fn run(cfg: &E2eBenchConfig) -> Result<Value> {
         }
     }
     let interleaved = if cfg.interleave { interleaved_prefill(&model, &kept, cfg, vocab, clock)? } else { Value::Null };
+    if cfg.kept_width {
+        let (ag, fg) = routing_used.as_ref().map_or((cfg.attn_group_size, cfg.ffn_group_size), |r| (r.1, r.2));
+        for &s in &cfg.sparsities {
+            let kc = kept_width_config(&mc, s, ag, fg)?;
+            let kvs = nn::VarStore::new(cfg.device);
+            let km = LlamaModel::new(&kvs.root(), &kc, &mut RandomWeights { std: 0.02 }, cfg.kind, false)?;
+            let label = format!("kept-width {s}");
+            eprintln!("{label}: dense, {} query heads, {} FFN channels (random weights; the full model stays resident)", kc.num_attention_heads, kc.intermediate_size);
+            let engine = Engine::new(&km, None)?;
+            let r = measure(&engine, cfg, vocab, &label, clock)?;
+            rows.push(json!({"variant": "kept-width", "sparsity": s, "results": r,
+                "shape": {"num_attention_heads": kc.num_attention_heads, "num_key_value_heads": kc.num_key_value_heads, "intermediate_size": kc.intermediate_size},
+                "note": "dense, only the width wide keeps at this sparsity: routing at no cost on dense's kernels; peak memory includes the full model"}));
+        }
+    }
     let prov = Provenance::new(&cfg.commit, &device_label(cfg.device));
     let result = json!({
         "benchmark": "e2e",
@@ -559,5 +603,31 @@ fn print_table(r: &Value) {
         if !row["results"]["profile"].is_null() {
             println!("profile {} {}: {}", row["variant"], row["sparsity"], row["results"]["profile"]);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kept_width_keeps_whole_groups_and_names_what_does_not_fit() {
+        let mc = presets::preset("llama-3.1-8b").unwrap();
+        let k = kept_width_config(&mc, 0.5, 4, 128).unwrap();
+        assert_eq!((k.num_attention_heads, k.num_key_value_heads, k.intermediate_size), (16, 8, 7168));
+        assert_eq!((k.hidden_size, k.head_dim, k.num_hidden_layers, k.vocab_size), (mc.hidden_size, mc.head_dim, mc.num_hidden_layers, mc.vocab_size));
+        // 0.3: 5.6 of 8 head groups -> 6 (24 heads), 78.4 of 112 FFN groups -> 78.
+        let k = kept_width_config(&mc, 0.3, 4, 128).unwrap();
+        assert_eq!((k.num_attention_heads, k.intermediate_size), (24, 78 * 128));
+        let k = kept_width_config(&mc, 0.7, 4, 128).unwrap();
+        assert_eq!((k.num_attention_heads, k.intermediate_size), (8, 34 * 128));
+        // At least one group is kept.
+        let k = kept_width_config(&mc, 0.99, 8, 128).unwrap();
+        assert_eq!((k.num_attention_heads, k.intermediate_size), (8, 128));
+        // 0.4: 5 of 8 groups = 20 heads over 8 K/V heads.
+        let e = kept_width_config(&mc, 0.4, 4, 128).unwrap_err().to_string();
+        assert!(e.contains("keeps 20 of the 32 query heads") && e.contains("8 K/V heads"), "{e}");
+        let e = kept_width_config(&mc, 0.5, 4, 100).unwrap_err().to_string();
+        assert!(e.contains("14336 FFN channels are not whole groups of 100"), "{e}");
     }
 }
