@@ -290,9 +290,10 @@ fn router_fold_kinds() -> Result<[bool; 2]> {
 /// weight bytes it would read (all of them dense; at the engine's expected skip rate, the used
 /// share of the routed ones, K|V whole) and writes zeros ([`wide_kernels::ops::attention::
 /// step_read`]); the routers then run in the norm launches (nothing to fold into). The decode
-/// step's time is then what the step would take with every projection at the speed of a pure
-/// read of its bytes, everything else (norms, routers, attention, the LM head) as it is: dense
-/// against routed in one process, the ceiling of the decode speedup for this step's launches.
+/// step's time is then what the step takes with every projection at the speed of one pure-read
+/// kernel on its bytes, everything else (norms, routers, attention, the LM head) as it is: dense
+/// against routed at equal read speed, in one process. Not a bound: dense's own GEMVs beat that
+/// kernel in the step (`wide-kernels/NOTES.md` v43; the bound is `wide bench e2e --kept-width`).
 /// The outputs are not the model's (zeros from every projection).
 fn parse_step_reads(v: Option<&str>) -> Result<Option<u32>> {
     match v.map(str::trim) {
@@ -961,8 +962,8 @@ impl<'m> Engine<'m> {
     }
 
     /// With `WIDE_STEP_READS` and one token on CUDA (see [`parse_step_reads`]): a launch that reads
-    /// `rows` rows of `w` (and `rows2` of `w2`) and returns zeros `[1, n]`, in place of the
-    /// projection whose weights they are; None otherwise.
+    /// the first `rows` rows of `w` (and, with `w2 = Some((u, r))`, the first `r` rows of `u`) and
+    /// returns zeros `[1, n]`, in place of the projection whose weights they are; None otherwise.
     fn step_read(&self, x: &Tensor, w: &Tensor, rows: i64, w2: Option<(&Tensor, i64)>, n: i64) -> Result<Option<Tensor>> {
         let Some(bps) = self.step_reads else { return Ok(None) };
         if x.size()[0] != 1 || !x.device().is_cuda() {

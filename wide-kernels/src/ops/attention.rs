@@ -286,14 +286,7 @@ fn decode(q: &Tensor, k: &Tensor, v: &Tensor, lengths: &Tensor, mask: &Tensor, g
 /// a multiprocessor: the time any kernel needs at least to read those bytes once. The
 /// decode-attention benchmark times it on the K/V bytes a call must read (its ceiling).
 pub fn stream_read(a: &Tensor, a_bytes: i64, b: &Tensor, b_bytes: i64, blocks_per_sm: u32) -> Result<()> {
-    let device = match a.device() {
-        Device::Cuda(d) => d,
-        _ => bail!("stream_read: needs CUDA tensors"),
-    };
-    for (t, n) in [(a, a_bytes), (b, b_bytes)] {
-        ensure!(t.is_contiguous() && t.device() == a.device(), "stream_read: tensors must be contiguous on one device");
-        ensure!(n >= 0 && n % 16 == 0 && n <= t.numel() as i64 * t.kind().elt_size_in_bytes() as i64, "stream_read: {n} bytes is not a multiple of 16 within a tensor of {:?}", t.size());
-    }
+    let device = read_operands("stream_read", a, a_bytes, b, b_bytes)?;
     let k = routed_kernel(false, None, "stream_read", device)?;
     let blocks = blocks_per_sm.clamp(1, 8) * crate::cuda::multiprocessor_count(device)? as u32;
     unsafe {
@@ -304,20 +297,27 @@ pub fn stream_read(a: &Tensor, a_bytes: i64, b: &Tensor, b_bytes: i64, blocks_pe
     }
 }
 
+/// The device of the read kernels' operands (`what` names the caller in the errors): contiguous
+/// CUDA tensors on one device, each read for a multiple of 16 bytes within its storage.
+fn read_operands(what: &str, a: &Tensor, a_bytes: i64, b: &Tensor, b_bytes: i64) -> Result<usize> {
+    let device = match a.device() {
+        Device::Cuda(d) => d,
+        _ => bail!("{what}: needs CUDA tensors"),
+    };
+    for (t, n) in [(a, a_bytes), (b, b_bytes)] {
+        ensure!(t.is_contiguous() && t.device() == a.device(), "{what}: tensors must be contiguous on one device");
+        ensure!(n >= 0 && n % 16 == 0 && n <= t.numel() as i64 * t.kind().elt_size_in_bytes() as i64, "{what}: {n} bytes is not a multiple of 16 within a tensor of {:?}", t.size());
+    }
+    Ok(device)
+}
+
 /// Measurement only (the engine's `WIDE_STEP_READS`): a launch that reads the first `a_bytes`
 /// of `a` and `b_bytes` of `b` (as [`stream_read`]) and returns a zeroed `[m, n]` tensor of
 /// `a`'s dtype, standing in for a projection of the decode step whose weight bytes those are.
 /// Programmatic dependent launch: its first weight loads go out before it waits for the launch
 /// before it, as the projections' do. `blocks_per_sm` blocks of 256 threads a multiprocessor.
 pub fn step_read(a: &Tensor, a_bytes: i64, b: &Tensor, b_bytes: i64, (m, n): (i64, i64), blocks_per_sm: u32) -> Result<Tensor> {
-    let device = match a.device() {
-        Device::Cuda(d) => d,
-        _ => bail!("step_read: needs CUDA tensors"),
-    };
-    for (t, nb) in [(a, a_bytes), (b, b_bytes)] {
-        ensure!(t.is_contiguous() && t.device() == a.device(), "step_read: tensors must be contiguous on one device");
-        ensure!(nb >= 0 && nb % 16 == 0 && nb <= t.numel() as i64 * t.kind().elt_size_in_bytes() as i64, "step_read: {nb} bytes is not a multiple of 16 within a tensor of {:?}", t.size());
-    }
+    let device = read_operands("step_read", a, a_bytes, b, b_bytes)?;
     let out_bytes = m * n * a.kind().elt_size_in_bytes() as i64;
     ensure!(m > 0 && out_bytes % 16 == 0, "step_read: an output of [{m}, {n}] {:?} is not a whole number of 16-byte words", a.kind());
     let out = Tensor::empty([m, n], (a.kind(), a.device()));

@@ -1527,29 +1527,31 @@ extern "C" __global__ void gpu_spin(long long ns) {
     } while (t - t0 < (unsigned long long)ns);
 }
 
-// Reads na 16-byte words at a and nb at b once each (streamed past L1), 8 loads in flight a
-// thread, and stores nothing unless an impossible value comes out (so no load is dropped):
-// the time one launch needs to read those bytes, the ceiling of the decode-attention benchmark.
-extern "C" __global__ void __launch_bounds__(256) stream_read(const uint4* __restrict__ a, long long na, const uint4* __restrict__ b,
-                                                              long long nb, unsigned* __restrict__ sink) {
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    unsigned acc = 0;
-    for (int part = 0; part < 2; ++part) {
-        const uint4* p = part ? b : a;
-        const long long n = part ? nb : na;
-        long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-        for (; i + 7 * stride < n; i += 8 * stride) {
-            uint4 v[8];
+// Words [i, n) of p, every stride-th (stride = the grid's threads), streamed past L1 with 8 loads
+// in flight a thread, folded into acc so that no load is dropped (stream_read, step_read).
+__device__ __forceinline__ unsigned read_words(const uint4* p, long long i, long long n, long long stride, unsigned acc) {
+    for (; i + 7 * stride < n; i += 8 * stride) {
+        uint4 v[8];
 #pragma unroll
-            for (int u = 0; u < 8; ++u) v[u] = ld_stream(p + i + u * stride);
+        for (int u = 0; u < 8; ++u) v[u] = ld_stream(p + i + u * stride);
 #pragma unroll
-            for (int u = 0; u < 8; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
-        }
-        for (; i < n; i += stride) {
-            const uint4 v = ld_stream(p + i);
-            acc ^= v.x ^ v.y ^ v.z ^ v.w;
-        }
+        for (int u = 0; u < 8; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
     }
+    for (; i < n; i += stride) {
+        const uint4 v = ld_stream(p + i);
+        acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    return acc;
+}
+
+// Reads na 16-byte words at a and nb at b once each, and stores nothing unless an impossible
+// value comes out: the time one launch needs to read those bytes, the ceiling of the
+// decode-attention benchmark.
+extern "C" __global__ void __launch_bounds__(256) stream_read(const uint4* a, long long na, const uint4* b, long long nb,
+                                                              unsigned* __restrict__ sink) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const unsigned acc = read_words(b, tid, nb, stride, read_words(a, tid, na, stride, 0u));
     if (acc == 0x9e3779b9u && sink != nullptr) sink[blockIdx.x] = acc;
 }
 
@@ -1571,21 +1573,7 @@ extern "C" __global__ void __launch_bounds__(256) step_read(const uint4* a, long
     unsigned acc = 0;
 #pragma unroll
     for (int u = 0; u < 8; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
-    for (int part = 0; part < 2; ++part) {
-        const uint4* p = part ? b : a;
-        const long long n = part ? nb : na;
-        long long i = tid + (part ? 0 : 8 * stride);
-        for (; i + 7 * stride < n; i += 8 * stride) {
-#pragma unroll
-            for (int u = 0; u < 8; ++u) v[u] = ld_stream(p + i + u * stride);
-#pragma unroll
-            for (int u = 0; u < 8; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
-        }
-        for (; i < n; i += stride) {
-            const uint4 w = ld_stream(p + i);
-            acc ^= w.x ^ w.y ^ w.z ^ w.w;
-        }
-    }
+    acc = read_words(b, tid, nb, stride, read_words(a, tid + 8 * stride, na, stride, acc));
     for (long long j = tid; j < nout; j += stride) out[j] = z;
     if (acc == 0x9e3779b9u && sink != nullptr) sink[blockIdx.x] = acc;
 }
