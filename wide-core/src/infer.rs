@@ -285,11 +285,22 @@ fn router_fold_kinds() -> Result<[bool; 2]> {
     parse_router_fold(std::env::var("WIDE_ROUTER_FOLD").ok().as_deref())
 }
 
+fn parse_router_fold(v: Option<&str>) -> Result<[bool; 2]> {
+    Ok(match v.map(str::trim) {
+        None | Some("ffn") => DEFAULT_ROUTER_FOLDS,
+        Some("1") | Some("both") => [true, true],
+        Some("0") | Some("none") => [false, false],
+        Some("attention") => [true, false],
+        Some(o) => bail!("WIDE_ROUTER_FOLD={o} is not a fold setting: use ffn (the default), both (or 1), attention or none (or 0)"),
+    })
+}
+
 /// `WIDE_STEP_READS=B` (measurement only, B = 1..8 blocks a multiprocessor; unset or 0 off): every
 /// one-token projection (Q|K|V, O, gate+up, down) is replaced by a launch that only reads the
 /// weight bytes it would read (all of them dense; at the engine's expected skip rate, the used
 /// share of the routed ones, K|V whole) and writes zeros ([`wide_kernels::ops::attention::
-/// step_read`]); the routers then run in the norm launches (nothing to fold into). The decode
+/// step_read`]); the routers then run in the norm launches (the projection a router would be
+/// folded into does not run, so the engine's folds go unused). The decode
 /// step's time is then what the step takes with every projection at the speed of one pure-read
 /// kernel on its bytes, everything else (norms, routers, attention, the LM head) as it is: dense
 /// against routed at equal read speed, in one process. Not a bound: dense's own GEMVs beat that
@@ -303,16 +314,6 @@ fn parse_step_reads(v: Option<&str>) -> Result<Option<u32>> {
             _ => bail!("WIDE_STEP_READS={b} is not a block count: use 1 to 8 blocks a multiprocessor (a measurement that replaces the one-token projections by pure reads), or 0 / unset for the model"),
         },
     }
-}
-
-fn parse_router_fold(v: Option<&str>) -> Result<[bool; 2]> {
-    Ok(match v.map(str::trim) {
-        None | Some("ffn") => DEFAULT_ROUTER_FOLDS,
-        Some("1") | Some("both") => [true, true],
-        Some("0") | Some("none") => [false, false],
-        Some("attention") => [true, false],
-        Some(o) => bail!("WIDE_ROUTER_FOLD={o} is not a fold setting: use ffn (the default), both (or 1), attention or none (or 0)"),
-    })
 }
 
 /// `w1 w` for each router whose input adds a bias-free projection's output (see
@@ -438,7 +439,7 @@ impl<'m> Engine<'m> {
         let (ta, tf) = routing.and_then(|r| r.config.per_type_targets()).unwrap_or((target, target));
         let inv_freq = Tensor::from_slice(&inverse_frequencies(c)).to_device(model.device);
         let step_reads = parse_step_reads(std::env::var("WIDE_STEP_READS").ok().as_deref())?;
-        let folds = router_folds(model, routing, if step_reads.is_some() { [false, false] } else { folds });
+        let folds = router_folds(model, routing, folds);
         let fold_scratch = folds.iter().flatten().flatten().map(|f| f.size()[0]).map(|r| (r, Tensor::zeros([r + 1], (Kind::Float, model.device)))).collect();
         Ok(Self {
             model,
