@@ -393,3 +393,43 @@ fn step_reads_leave_the_embedding_through_every_layer() {
         }
     }
 }
+
+/// `WIDE_FIXED_MASKS`'s engine setting on the GPU: the fixed decisions skip exactly the expected
+/// share of groups at every step, and the step replayed in a CUDA graph (masks made in the
+/// warm-up step, outside the capture) gives the eager step's logits.
+#[test]
+fn fixed_masks_decode_replays_in_a_graph_like_eager() {
+    let _ = gpu(); // the device first (one GPU test at a time)
+    let _g = tch::no_grad_guard();
+    tch::manual_seed(6);
+    let p = small();
+    let vs = nn::VarStore::new(gpu());
+    let r = wide_routing(&p, &vs, false);
+    let mut engine = Engine::new(&p.model, Some(&r)).unwrap();
+    engine.set_fixed_masks(true);
+    let v = p.model.config.vocab_size;
+    let prompt = Vec::<i64>::try_from(Tensor::randint(v, [9], (Kind::Int64, Device::Cpu))).unwrap();
+    let steps = 5;
+    let mut runs = vec![];
+    for graph in [false, true] {
+        let (mut dec, _) = Decoder::new(&engine, std::slice::from_ref(&prompt), 9 + steps + 1, true, true, None).unwrap();
+        if graph {
+            dec.capture().unwrap();
+        }
+        let mut logits = vec![];
+        for step in 0..steps {
+            dec.set_tokens(&[(step * 37 + 11) % v]).unwrap();
+            logits.push(dec.step().unwrap().to_kind(Kind::Float).view([-1]));
+        }
+        let c = dec.skip_counts();
+        for kind in ["attention", "ffn"] {
+            let (skipped, total) = c.per_kind[kind];
+            assert!(total > 0.0 && skipped * 2.0 == total, "graph {graph} {kind}: {skipped} of {total} skipped, want exactly half");
+        }
+        runs.push(logits);
+    }
+    for (step, (a, b)) in runs[0].iter().zip(&runs[1]).enumerate() {
+        let e = rel(b, a);
+        assert!(e < 1e-2, "step {step}: graph vs eager logits rel {e}");
+    }
+}

@@ -136,6 +136,68 @@ fn batched_decode_matches_full_forwards_of_each_row() {
 }
 
 #[test]
+fn fixed_masks_replace_the_routers_at_one_token_decode() {
+    // WIDE_FIXED_MASKS's engine setting: every one-token decision is the fixed mask (exactly the
+    // expected skip rate in whole groups), whatever the routers say; prefill still routes.
+    let _g = tch::no_grad_guard();
+    tch::manual_seed(17);
+    let p = tiny();
+    let vs = nn::VarStore::new(Device::Cpu);
+    let r = routing(&p, Variant::Wide, &vs);
+    let v = p.model.config.vocab_size;
+    let prompt = vec![Vec::<i64>::try_from(Tensor::randint(v, [5], (Kind::Int64, Device::Cpu))).unwrap()];
+    let steps = 4;
+    // Routers that would skip every group (set after the prefill, undone after the steps).
+    let saved: Vec<Tensor> = r.layers.iter().flat_map(|l| [&l.attention, &l.ffn]).flatten().map(|rt| rt.router_b.copy()).collect();
+    let skip_all = |on: bool| {
+        let routers = r.layers.iter().flat_map(|l| [&l.attention, &l.ffn]).flatten();
+        for (rt, b0) in routers.zip(&saved) {
+            let b = rt.router_b.view([-1, 2]);
+            if on {
+                let _ = b.select(1, 0).shallow_clone().fill_(-100.0);
+                let _ = b.select(1, 1).shallow_clone().fill_(100.0);
+            } else {
+                rt.router_b.shallow_clone().copy_(b0);
+            }
+        }
+    };
+    let decode = |engine: &Engine, skip_all_while_decoding: bool| -> (Vec<Tensor>, SkipCounts) {
+        let (mut dec, first) = Decoder::new(engine, &prompt, 5 + steps + 1, true, true, None).unwrap();
+        skip_all(skip_all_while_decoding);
+        let mut out = vec![first];
+        for _ in 0..steps {
+            let next = Vec::<i64>::try_from(out.last().unwrap().argmax(-1, false)).unwrap();
+            dec.set_tokens(&next).unwrap();
+            out.push(dec.step().unwrap().copy());
+        }
+        skip_all(false);
+        (out, dec.skip_counts())
+    };
+    let mut engine = Engine::new(&p.model, Some(&r)).unwrap();
+    let (routed, _) = decode(&engine, false);
+    engine.set_fixed_masks(true);
+    let (fixed, counts) = decode(&engine, false);
+    let layers = p.model.config.num_hidden_layers as f64;
+    let heads = p.model.config.num_attention_heads as f64;
+    for (kind, groups) in [("attention", heads), ("ffn", 8.0)] {
+        let (skipped, total) = counts.per_kind[kind];
+        assert_eq!(total, steps as f64 * groups * layers, "{kind}: decode counts");
+        assert_eq!(skipped, steps as f64 * (0.5 * groups).round() * layers, "{kind}: exactly the expected skip rate");
+    }
+    assert!(max_diff(&routed[0], &fixed[0]) < 1e-6, "the prefill is routed either way");
+    assert!((1..=steps as usize).any(|k| max_diff(&routed[k], &fixed[k]) > 1e-3), "the routers' own decisions should differ from the fixed ones somewhere");
+    // The routers are not consulted while decoding: routers that skip everything change nothing.
+    let (again, _) = decode(&engine, true);
+    for k in 0..=steps as usize {
+        assert!(max_diff(&fixed[k], &again[k]) < 1e-6, "step {k}: the fixed masks' decode depends on the routers");
+    }
+    // And they are, without fixed masks.
+    engine.set_fixed_masks(false);
+    let (skipping, _) = decode(&engine, true);
+    assert!((1..=steps as usize).any(|k| max_diff(&routed[k], &skipping[k]) > 1e-3), "routers that skip everything should change the decode");
+}
+
+#[test]
 fn offset_search_hits_the_requested_sparsity() {
     let _g = tch::no_grad_guard();
     tch::manual_seed(14);

@@ -259,6 +259,11 @@ pub struct Engine<'m> {
     /// Measurement only (`WIDE_STEP_READS`, see [`parse_step_reads`]): one-token projections
     /// replaced by a pure read of their weight bytes, this many blocks a multiprocessor.
     step_reads: Option<u32>,
+    /// Measurement only (`WIDE_FIXED_MASKS`, see [`parse_fixed_masks`]): one-token decisions
+    /// come from fixed masks made once, no router runs.
+    fixed_masks: bool,
+    /// Those masks per (layer, kind index, extra groups): `[1, groups]` and the extended mask.
+    fixed: RefCell<BTreeMap<(usize, usize, i64), (Tensor, Option<Tensor>)>>,
 }
 
 /// Residual add + RMSNorm in the layers: with a delta (the projection just before) the residual
@@ -314,6 +319,47 @@ fn parse_step_reads(v: Option<&str>) -> Result<Option<u32>> {
             _ => bail!("WIDE_STEP_READS={b} is not a block count: use 1 to 8 blocks a multiprocessor (a measurement that replaces the one-token projections by pure reads), or 0 / unset for the model"),
         },
     }
+}
+
+/// `WIDE_FIXED_MASKS=1` (measurement only; unset or 0 off): at one-token decode every attention
+/// and FFN router's decision is a fixed mask made once per layer and router (the engine's
+/// expected skip rate of that router kind, rounded to whole groups, a pseudo-random choice of
+/// groups per layer, [`fixed_skip_pattern`]); no router runs, nothing is folded, and every mask
+/// is settled (written long before the projections that read it). The decode step's time is
+/// then what the routed kernels cost with routing itself free: between `wide` (the routers as
+/// they run) and `--kept-width` (dense kernels on the kept width). The outputs are not the
+/// model's (its routers are not consulted).
+fn parse_fixed_masks(v: Option<&str>) -> Result<bool> {
+    match v.map(str::trim) {
+        None | Some("") | Some("0") => Ok(false),
+        Some("1") => Ok(true),
+        Some(o) => bail!("WIDE_FIXED_MASKS={o} is not a switch: use 1 (one-token decisions from fixed masks, no router runs: a measurement) or 0 / unset for the routers"),
+    }
+}
+
+/// The execute mask of [`parse_fixed_masks`]'s fixed decisions: `groups` entries, exactly
+/// `round(skip * groups)` of them false, which ones a deterministic pseudo-random choice per
+/// `seed` (layer and router kind), so that layers differ as routed layers do.
+fn fixed_skip_pattern(groups: usize, skip: f64, seed: u64) -> Vec<bool> {
+    let n_skip = ((skip.clamp(0.0, 1.0) * groups as f64).round() as usize).min(groups);
+    let mut order: Vec<usize> = (0..groups).collect();
+    // Fisher-Yates with a splitmix64 stream.
+    let mut z = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15).wrapping_add(0x2545_f491_4f6c_dd1d);
+    let mut next = || {
+        z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut x = z;
+        x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        x ^ (x >> 31)
+    };
+    for i in (1..groups).rev() {
+        order.swap(i, (next() % (i as u64 + 1)) as usize);
+    }
+    let mut on = vec![true; groups];
+    for &g in &order[..n_skip] {
+        on[g] = false;
+    }
+    on
 }
 
 /// `w1 w` for each router whose input adds a bias-free projection's output (see
@@ -439,6 +485,7 @@ impl<'m> Engine<'m> {
         let (ta, tf) = routing.and_then(|r| r.config.per_type_targets()).unwrap_or((target, target));
         let inv_freq = Tensor::from_slice(&inverse_frequencies(c)).to_device(model.device);
         let step_reads = parse_step_reads(std::env::var("WIDE_STEP_READS").ok().as_deref())?;
+        let fixed_masks = parse_fixed_masks(std::env::var("WIDE_FIXED_MASKS").ok().as_deref())?;
         let folds = router_folds(model, routing, folds);
         let fold_scratch = folds.iter().flatten().flatten().map(|f| f.size()[0]).map(|r| (r, Tensor::zeros([r + 1], (Kind::Float, model.device)))).collect();
         Ok(Self {
@@ -457,6 +504,8 @@ impl<'m> Engine<'m> {
             fold_scratch,
             fold_calls: Default::default(),
             step_reads,
+            fixed_masks,
+            fixed: Default::default(),
         })
     }
 
@@ -468,6 +517,31 @@ impl<'m> Engine<'m> {
         ensure!(blocks_per_sm.is_none_or(|b| (1..=8).contains(&b)), "step reads take 1 to 8 blocks a multiprocessor, not {blocks_per_sm:?}");
         self.step_reads = blocks_per_sm;
         Ok(())
+    }
+
+    /// Measurement only: one-token decisions from fixed masks, no router running (true), or the
+    /// routers (false), as `WIDE_FIXED_MASKS` does at construction (see [`parse_fixed_masks`]).
+    pub fn set_fixed_masks(&mut self, on: bool) {
+        self.fixed_masks = on;
+    }
+
+    /// Whether this forward's decisions come from [`parse_fixed_masks`]'s fixed masks.
+    fn fixed_applies(&self, mt: i64, rc: &RouteCtx) -> bool {
+        self.fixed_masks && mt == 1 && rc.fit.is_none() && rc.valid.is_none() && matches!(rc.source, MaskSource::Routers)
+    }
+
+    /// The fixed decision of router `kind` of layer `i` (`groups` groups, `extra` always-on
+    /// groups in the extended mask), made on its first call and reused.
+    fn fixed_mask(&self, i: usize, kind: RouterKind, groups: i64, extra: i64) -> (Tensor, Option<Tensor>) {
+        let k = kind_index(kind);
+        let mut cache = self.fixed.borrow_mut();
+        let (m, e) = cache.entry((i, k, extra)).or_insert_with(|| {
+            let on = fixed_skip_pattern(groups as usize, self.sparsity_hint[k], ((i as u64) << 2) | k as u64);
+            let mask = Tensor::from_slice(&on).view([1, groups]).to_device(self.model.device);
+            let ext = (extra > 0).then(|| Tensor::cat(&[&mask, &Tensor::ones([1, extra], (Kind::Bool, self.model.device))], 1));
+            (mask, ext)
+        });
+        (m.shallow_clone(), e.as_ref().map(|e| e.shallow_clone()))
     }
 
     pub fn is_routed(&self) -> bool {
@@ -715,7 +789,7 @@ impl<'m> Engine<'m> {
         let mt = x.size()[0];
         // The projection before this norm already ran this router (folded into it).
         let folded = rc.gated.as_ref().is_some_and(|g| g.kind == kind);
-        let fuse = !folded && rc.fit.is_none() && matches!(rc.source, MaskSource::Routers) && mt <= router_fuse_max_m() && is_fast_dtype(x);
+        let fuse = !folded && !self.fixed_applies(mt, rc) && rc.fit.is_none() && matches!(rc.source, MaskSource::Routers) && mt <= router_fuse_max_m() && is_fast_dtype(x);
         match router.filter(|_| fuse) {
             Some(r) => {
                 // The extra always-on groups the attention gate will ask for (see attention_decision:
@@ -739,6 +813,12 @@ impl<'m> Engine<'m> {
     fn gate(&self, i: usize, kind: RouterKind, r: &crate::routing::Router, x: &Tensor, rc: &mut RouteCtx, extra: i64) -> Result<(Tensor, Option<Tensor>)> {
         let mt = x.size()[0];
         rc.early = false;
+        if kind != RouterKind::Layer && self.fixed_applies(mt, rc) {
+            let (mask, ext) = self.fixed_mask(i, kind, r.groups, extra);
+            rc.early = true;
+            self.count(kind, &mask, rc);
+            return Ok((mask, ext));
+        }
         let (mut mask, mut ext) = match rc.source {
             MaskSource::Forced(v) => {
                 ensure!(rc.cursor < v.len(), "forced masks: only {} given, the forward needs more", v.len());
@@ -1068,7 +1148,7 @@ impl<'m> Engine<'m> {
     fn folded_router(&self, x: &Tensor, w: &Tensor, lay: &RouteLayout, group: i64, li: usize, kind: RouterKind, xres: &Tensor, rc: &mut RouteCtx) -> Result<Option<Tensor>> {
         let ki = kind_index(kind);
         let (Some(fold), Some(r)) = (self.folds[li].get(ki).and_then(|f| f.as_ref()), self.routing) else { return Ok(None) };
-        if x.size()[0] != 1 || rc.fit.is_some() || rc.valid.is_some() || !matches!(rc.source, MaskSource::Routers) {
+        if x.size()[0] != 1 || rc.fit.is_some() || rc.valid.is_some() || !matches!(rc.source, MaskSource::Routers) || self.fixed_applies(1, rc) {
             return Ok(None);
         }
         let router = match kind {
@@ -1435,6 +1515,28 @@ mod tests {
             let e = parse_step_reads(Some(bad)).unwrap_err().to_string();
             assert!(e.contains(&format!("WIDE_STEP_READS={bad}")) && e.contains("1 to 8"), "{e}");
         }
+    }
+
+    #[test]
+    fn fixed_masks_setting_is_a_switch() {
+        for off in [None, Some(""), Some("0")] {
+            assert!(!parse_fixed_masks(off).unwrap(), "{off:?}");
+        }
+        assert!(parse_fixed_masks(Some(" 1")).unwrap());
+        let e = parse_fixed_masks(Some("yes")).unwrap_err().to_string();
+        assert!(e.contains("WIDE_FIXED_MASKS=yes") && e.contains("use 1"), "{e}");
+    }
+
+    #[test]
+    fn fixed_skip_pattern_skips_exactly_the_rounded_share_and_differs_by_seed() {
+        for (groups, skip, want) in [(8, 0.5, 4), (112, 0.5, 56), (112, 0.3, 34), (8, 0.0, 0), (8, 1.0, 8), (32, 0.7, 22)] {
+            let on = fixed_skip_pattern(groups, skip, 3);
+            assert_eq!(on.len(), groups);
+            assert_eq!(on.iter().filter(|b| !**b).count(), want, "{groups} groups at {skip}");
+            assert_eq!(on, fixed_skip_pattern(groups, skip, 3), "deterministic");
+        }
+        let layers: std::collections::BTreeSet<Vec<bool>> = (0..32).map(|l| fixed_skip_pattern(112, 0.5, l << 2 | 1)).collect();
+        assert!(layers.len() > 30, "layers should get different groups ({} distinct of 32)", layers.len());
     }
 
     #[test]
