@@ -13,12 +13,9 @@ case "${1:-}" in
     --no-grid) grid=0 ;;
     *) echo "check.sh: unknown argument '$1' (takes --no-grid or nothing)" >&2; exit 2 ;;
 esac
-. .device/env.sh || { echo "check.sh: .device/env.sh failed: stage the binaries first (scripts/device/stage.sh --tests --kernels)" >&2; exit 1; }
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+device_setup check.sh res check-results.tar || exit 1
 set -u
-R=$(mktemp -d)/res
-mkdir -p "$R"
-if [ -n "${OUT:-}" ]; then dest=$OUT/res.tar; else dest=$PWD/check-results.tar; fi
-pack() { tar -C "$(dirname "$R")" -cf "$dest.part" res && mv "$dest.part" "$dest"; }
 failed=""
 # name, command...: stdout and stderr to name.log, the exit status appended. With $skip_if set,
 # a failure whose log contains that text is reported as skipped (the step cannot run here).
@@ -37,7 +34,6 @@ run() {
     fi
     pack
 }
-nvidia-smi --query-gpu=name,clocks.max.sm --format=csv > "$R/gpu.txt" 2>&1
 # The SM clock, power and temperature every 200 ms for the whole run (clocks.csv), so that a
 # figure can be read against the clock it ran at (dense's full-FLOP prefills draw the most power).
 smi=""

@@ -6,7 +6,7 @@
 # others'), each timing dense and wide in turn. A setting is NAME=VAR=VALUE[,VAR=VALUE...], or
 # NAME= for the defaults; extra arguments for every process go in $E2E_ARGS (e.g. --kept-width).
 # Results (JSON and logs, NAME-rR.json / .log) are packed into $OUT/env-ab.tar (without $OUT:
-# ./env-ab-results.tar) after each process, so a run cut off by a time limit still returns what
+# ./env-ab-results.tar; common.sh) after each process, so a run cut off by a time limit still returns what
 # it finished; the last lines print each process's decode rows. Exit status 1 if any failed.
 #   bash scripts/device/env-ab.sh ROUNDS NAME=[VAR=VALUE[,VAR=VALUE...]]...
 #   e.g. bash scripts/device/env-ab.sh 2 ffn= both=WIDE_ROUTER_FOLD=both
@@ -32,12 +32,9 @@ for s in "$@"; do
         done
     fi
 done
-. .device/env.sh || { echo "env-ab.sh: .device/env.sh failed: stage the binaries first (scripts/device/stage.sh --tests --kernels)" >&2; exit 1; }
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+device_setup env-ab.sh env-ab env-ab-results.tar || exit 1
 set -u
-if [ -n "${OUT:-}" ]; then R=$(mktemp -d)/env-ab; dest=$OUT/env-ab.tar; else R=$PWD/env-ab-results; dest=$R.tar; fi
-mkdir -p "$R"
-pack() { tar -C "$(dirname "$R")" -cf "$dest.part" "$(basename "$R")" && mv "$dest.part" "$dest"; }
-nvidia-smi --query-gpu=name,clocks.max.sm --format=csv > "$R/gpu.txt" 2>&1
 failed=""
 for r in $(seq 1 "$rounds"); do
     for s in "$@"; do

@@ -5,8 +5,8 @@
 # dense on a model of only the kept width) with the step-read measurement at 2 and 4 blocks a
 # multiprocessor, ROUNDS rounds (default 2), each process timing dense and wide in turn; then
 # one process at the prefill targets' lengths (2048 and 8192 tokens) with the kept-width rows.
-# Results (JSON and logs) are packed into $OUT/step-ceiling.tar (without $OUT: the folder
-# ./step-ceiling-results and its .tar) as each process ends, so a run cut off by a time limit
+# Results (JSON and logs) are packed into $OUT/step-ceiling.tar (without $OUT:
+# ./step-ceiling-results.tar) as each process ends, so a run cut off by a time limit
 # still returns what it finished; the last lines print each process's decode rows. Exit status
 # 1 if any process failed.
 #   bash scripts/device/step-ceiling.sh [ROUNDS]
@@ -15,13 +15,10 @@ case "$rounds" in
     [1-9]) ;;
     *) echo "step-ceiling.sh: ROUNDS must be 1 to 9, not '$rounds'" >&2; exit 2 ;;
 esac
-. .device/env.sh || { echo "step-ceiling.sh: .device/env.sh failed: stage the binaries first (scripts/device/stage.sh --tests --kernels)" >&2; exit 1; }
+# Everything in one tar, rewritten after each process (common.sh).
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+device_setup step-ceiling.sh step-ceiling step-ceiling-results.tar || exit 1
 set -u
-# Everything in one tar, rewritten after each process (the device tool returns few files).
-if [ -n "${OUT:-}" ]; then R=$(mktemp -d)/step-ceiling; dest=$OUT/step-ceiling.tar; else R=$PWD/step-ceiling-results; dest=$R.tar; fi
-mkdir -p "$R"
-pack() { tar -C "$(dirname "$R")" -cf "$dest.part" "$(basename "$R")" && mv "$dest.part" "$dest"; }
-nvidia-smi --query-gpu=name,clocks.max.sm --format=csv > "$R/gpu.txt" 2>&1
 failed=""
 for r in $(seq 1 "$rounds"); do
     for b in 0 2 4; do
