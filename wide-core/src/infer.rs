@@ -511,7 +511,7 @@ impl<'m> Engine<'m> {
 
     /// Measurement only: replaces every one-token projection by a pure read of its weight bytes
     /// (`blocks_per_sm` blocks a multiprocessor, 1 to 8; None restores the model), as
-    /// `WIDE_STEP_READS` does at construction (see [`parse_step_reads`]). Only the decode step of
+    /// `WIDE_STEP_READS` does at construction (the README's `WIDE_STEP_READS`). Only the decode step of
     /// one sequence changes; its projections then output zeros.
     pub fn set_step_reads(&mut self, blocks_per_sm: Option<u32>) -> Result<()> {
         ensure!(blocks_per_sm.is_none_or(|b| (1..=8).contains(&b)), "step reads take 1 to 8 blocks a multiprocessor, not {blocks_per_sm:?}");
@@ -520,7 +520,7 @@ impl<'m> Engine<'m> {
     }
 
     /// Measurement only: one-token decisions from fixed masks, no router running (true), or the
-    /// routers (false), as `WIDE_FIXED_MASKS` does at construction (see [`parse_fixed_masks`]).
+    /// routers (false), as `WIDE_FIXED_MASKS` does at construction (the README's `WIDE_FIXED_MASKS`).
     pub fn set_fixed_masks(&mut self, on: bool) {
         self.fixed_masks = on;
     }
@@ -531,7 +531,9 @@ impl<'m> Engine<'m> {
     }
 
     /// The fixed decision of router `kind` of layer `i` (`groups` groups, `extra` always-on
-    /// groups in the extended mask), made on its first call and reused.
+    /// groups in the extended mask), made on its first call and reused. The extended mask is
+    /// cached too rather than built by [`Engine::gate`]'s shared tail: a concatenation there
+    /// would be a launch just before Q|K|V, so the mask would not be settled as claimed.
     fn fixed_mask(&self, i: usize, kind: RouterKind, groups: i64, extra: i64) -> (Tensor, Option<Tensor>) {
         let k = kind_index(kind);
         let mut cache = self.fixed.borrow_mut();

@@ -45,7 +45,7 @@ pub struct E2eBenchConfig {
     pub interleave: bool,
     /// With `interleave`: the device idle this long (after a sync) between two interleaved runs.
     pub interleave_gap_ms: u64,
-    /// After the rows, measure dense a model of only the width `wide` keeps at each sparsity
+    /// After the rows, measure dense on a model of only the width `wide` keeps at each sparsity
     /// (see [`kept_width_config`]): routing at no cost, on dense's kernels.
     pub kept_width: bool,
     pub out: Option<PathBuf>,
