@@ -218,7 +218,9 @@ fn launch_gemv(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layou
     let last = if s.op.reduces_over_groups() { layout.settled() as i32 } else { layout.always_on_from() as i32 };
     let mut args = small_m_args(s, &x, &w, w2.as_ref(), layout, &out, ng, last)?;
     if !s.op.reduces_over_groups() {
-        args.push(KernelArg::I32(layout.early() as i32));
+        // Bit 0: the mask is early. Bit 1 (the persistent form): a late mask is read straight
+        // after the first row set's wait ([`gemv_ps_defer`]).
+        args.push(KernelArg::I32(layout.early() as i32 | if ps && gemv_ps_defer() { 2 } else { 0 }));
     }
     // gemm_mn: `gemv_mn_warps_per_block` warps a block, r rows a warp. gemm_k: 8 warps share r rows (split over the used
     // chunks); shared memory holds the block's group list (a group index, and with several
@@ -537,6 +539,17 @@ fn gemv_ps_blocks_per_sm(n: i64, early: bool) -> i64 {
     let knob = |name: &str| std::env::var(name).ok().and_then(|v| v.trim().parse().ok()).filter(|b| (1..=8).contains(b));
     let (all, wide) = *V.get_or_init(|| (knob("WIDE_GEMV_PS_BPS"), knob("WIDE_GEMV_PS_BPS_WIDE")));
     gemv_ps_blocks_for(n, early, all, wide)
+}
+
+/// Whether the persistent GEMV's blocks whose first row set is always-on read a late mask (one
+/// written by the launch just before, as Q|K|V's at decode) straight after that row set's
+/// programmatic-launch wait, while its weight loads are out, and list the routed groups after the
+/// row set, instead of reading the mask only then (one L2 round trip less between the always-on
+/// row set and the first routed one). Groups a call at most 256; on unless `WIDE_GEMV_PS_DEFER=0`
+/// (read once; for A/B runs). The outputs are the same either way.
+fn gemv_ps_defer() -> bool {
+    static V: OnceLock<bool> = OnceLock::new();
+    *V.get_or_init(|| env_switch("WIDE_GEMV_PS_DEFER") != Some(false))
 }
 
 /// Output rows from which the persistent GEMV takes more blocks a multiprocessor.

@@ -491,12 +491,13 @@ GEMV_ENTRIES(16, 1)
 // One row set of the split GEMV: rows n0 .. n0 + R - 1, warp j of the block reading the j-th
 // eighth of every row (U chunks a lane in flight), the warps' partial sums meeting in part;
 // writes out[n0 ..]. With !waited the first weight loads go out before the programmatic-launch
-// wait (and waited is set). All threads of the block take part; part is free again only after
-// a __syncthreads.
-template <int R, bool FUSE, int U>
+// wait (and waited is set), and every thread runs after_wait() straight after that wait (it may
+// then read what the launch just before wrote while this row set's loads are still out). All
+// threads of the block take part; part is free again only after a __syncthreads.
+template <int R, bool FUSE, int U, class AfterWait>
 __device__ __forceinline__ void gemv_split_rowset(const T* x, const T* __restrict__ w, const T* __restrict__ w2,
                                                   T* __restrict__ out, int n0, int K, bool& waited,
-                                                  float (*part)[FUSE ? 2 * R : R]) {
+                                                  float (*part)[FUSE ? 2 * R : R], AfterWait after_wait) {
     constexpr int WARPS = 8;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int chunks = K >> 3;
@@ -525,6 +526,7 @@ __device__ __forceinline__ void gemv_split_rowset(const T* x, const T* __restric
             pdl_wait();
             pdl_trigger();
             waited = true;
+            after_wait();
         }
 #pragma unroll
         for (int v = 0; v < U; ++v) {
@@ -558,6 +560,14 @@ __device__ __forceinline__ void gemv_split_rowset(const T* x, const T* __restric
         }
         out[n0 + threadIdx.x] = (T)(FUSE ? silu(a) * b : a);
     }
+}
+
+// gemv_split_rowset with nothing to run after the wait.
+template <int R, bool FUSE, int U>
+__device__ __forceinline__ void gemv_split_rowset(const T* x, const T* __restrict__ w, const T* __restrict__ w2,
+                                                  T* __restrict__ out, int n0, int K, bool& waited,
+                                                  float (*part)[FUSE ? 2 * R : R]) {
+    gemv_split_rowset<R, FUSE, U>(x, w, w2, out, n0, K, waited, part, [] {});
 }
 
 template <int R, bool FUSE>
@@ -627,19 +637,27 @@ GEMV_ROWSET_ENTRIES(split, gemv_mn_split, 8)
 // are written as zeros by all threads of the grid. So no block waits for the mask more than
 // once and no block exists only to write zeros. Before the wait (programmatic dependent launch)
 // a block issues the loads of its first row set when that set needs no mask (an always-on
-// group) or the mask is early (written two or more launches back: EARLY, read through L2).
+// group) or the mask is early (written two or more launches back: EARLY bit 0, read through L2).
+// A late mask is read after the wait: with EARLY bit 1, by a block whose first row set is
+// always-on, straight after that row set's wait (its loads still out), not after the row set.
 // ---------------------------------------------------------------------------------------
 // The groups [0, FIXED) of the mask (one token) into list: the used ones ascending at [0, n),
 // the unused ones ascending at [n, FIXED); returns n (every thread). All 256 threads take part.
+// gemv_ps_list_bits on bits (bit i: group threadIdx.x + 256 i is used) this thread already has.
+__device__ __forceinline__ int gemv_ps_list_bits(unsigned bits, int FIXED, int* list);
 __device__ __forceinline__ int gemv_ps_list(const unsigned char* mask, int FIXED, int* list) {
-    __shared__ int wc[8], s_base[2];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    // Pass 1: every thread's bits (group threadIdx.x + 256 i), all loads in flight, then the total.
+    // Pass 1: every thread's bits (group threadIdx.x + 256 i), all loads in flight.
     unsigned bits = 0;
     for (int i = 0; 256 * i < FIXED && i < 32; ++i) {
         const int g = threadIdx.x + 256 * i;
         if (g < FIXED && __ldcg(mask + g) != 0) bits |= 1u << i;  // through L2: another launch wrote it
     }
+    return gemv_ps_list_bits(bits, FIXED, list);
+}
+__device__ __forceinline__ int gemv_ps_list_bits(unsigned bits, int FIXED, int* list) {
+    __shared__ int wc[8], s_base[2];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    // The total.
     int c = __popc(bits);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) c += __shfl_xor_sync(0xffffffffu, c, o);
@@ -685,12 +703,22 @@ __device__ __forceinline__ void gemv_mn_ps(const T* x, const T* __restrict__ w, 
     __shared__ float part[WARPS][FUSE ? 2 * R : R];
     const int upg = G / R;
     const int nfix = (NG - FIXED) * upg;  // row sets of the always-on groups
+    const bool early = (EARLY & 1) != 0;
+    // EARLY bit 1 (a late mask): a block whose first row set is always-on reads its mask byte
+    // (FIXED <= 256: one a thread) straight after that row set's wait, while the row set's loads
+    // are out, and lists the groups after the row set from it, instead of reading the mask then.
+    const bool defer = (EARLY & 2) != 0 && !early && FIXED > 0 && FIXED <= 256 && (int)blockIdx.x < nfix;
+    unsigned char mb = 0;
+    bool have_mb = false;
+    auto list = [&]() -> int {
+        return have_mb ? gemv_ps_list_bits(mb != 0 ? 1u : 0u, FIXED, gemv_ps_list_smem) : gemv_ps_list(mask, FIXED, gemv_ps_list_smem);
+    };
     bool waited = false;
     // The list is needed for any row set past the always-on ones; it is read before the wait
     // only when the mask is early.
     int n_on = 0;
-    if (FIXED > 0 && EARLY) n_on = gemv_ps_list(mask, FIXED, gemv_ps_list_smem);
-    bool listed = FIXED == 0 || EARLY;
+    if (FIXED > 0 && early) n_on = gemv_ps_list(mask, FIXED, gemv_ps_list_smem);
+    bool listed = FIXED == 0 || early;
     for (int rs = blockIdx.x;; rs += gridDim.x) {
         if (!listed && rs >= nfix) {  // the first row set that needs the mask: wait, then list
             if (!waited) {
@@ -698,13 +726,19 @@ __device__ __forceinline__ void gemv_mn_ps(const T* x, const T* __restrict__ w, 
                 pdl_trigger();
                 waited = true;
             }
-            n_on = gemv_ps_list(mask, FIXED, gemv_ps_list_smem);
+            n_on = list();
             listed = true;
         }
         if (rs >= nfix + n_on * upg) break;  // uniform over the block
         const int n0 = rs < nfix ? (FIXED + rs / upg) * G + (rs % upg) * R
                                  : gemv_ps_list_smem[(rs - nfix) / upg] * G + ((rs - nfix) % upg) * R;
-        gemv_split_rowset<R, FUSE, U>(x, w, w2, out, n0, K, waited, part);
+        if (defer && !waited)  // the first row set: it waits, and the mask is complete after that
+            gemv_split_rowset<R, FUSE, U>(x, w, w2, out, n0, K, waited, part, [&] {
+                mb = (int)threadIdx.x < FIXED ? __ldcg(mask + threadIdx.x) : (unsigned char)0;  // through L2
+                have_mb = true;
+            });
+        else
+            gemv_split_rowset<R, FUSE, U>(x, w, w2, out, n0, K, waited, part);
         __syncthreads();  // part is reused by the next row set
     }
     if (!waited) {  // no row set for this block: nothing is stored before the wait
@@ -712,7 +746,7 @@ __device__ __forceinline__ void gemv_mn_ps(const T* x, const T* __restrict__ w, 
         pdl_trigger();
     }
     if (FIXED > 0) {
-        if (!listed) n_on = gemv_ps_list(mask, FIXED, gemv_ps_list_smem);
+        if (!listed) n_on = list();
         // The unused groups' outputs: zeros, spread over every thread of the grid.
         const long long nz = (long long)(FIXED - n_on) * G;
         for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < nz; i += (long long)gridDim.x * blockDim.x)
