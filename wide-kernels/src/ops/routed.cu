@@ -296,6 +296,8 @@ struct RouterFold {
     int w2_shared;  // copy w2 and b2 into dynamic shared memory (after the list and partial sums)
     // 0: measurement only (`WIDE_FOLD_TAIL=0`): no arrival count and no gate; block 0 writes a
     // fixed decision (every other group on) instead, so a step can be timed without the tail.
+    // 1: the arrival count between fences of every thread (fence.sc); 2: between thread 0's
+    // fence.acq_rel (`WIDE_FOLD_ARRIVE`).
     int tail;
 };
 
@@ -427,20 +429,28 @@ __device__ __forceinline__ void gemv_k(const T* x, const T* __restrict__ w, cons
     }
     if (FOLD) {
         // Publish, count this block in; the last of the RR / R fold blocks adds b1, rounds to
-        // storage like the unfused router's first layer, and gates.
-        __threadfence();
+        // storage like the unfused router's first layer, and gates. tail 1: every thread fences
+        // (fence.sc) before the count and after it; tail 2: the block's barrier, then thread 0
+        // alone orders the block's writes before its count and the others' after it (fence.acq_rel,
+        // cumulative over what the barrier ordered before it), as a grid barrier does.
+        const bool acqrel = fold->tail == 2;
+        if (!acqrel) __threadfence();
         __syncthreads();
         __shared__ int s_last;
         __shared__ float hs[256];
         unsigned* counter = reinterpret_cast<unsigned*>(fold->hpart + fold->RR);
         if (threadIdx.x == 0) {
+            if (acqrel) asm volatile("fence.acq_rel.gpu;" ::: "memory");
             const unsigned n = atomicAdd(counter, 1u);
             s_last = n == (unsigned)(fold->RR / R - 1);
-            if (s_last) *counter = 0u;
+            if (s_last) {
+                *counter = 0u;
+                if (acqrel) asm volatile("fence.acq_rel.gpu;" ::: "memory");
+            }
         }
         __syncthreads();
         if (!s_last) return;
-        __threadfence();
+        if (!acqrel) __threadfence();
         for (int i = threadIdx.x; i < fold->RR; i += blockDim.x) hs[i] = rt(__ldcg(fold->hpart + i) + tf(fold->b1[i]));
         __syncthreads();
         if (fold->w2_shared)
