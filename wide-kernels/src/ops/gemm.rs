@@ -218,9 +218,7 @@ fn launch_gemv(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layou
     let last = if s.op.reduces_over_groups() { layout.settled() as i32 } else { layout.always_on_from() as i32 };
     let mut args = small_m_args(s, &x, &w, w2.as_ref(), layout, &out, ng, last)?;
     if !s.op.reduces_over_groups() {
-        // Bit 0: the mask is early. Bit 1 (the persistent form): a late mask is read straight
-        // after the first row set's wait ([`gemv_ps_defer`]).
-        args.push(KernelArg::I32(layout.early() as i32 | if ps && gemv_ps_defer() { 2 } else { 0 }));
+        args.push(KernelArg::I32(layout.early() as i32));
     }
     // gemm_mn: `gemv_mn_warps_per_block` warps a block, r rows a warp. gemm_k: 8 warps share r rows (split over the used
     // chunks); shared memory holds the block's group list (a group index, and with several
@@ -343,7 +341,7 @@ pub fn gemm_k_fold_router(x: &Tensor, w: &Tensor, layout: &RouteLayout, group: i
     let shared = w2.data_ptr() as usize % 16 == 0 && rank % 8 == 0 && base + gate_bytes <= 48 * 1024;
     let smem = (base + if shared { gate_bytes } else { 0 }) as u32;
     args.push(KernelArg::I32(shared as i32));
-    args.push(KernelArg::I32(if !fold_tail_on() { 0 } else { fold_arrive()?.code() }));
+    args.push(KernelArg::I32(fold_tail_on() as i32));
     unsafe { kernel.launch_pdl(LaunchConfig { grid: (blocks, 1, 1), block: (256, 1, 1), shared_mem_bytes: smem }, &args)? };
     Ok((out, mask, ext))
 }
@@ -355,42 +353,6 @@ pub fn gemm_k_fold_router(x: &Tensor, w: &Tensor, layout: &RouteLayout, group: i
 fn fold_tail_on() -> bool {
     static V: OnceLock<bool> = OnceLock::new();
     *V.get_or_init(|| env_switch("WIDE_FOLD_TAIL") != Some(false))
-}
-
-/// How the folded router's fold blocks count in before the last of them gates
-/// (`WIDE_FOLD_ARRIVE`, read once).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum FoldArrive {
-    /// `sc` (the default): every thread of a fold block fences (`__threadfence`, fence.sc)
-    /// before the arrival count, and every thread of the last block again after it.
-    Sc,
-    /// `acqrel`: after the block's barrier, thread 0 alone fences (fence.acq_rel) before its
-    /// count and, in the last block, after it; the barrier orders the other threads around it.
-    AcqRel,
-}
-
-impl FoldArrive {
-    fn code(self) -> i32 {
-        match self {
-            FoldArrive::Sc => 1,
-            FoldArrive::AcqRel => 2,
-        }
-    }
-
-    fn parse(v: Option<&str>) -> Result<Self> {
-        match v.map(str::trim) {
-            None | Some("") | Some("sc") => Ok(FoldArrive::Sc),
-            Some("acqrel") => Ok(FoldArrive::AcqRel),
-            Some(o) => bail!("WIDE_FOLD_ARRIVE={o:?}: expected sc (the default) or acqrel"),
-        }
-    }
-}
-
-fn fold_arrive() -> Result<FoldArrive> {
-    static V: OnceLock<std::result::Result<FoldArrive, String>> = OnceLock::new();
-    V.get_or_init(|| FoldArrive::parse(std::env::var("WIDE_FOLD_ARRIVE").ok().as_deref()).map_err(|e| e.to_string()))
-        .clone()
-        .map_err(|e| anyhow::anyhow!(e))
 }
 
 /// The routed groups of a GEMV call, after the checks every GEMV launch needs (tokens, group
@@ -575,17 +537,6 @@ fn gemv_ps_blocks_per_sm(n: i64, early: bool) -> i64 {
     let knob = |name: &str| std::env::var(name).ok().and_then(|v| v.trim().parse().ok()).filter(|b| (1..=8).contains(b));
     let (all, wide) = *V.get_or_init(|| (knob("WIDE_GEMV_PS_BPS"), knob("WIDE_GEMV_PS_BPS_WIDE")));
     gemv_ps_blocks_for(n, early, all, wide)
-}
-
-/// Whether the persistent GEMV's blocks whose first row set is always-on read a late mask (one
-/// written by the launch just before, as Q|K|V's at decode) straight after that row set's
-/// programmatic-launch wait, while its weight loads are out, and list the routed groups after the
-/// row set, instead of reading the mask only then (one L2 round trip less between the always-on
-/// row set and the first routed one). Groups a call at most 256; on unless `WIDE_GEMV_PS_DEFER=0`
-/// (read once; for A/B runs). The outputs are the same either way.
-fn gemv_ps_defer() -> bool {
-    static V: OnceLock<bool> = OnceLock::new();
-    *V.get_or_init(|| env_switch("WIDE_GEMV_PS_DEFER") != Some(false))
 }
 
 /// Output rows from which the persistent GEMV takes more blocks a multiprocessor.
@@ -922,16 +873,6 @@ mod tests {
                 assert!((yk[t * n as usize + o] - d).abs() < 1e-9);
             }
         }
-    }
-
-    #[test]
-    fn fold_arrive_setting_parses_and_rejects_unknown_values() {
-        assert_eq!(FoldArrive::parse(None).unwrap(), FoldArrive::Sc);
-        assert_eq!(FoldArrive::parse(Some(" sc ")).unwrap(), FoldArrive::Sc);
-        assert_eq!(FoldArrive::parse(Some("acqrel")).unwrap(), FoldArrive::AcqRel);
-        assert_eq!((FoldArrive::Sc.code(), FoldArrive::AcqRel.code()), (1, 2), "the kernel's tail codes (0 is no tail)");
-        let e = FoldArrive::parse(Some("release")).unwrap_err().to_string();
-        assert!(e.contains("WIDE_FOLD_ARRIVE") && e.contains("acqrel"), "{e}");
     }
 
     #[test]

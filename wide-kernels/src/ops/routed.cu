@@ -296,8 +296,6 @@ struct RouterFold {
     int w2_shared;  // copy w2 and b2 into dynamic shared memory (after the list and partial sums)
     // 0: measurement only (`WIDE_FOLD_TAIL=0`): no arrival count and no gate; block 0 writes a
     // fixed decision (every other group on) instead, so a step can be timed without the tail.
-    // 1: the arrival count between fences of every thread (fence.sc); 2: between thread 0's
-    // fence.acq_rel (`WIDE_FOLD_ARRIVE`).
     int tail;
 };
 
@@ -429,28 +427,20 @@ __device__ __forceinline__ void gemv_k(const T* x, const T* __restrict__ w, cons
     }
     if (FOLD) {
         // Publish, count this block in; the last of the RR / R fold blocks adds b1, rounds to
-        // storage like the unfused router's first layer, and gates. tail 1: every thread fences
-        // (fence.sc) before the count and after it; tail 2: the block's barrier, then thread 0
-        // alone orders the block's writes before its count and the others' after it (fence.acq_rel,
-        // cumulative over what the barrier ordered before it), as a grid barrier does.
-        const bool acqrel = fold->tail == 2;
-        if (!acqrel) __threadfence();
+        // storage like the unfused router's first layer, and gates.
+        __threadfence();
         __syncthreads();
         __shared__ int s_last;
         __shared__ float hs[256];
         unsigned* counter = reinterpret_cast<unsigned*>(fold->hpart + fold->RR);
         if (threadIdx.x == 0) {
-            if (acqrel) asm volatile("fence.acq_rel.gpu;" ::: "memory");
             const unsigned n = atomicAdd(counter, 1u);
             s_last = n == (unsigned)(fold->RR / R - 1);
-            if (s_last) {
-                *counter = 0u;
-                if (acqrel) asm volatile("fence.acq_rel.gpu;" ::: "memory");
-            }
+            if (s_last) *counter = 0u;
         }
         __syncthreads();
         if (!s_last) return;
-        if (!acqrel) __threadfence();
+        __threadfence();
         for (int i = threadIdx.x; i < fold->RR; i += blockDim.x) hs[i] = rt(__ldcg(fold->hpart + i) + tf(fold->b1[i]));
         __syncthreads();
         if (fold->w2_shared)
@@ -501,13 +491,12 @@ GEMV_ENTRIES(16, 1)
 // One row set of the split GEMV: rows n0 .. n0 + R - 1, warp j of the block reading the j-th
 // eighth of every row (U chunks a lane in flight), the warps' partial sums meeting in part;
 // writes out[n0 ..]. With !waited the first weight loads go out before the programmatic-launch
-// wait (and waited is set), and every thread runs after_wait() straight after that wait (it may
-// then read what the launch just before wrote while this row set's loads are still out). All
-// threads of the block take part; part is free again only after a __syncthreads.
-template <int R, bool FUSE, int U, class AfterWait>
+// wait (and waited is set). All threads of the block take part; part is free again only after
+// a __syncthreads.
+template <int R, bool FUSE, int U>
 __device__ __forceinline__ void gemv_split_rowset(const T* x, const T* __restrict__ w, const T* __restrict__ w2,
                                                   T* __restrict__ out, int n0, int K, bool& waited,
-                                                  float (*part)[FUSE ? 2 * R : R], AfterWait after_wait) {
+                                                  float (*part)[FUSE ? 2 * R : R]) {
     constexpr int WARPS = 8;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int chunks = K >> 3;
@@ -536,7 +525,6 @@ __device__ __forceinline__ void gemv_split_rowset(const T* x, const T* __restric
             pdl_wait();
             pdl_trigger();
             waited = true;
-            after_wait();
         }
 #pragma unroll
         for (int v = 0; v < U; ++v) {
@@ -570,14 +558,6 @@ __device__ __forceinline__ void gemv_split_rowset(const T* x, const T* __restric
         }
         out[n0 + threadIdx.x] = (T)(FUSE ? silu(a) * b : a);
     }
-}
-
-// gemv_split_rowset with nothing to run after the wait.
-template <int R, bool FUSE, int U>
-__device__ __forceinline__ void gemv_split_rowset(const T* x, const T* __restrict__ w, const T* __restrict__ w2,
-                                                  T* __restrict__ out, int n0, int K, bool& waited,
-                                                  float (*part)[FUSE ? 2 * R : R]) {
-    gemv_split_rowset<R, FUSE, U>(x, w, w2, out, n0, K, waited, part, [] {});
 }
 
 template <int R, bool FUSE>
@@ -647,27 +627,19 @@ GEMV_ROWSET_ENTRIES(split, gemv_mn_split, 8)
 // are written as zeros by all threads of the grid. So no block waits for the mask more than
 // once and no block exists only to write zeros. Before the wait (programmatic dependent launch)
 // a block issues the loads of its first row set when that set needs no mask (an always-on
-// group) or the mask is early (written two or more launches back: EARLY bit 0, read through L2).
-// A late mask is read after the wait: with EARLY bit 1, by a block whose first row set is
-// always-on, straight after that row set's wait (its loads still out), not after the row set.
+// group) or the mask is early (written two or more launches back: EARLY, read through L2).
 // ---------------------------------------------------------------------------------------
 // The groups [0, FIXED) of the mask (one token) into list: the used ones ascending at [0, n),
 // the unused ones ascending at [n, FIXED); returns n (every thread). All 256 threads take part.
-// gemv_ps_list_bits on bits (bit i: group threadIdx.x + 256 i is used) this thread already has.
-__device__ __forceinline__ int gemv_ps_list_bits(unsigned bits, int FIXED, int* list);
 __device__ __forceinline__ int gemv_ps_list(const unsigned char* mask, int FIXED, int* list) {
-    // Pass 1: every thread's bits (group threadIdx.x + 256 i), all loads in flight.
+    __shared__ int wc[8], s_base[2];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    // Pass 1: every thread's bits (group threadIdx.x + 256 i), all loads in flight, then the total.
     unsigned bits = 0;
     for (int i = 0; 256 * i < FIXED && i < 32; ++i) {
         const int g = threadIdx.x + 256 * i;
         if (g < FIXED && __ldcg(mask + g) != 0) bits |= 1u << i;  // through L2: another launch wrote it
     }
-    return gemv_ps_list_bits(bits, FIXED, list);
-}
-__device__ __forceinline__ int gemv_ps_list_bits(unsigned bits, int FIXED, int* list) {
-    __shared__ int wc[8], s_base[2];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    // The total.
     int c = __popc(bits);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) c += __shfl_xor_sync(0xffffffffu, c, o);
@@ -713,22 +685,12 @@ __device__ __forceinline__ void gemv_mn_ps(const T* x, const T* __restrict__ w, 
     __shared__ float part[WARPS][FUSE ? 2 * R : R];
     const int upg = G / R;
     const int nfix = (NG - FIXED) * upg;  // row sets of the always-on groups
-    const bool early = (EARLY & 1) != 0;
-    // EARLY bit 1 (a late mask): a block whose first row set is always-on reads its mask byte
-    // (FIXED <= 256: one a thread) straight after that row set's wait, while the row set's loads
-    // are out, and lists the groups after the row set from it, instead of reading the mask then.
-    const bool defer = (EARLY & 2) != 0 && !early && FIXED > 0 && FIXED <= 256 && (int)blockIdx.x < nfix;
-    unsigned char mb = 0;
-    bool have_mb = false;
-    auto list = [&]() -> int {
-        return have_mb ? gemv_ps_list_bits(mb != 0 ? 1u : 0u, FIXED, gemv_ps_list_smem) : gemv_ps_list(mask, FIXED, gemv_ps_list_smem);
-    };
     bool waited = false;
     // The list is needed for any row set past the always-on ones; it is read before the wait
     // only when the mask is early.
     int n_on = 0;
-    if (FIXED > 0 && early) n_on = gemv_ps_list(mask, FIXED, gemv_ps_list_smem);
-    bool listed = FIXED == 0 || early;
+    if (FIXED > 0 && EARLY) n_on = gemv_ps_list(mask, FIXED, gemv_ps_list_smem);
+    bool listed = FIXED == 0 || EARLY;
     for (int rs = blockIdx.x;; rs += gridDim.x) {
         if (!listed && rs >= nfix) {  // the first row set that needs the mask: wait, then list
             if (!waited) {
@@ -736,19 +698,13 @@ __device__ __forceinline__ void gemv_mn_ps(const T* x, const T* __restrict__ w, 
                 pdl_trigger();
                 waited = true;
             }
-            n_on = list();
+            n_on = gemv_ps_list(mask, FIXED, gemv_ps_list_smem);
             listed = true;
         }
         if (rs >= nfix + n_on * upg) break;  // uniform over the block
         const int n0 = rs < nfix ? (FIXED + rs / upg) * G + (rs % upg) * R
                                  : gemv_ps_list_smem[(rs - nfix) / upg] * G + ((rs - nfix) % upg) * R;
-        if (defer && !waited)  // the first row set: it waits, and the mask is complete after that
-            gemv_split_rowset<R, FUSE, U>(x, w, w2, out, n0, K, waited, part, [&] {
-                mb = (int)threadIdx.x < FIXED ? __ldcg(mask + threadIdx.x) : (unsigned char)0;  // through L2
-                have_mb = true;
-            });
-        else
-            gemv_split_rowset<R, FUSE, U>(x, w, w2, out, n0, K, waited, part);
+        gemv_split_rowset<R, FUSE, U>(x, w, w2, out, n0, K, waited, part);
         __syncthreads();  // part is reused by the next row set
     }
     if (!waited) {  // no row set for this block: nothing is stored before the wait
@@ -756,7 +712,7 @@ __device__ __forceinline__ void gemv_mn_ps(const T* x, const T* __restrict__ w, 
         pdl_trigger();
     }
     if (FIXED > 0) {
-        if (!listed) n_on = list();
+        if (!listed) n_on = gemv_ps_list(mask, FIXED, gemv_ps_list_smem);
         // The unused groups' outputs: zeros, spread over every thread of the grid.
         const long long nz = (long long)(FIXED - n_on) * G;
         for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < nz; i += (long long)gridDim.x * blockDim.x)
