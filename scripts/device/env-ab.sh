@@ -6,8 +6,9 @@
 # others'), each timing dense and wide in turn. A setting is NAME=VAR=VALUE[,VAR=VALUE...], or
 # NAME= for the defaults; extra arguments for every process go in $E2E_ARGS (e.g. --kept-width).
 # Results (JSON and logs, NAME-rR.json / .log) are packed into $OUT/env-ab.tar (without $OUT:
-# ./env-ab-results.tar; common.sh) after each process, so a run cut off by a time limit still returns what
-# it finished; the last lines print each process's decode rows. Exit status 1 if any failed.
+# ./env-ab-results.tar; common.sh) after each process, so a run cut off by a time limit still
+# returns what it finished; the last lines print each process's decode rows. Exit status 1 if any
+# failed.
 #   bash scripts/device/env-ab.sh ROUNDS NAME=[VAR=VALUE[,VAR=VALUE...]]...
 #   e.g. bash scripts/device/env-ab.sh 2 ffn= both=WIDE_ROUTER_FOLD=both
 usage="usage: env-ab.sh ROUNDS NAME=[VAR=VALUE[,VAR=VALUE...]]..."
