@@ -12,7 +12,8 @@ mod common;
 
 use tch::{Device, Kind, Tensor};
 use wide_kernels::ops::wgmma::WgmmaConfig;
-use wide_kernels::ops::dispatch::{feasible_tiles, skinny_feasible, wgmma_feasible, GemmPath, GemmShape, RoutedOp, TILES};
+use wide_kernels::ops::dispatch::{feasible_tiles, skinny_feasible, skinny_wg_feasible, wgmma_feasible, GemmPath, GemmShape, RoutedOp, TILES};
+use wide_kernels::ops::skinny_wg::SkinnyWgConfig;
 use wide_kernels::ops::gemm::{gemm_k_reference, gemm_mn_reference, routed_gemm};
 use wide_kernels::ops::layout::{route_layout, route_layout_reference};
 use wide_kernels::ops::attention::PREFILL_TILES;
@@ -75,6 +76,9 @@ fn paths_for(s: &GemmShape) -> Vec<GemmPath> {
     p.extend(feasible_tiles(s).into_iter().map(GemmPath::Tiled));
     if wgmma_feasible(s) && wide_kernels::ops::wgmma::supported(0) {
         p.push(GemmPath::Wgmma);
+    }
+    if skinny_wg_feasible(s) && wide_kernels::ops::wgmma::supported(0) {
+        p.push(GemmPath::SkinnyWg);
     }
     p
 }
@@ -289,17 +293,65 @@ fn dispatch_measures_small_m_kernel_against_dense() {
         assert!(wide_kernels::ops::dispatch::small_m_tunable(&s, c.l.sparsity()).unwrap(), "{s:?} at {} should be measured", c.l.sparsity());
         poison(m, n, kind);
         let (y, path) = routed_gemm(RoutedOp::Mn, &c.x, &c.w, None, &c.l, g, None).unwrap();
-        assert!(matches!(path, GemmPath::GemvMma | GemmPath::DenseMasked), "{path:?}");
+        assert!(matches!(path, GemmPath::GemvMma | GemmPath::SkinnyWg | GemmPath::DenseMasked), "{path:?}");
         check(&y, &c.r, Some(&c.off), &format!("dispatch {kind:?} M={m} N={n} K={k} G={g} ({})", path.label()));
         let recs = wide_kernels::ops::gemm::tuned_records();
         let rec = recs.iter().find(|(key, _)| key.n == n && key.k == k && key.m_bucket == 16 && key.f16 == (kind == Kind::Half));
         let (_, t) = rec.unwrap_or_else(|| panic!("no autotune record for {s:?}: {recs:?}"));
+        let hopper = wide_kernels::ops::wgmma::supported(0);
         assert!(t.skinny_ms.is_some_and(|ms| ms > 0.0) && t.dense_ms > 0.0 && t.tiles.is_empty() && t.wgmma_ms.is_none(), "{t:?}");
-        eprintln!("{kind:?} M={m}: dense + mask {:.4} ms, small-M kernel {:.4} ms, took {}", t.dense_ms, t.skinny_ms.unwrap(), path.label());
+        assert_eq!(t.skinny_wg_ms.is_some_and(|ms| ms > 0.0), hopper, "{t:?}");
+        eprintln!("{kind:?} M={m}: dense + mask {:.4} ms, small-M kernel {:.4} ms, wgmma small-M {:?} ms, took {}", t.dense_ms, t.skinny_ms.unwrap(), t.skinny_wg_ms, path.label());
+        if hopper {
+            // Past the mma.sync kernel's 16 tokens, the wgmma one alone is measured.
+            let m = 100;
+            let c = mn_case(kind, m, n, k, g, 0.5, false);
+            poison(m, n, kind);
+            let (y, path) = routed_gemm(RoutedOp::Mn, &c.x, &c.w, None, &c.l, g, None).unwrap();
+            assert!(matches!(path, GemmPath::SkinnyWg | GemmPath::DenseMasked), "{path:?}");
+            check(&y, &c.r, Some(&c.off), &format!("dispatch {kind:?} M={m} N={n} K={k} G={g} ({})", path.label()));
+            let recs = wide_kernels::ops::gemm::tuned_records();
+            let (_, t) = recs.iter().find(|(key, _)| key.n == n && key.k == k && key.m_bucket == 128 && key.f16 == (kind == Kind::Half)).expect("a record at 100 tokens");
+            assert!(t.skinny_ms.is_none() && t.skinny_wg_ms.is_some_and(|ms| ms > 0.0) && t.tiles.is_empty() && t.wgmma_ms.is_none(), "{t:?}");
+            eprintln!("{kind:?} M={m}: dense + mask {:.4} ms, wgmma small-M {:?} ms, took {}", t.dense_ms, t.skinny_wg_ms, path.label());
+        }
     }
     match before {
         Some(v) => std::env::set_var("WIDE_TUNE_SMALL_M", v),
         None => std::env::remove_var("WIDE_TUNE_SMALL_M"),
+    }
+}
+
+/// The transposed small-M wgmma gemm_mn in every shipped configuration: token counts up to each
+/// tile's (rows past M come as zeros from the tensor copy), one and two consumer warpgroups,
+/// groups of 8 to 512 channels (narrower and wider than a block's rows), all-on and all-off
+/// masks, a K of one k step. Hopper only.
+#[test]
+fn gemm_mn_wgmma_skinny_matches_reference() {
+    if hopper_gpu().is_none() {
+        return;
+    }
+    tch::manual_seed(41);
+    for kind in [Kind::BFloat16, Kind::Half] {
+        for nt in [16u32, 32, 64, 128] {
+            for r in [1u32, 2] {
+                let c = SkinnyWgConfig::with(nt, r);
+                for (m, n, k, g, p) in [(nt as i64, 14336, 4096, 128, 0.5), (nt as i64 / 2 + 1, 4096, 512, 32, 0.5), (2, 1024, 64, 8, 0.5), (nt as i64 - 3, 512, 192, 512, 0.3), (nt as i64, 256, 128, 64, 1.0), (5, 256, 128, 128, 0.0)] {
+                    let MnCase { x, w, l, r: reference, off, .. } = mn_case(kind, m, n, k, g, p, false);
+                    poison(m, n, kind);
+                    let y = wide_kernels::ops::skinny_wg::gemm_mn_with(c, &x, &w, &l, g).unwrap();
+                    check(&y, &reference, Some(&off), &format!("{} {kind:?} M={m} N={n} K={k} G={g} active={p}", c.label()));
+                }
+            }
+        }
+        // Refused: more tokens than the tile, rows that do not fill a block, a K off the k step.
+        let MnCase { x, w, l, .. } = mn_case(kind, 20, 256, 128, 64, 0.5, false);
+        assert!(wide_kernels::ops::skinny_wg::gemm_mn_with(SkinnyWgConfig::with(16, 1), &x, &w, &l, 64).is_err());
+        let MnCase { x, w, l, .. } = mn_case(kind, 8, 192, 128, 64, 0.5, false);
+        let e = wide_kernels::ops::skinny_wg::gemm_mn_with(SkinnyWgConfig::with(16, 2), &x, &w, &l, 64).unwrap_err().to_string();
+        assert!(e.contains("128 | N"), "{e}");
+        let MnCase { x, w, l, .. } = mn_case(kind, 8, 256, 96, 64, 0.5, false);
+        assert!(wide_kernels::ops::skinny_wg::gemm_mn_with(SkinnyWgConfig::with(16, 1), &x, &w, &l, 64).unwrap_err().to_string().contains("64 | K"));
     }
 }
 

@@ -8,7 +8,8 @@
 # Results (JSON and logs, NAME-rR.json / .log) are packed into $OUT/env-ab.tar (without $OUT:
 # ./env-ab-results.tar; common.sh) after each process, so a run cut off by a time limit still
 # returns what it finished; the last lines print each process's decode rows. Exit status 1 if any
-# failed.
+# failed. With $AB_ARGS set, each process runs `wide $AB_ARGS --out NAME-rR.json` instead of the
+# decode bench (e.g. AB_ARGS="bench kernels --ops up,q --m 16,128").
 #   bash scripts/device/env-ab.sh ROUNDS NAME=[VAR=VALUE[,VAR=VALUE...]]...
 #   e.g. bash scripts/device/env-ab.sh 2 ffn= both=WIDE_ROUTER_FOLD=both
 usage="usage: env-ab.sh ROUNDS NAME=[VAR=VALUE[,VAR=VALUE...]]..."
@@ -44,9 +45,14 @@ for r in $(seq 1 "$rounds"); do
         kvs=()
         [ -n "$spec" ] && IFS=, read -ra kvs <<< "$spec"
         out=$name-r$r
-        # shellcheck disable=SC2086  # E2E_ARGS is a list of arguments
-        env "${kvs[@]}" .device/wide bench e2e --sparsity 0.5 --prefill-tokens 128 --decode-batches 1 --warmup 1 --iters 3 \
-            ${E2E_ARGS:-} --out "$R/$out.json" > "$R/$out.log" 2>&1
+        if [ -n "${AB_ARGS:-}" ]; then
+            # shellcheck disable=SC2086  # AB_ARGS is a list of arguments
+            env "${kvs[@]}" .device/wide $AB_ARGS --out "$R/$out.json" > "$R/$out.log" 2>&1
+        else
+            # shellcheck disable=SC2086  # E2E_ARGS is a list of arguments
+            env "${kvs[@]}" .device/wide bench e2e --sparsity 0.5 --prefill-tokens 128 --decode-batches 1 --warmup 1 --iters 3 \
+                ${E2E_ARGS:-} --out "$R/$out.json" > "$R/$out.log" 2>&1
+        fi
         rc=$?
         echo "$spec" > "$R/$out.env"
         pack

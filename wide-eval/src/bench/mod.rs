@@ -113,7 +113,7 @@ pub fn autotune_json() -> serde_json::Value {
             serde_json::json!({"op": format!("{:?}", k.op), "N": k.n, "K": k.k, "G": k.group, "m_bucket": k.m_bucket,
                    "sparsity": k.sparsity_eighths as f64 / 8.0, "dense_ms": t.dense_ms,
                    "tiles": t.tiles.iter().map(|(c, ms)| serde_json::json!({"tile": c.label(), "ms": ms})).collect::<Vec<_>>(),
-                   "wgmma_ms": t.wgmma_ms, "skinny_ms": t.skinny_ms, "picked": picked.label()})
+                   "wgmma_ms": t.wgmma_ms, "skinny_ms": t.skinny_ms, "skinny_wg_ms": t.skinny_wg_ms, "picked": picked.label()})
         })
         .collect();
     serde_json::Value::Array(v)

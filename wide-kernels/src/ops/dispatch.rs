@@ -78,6 +78,10 @@ pub enum GemmPath {
     /// Small-M gemm_mn / SwiGLU on `mma.sync` (2..=16 tokens): the GEMV's skipping of unused
     /// groups, with each weight byte loaded once for all tokens ([`skinny_feasible`]).
     GemvMma,
+    /// Hopper (sm_90a) gemm_mn for 2-128 tokens on `wgmma` with the product transposed (the
+    /// weight rows on the 64-row side, the tokens on the narrow one) and the mask applied as it
+    /// writes ([`super::skinny_wg`]); measured by the autotuner against dense + mask.
+    SkinnyWg,
     /// `mma.sync` tiled kernel with block-level skipping.
     Tiled(TileConfig),
     /// Hopper (sm_90a) `wgmma` kernel for gemm_mn / SwiGLU, tiles of 128 channels x 256 (plain)
@@ -91,6 +95,7 @@ impl GemmPath {
             GemmPath::DenseMasked => "dense+mask".into(),
             GemmPath::Gemv => "gemv".into(),
             GemmPath::GemvMma => "gemv-mma".into(),
+            GemmPath::SkinnyWg => "wgmma-skinny".into(),
             GemmPath::Tiled(t) => t.label(),
             GemmPath::Wgmma => "wgmma".into(),
         }
@@ -115,6 +120,39 @@ pub fn skinny_feasible(s: &GemmShape) -> bool {
         && s.k % 32 == 0
         && s.k > 0
 }
+/// Token range of the transposed small-M wgmma gemm_mn ([`GemmPath::SkinnyWg`]).
+pub const SKINNY_WG_MIN_M: i64 = 2;
+pub const SKINNY_WG_MAX_M: i64 = 128;
+
+/// Shapes the transposed small-M wgmma gemm_mn takes (the device must also be compute
+/// capability 9.0): a plain gemm_mn (no SwiGLU) of 2..=128 tokens, blocks of 64 weight rows
+/// (64 | N), k steps of 64 (64 | K), and groups of whole 16-byte pieces (8 | G).
+pub fn skinny_wg_feasible(s: &GemmShape) -> bool {
+    s.op == RoutedOp::Mn
+        && (SKINNY_WG_MIN_M..=SKINNY_WG_MAX_M).contains(&s.m)
+        && s.group > 0
+        && s.group % 8 == 0
+        && s.n % s.group == 0
+        && s.n % 64 == 0
+        && s.k % 64 == 0
+        && s.k > 0
+}
+
+/// `WIDE_SKINNY_WG` (read at each call): unset, empty or `1` lets the autotuner measure the
+/// transposed small-M wgmma kernel ([`skinny_wg_feasible`] shapes); `0` keeps it out (the
+/// dispatch before it, for A/B runs); anything else is an error.
+pub fn skinny_wg_enabled() -> Result<bool, String> {
+    skinny_wg_switch_from(std::env::var("WIDE_SKINNY_WG").ok().as_deref())
+}
+
+pub fn skinny_wg_switch_from(v: Option<&str>) -> Result<bool, String> {
+    match v.map(str::trim) {
+        None | Some("") | Some("1") => Ok(true),
+        Some("0") => Ok(false),
+        Some(o) => Err(format!("WIDE_SKINNY_WG takes 1 (the default: measure the wgmma small-M kernel against dense + mask) or 0 (leave it out), got '{o}'")),
+    }
+}
+
 /// Smallest M for which the tiled / wgmma kernels may be chosen. Below it a product is a few
 /// microseconds and the autotuner's three timed runs cannot rank the paths reliably: on the
 /// H200 (2026-11-30, s = 0.5, G = 128, cold) it once chose wgmma for Q at M = 128, which the
@@ -137,7 +175,9 @@ pub const SMALL_M_MARGIN: f64 = 1.0;
 /// static rule of [`choose`] would leave the product to dense + mask ([`small_m_candidate`]).
 /// An unknown value of the switch is an error.
 pub fn small_m_tunable(s: &GemmShape, sparsity: f64) -> Result<bool, String> {
-    Ok(small_m_tuning_from(std::env::var("WIDE_TUNE_SMALL_M").ok().as_deref())? && small_m_candidate(s, sparsity))
+    let skinny = small_m_tuning_from(std::env::var("WIDE_TUNE_SMALL_M").ok().as_deref())?;
+    let wg = skinny_wg_enabled()?;
+    Ok(small_m_candidate_with(s, sparsity, skinny, wg))
 }
 
 /// [`small_m_tunable`]'s switch: unset, empty or `1` on (the default); `0` off; anything else
@@ -152,7 +192,14 @@ pub fn small_m_tuning_from(v: Option<&str>) -> Result<bool, String> {
 
 /// The shapes [`small_m_tunable`] measures once switched on.
 pub fn small_m_candidate(s: &GemmShape, sparsity: f64) -> bool {
-    skinny_feasible(s) && choose(s, sparsity, None) == GemmPath::DenseMasked
+    small_m_candidate_with(s, sparsity, true, true)
+}
+
+/// [`small_m_candidate`] with each kernel's switch: the static rule leaves the product to dense
+/// + mask, and the `mma.sync` small-M kernel (`skinny`) or the transposed wgmma kernel (`wg`)
+/// can run it.
+pub fn small_m_candidate_with(s: &GemmShape, sparsity: f64, skinny: bool, wg: bool) -> bool {
+    s.m < LARGE_M_MIN && ((skinny && skinny_feasible(s)) || (wg && skinny_wg_feasible(s))) && choose(s, sparsity, None) == GemmPath::DenseMasked
 }
 
 /// A routed projection's shape.
@@ -176,6 +223,9 @@ pub struct Tuned {
     /// The small-M `mma.sync` kernel's time: measured instead of the tiles and wgmma where the
     /// static rule leaves a 2-16 token product to dense + mask ([`small_m_tunable`]).
     pub skinny_ms: Option<f64>,
+    /// The transposed small-M wgmma kernel's time (2-128 tokens, where the static rule leaves
+    /// the product to dense + mask, on compute capability 9.0).
+    pub skinny_wg_ms: Option<f64>,
 }
 
 impl Tuned {
@@ -188,14 +238,15 @@ impl Tuned {
         let tile = self.best().map(|(t, ms)| (GemmPath::Tiled(t), ms));
         let wgmma = self.wgmma_ms.map(|ms| (GemmPath::Wgmma, ms));
         let skinny = self.skinny_ms.map(|ms| (GemmPath::GemvMma, ms));
-        [tile, wgmma, skinny].into_iter().flatten().fold(None, |best: Option<(GemmPath, f64)>, c| match best {
+        let skinny_wg = self.skinny_wg_ms.map(|ms| (GemmPath::SkinnyWg, ms));
+        [tile, wgmma, skinny, skinny_wg].into_iter().flatten().fold(None, |best: Option<(GemmPath, f64)>, c| match best {
             Some(b) if b.1 <= c.1 => Some(b),
             _ => Some(c),
         })
     }
     /// The factor by which the record's routed kernel must beat dense + mask to be taken.
     pub fn margin(&self) -> f64 {
-        if self.skinny_ms.is_some() {
+        if self.skinny_ms.is_some() || self.skinny_wg_ms.is_some() {
             SMALL_M_MARGIN
         } else {
             MARGIN
@@ -297,20 +348,30 @@ pub fn choose(s: &GemmShape, sparsity: f64, tuned: Option<&Tuned>) -> GemmPath {
             return GemmPath::GemvMma;
         }
         // Where the rule leaves it to dense + mask, the autotuner's measurement decides.
-        return match tuned.and_then(|t| t.skinny_ms.map(|ms| (t.dense_ms, ms))) {
-            Some((dense, ms)) if ms < SMALL_M_MARGIN * dense => GemmPath::GemvMma,
-            _ => GemmPath::DenseMasked,
-        };
+        return small_m_measured(s, tuned);
     }
     if gemv_ok && pays {
         return GemmPath::Gemv;
     }
     if s.m < LARGE_M_MIN {
-        return GemmPath::DenseMasked;
+        return small_m_measured(s, tuned);
     }
     match tuned.and_then(|t| t.best_path().map(|b| (t.dense_ms, b))) {
         Some((dense, (GemmPath::Tiled(tile), ms))) if ms < MARGIN * dense && feasible_tiles(s).contains(&tile) => GemmPath::Tiled(tile),
         Some((dense, (GemmPath::Wgmma, ms))) if ms < MARGIN * dense && wgmma_feasible(s) => GemmPath::Wgmma,
+        _ => GemmPath::DenseMasked,
+    }
+}
+
+/// Below LARGE_M_MIN, where the static rule leaves a product to dense + mask: the faster of the
+/// small-M kernels the autotuner measured (both write the zeros, as dense + mask does), if it
+/// beats dense + mask.
+fn small_m_measured(s: &GemmShape, tuned: Option<&Tuned>) -> GemmPath {
+    let Some(t) = tuned else { return GemmPath::DenseMasked };
+    let skinny = t.skinny_ms.filter(|_| skinny_feasible(s)).map(|ms| (GemmPath::GemvMma, ms));
+    let wg = t.skinny_wg_ms.filter(|_| skinny_wg_feasible(s)).map(|ms| (GemmPath::SkinnyWg, ms));
+    match [skinny, wg].into_iter().flatten().min_by(|a, b| a.1.partial_cmp(&b.1).unwrap_or(std::cmp::Ordering::Equal)) {
+        Some((p, ms)) if ms < SMALL_M_MARGIN * t.dense_ms => p,
         _ => GemmPath::DenseMasked,
     }
 }
@@ -502,24 +563,24 @@ mod tests {
     fn large_m_follows_the_measured_timings() {
         let s = shape(RoutedOp::Mn, 4096, 128);
         assert_eq!(choose(&s, 0.5, None), GemmPath::DenseMasked, "untuned large M stays dense");
-        let t = Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], 0.6), (TILES[1], 0.7)], wgmma_ms: None, skinny_ms: None };
+        let t = Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], 0.6), (TILES[1], 0.7)], wgmma_ms: None, skinny_ms: None, skinny_wg_ms: None };
         assert_eq!(choose(&s, 0.5, Some(&t)), GemmPath::Tiled(TILES[0]));
-        let slow = Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], 0.98)], wgmma_ms: None, skinny_ms: None };
+        let slow = Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], 0.98)], wgmma_ms: None, skinny_ms: None, skinny_wg_ms: None };
         assert_eq!(choose(&s, 0.5, Some(&slow)), GemmPath::DenseMasked, "within the margin stays dense");
     }
 
     #[test]
     fn wgmma_is_chosen_only_where_it_measured_fastest() {
         let s = shape(RoutedOp::Mn, 4096, 128);
-        let t = Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], 0.8)], wgmma_ms: Some(0.55), skinny_ms: None };
+        let t = Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], 0.8)], wgmma_ms: Some(0.55), skinny_ms: None, skinny_wg_ms: None };
         assert_eq!(choose(&s, 0.5, Some(&t)), GemmPath::Wgmma);
         assert_eq!(choose(&shape(RoutedOp::MnSwiglu, 4096, 128), 0.5, Some(&t)), GemmPath::Wgmma);
-        let tile_wins = Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], 0.5)], wgmma_ms: Some(0.55), skinny_ms: None };
+        let tile_wins = Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], 0.5)], wgmma_ms: Some(0.55), skinny_ms: None, skinny_wg_ms: None };
         assert_eq!(choose(&s, 0.5, Some(&tile_wins)), GemmPath::Tiled(TILES[0]));
-        let slow = Tuned { dense_ms: 1.0, tiles: vec![], wgmma_ms: Some(0.99), skinny_ms: None };
+        let slow = Tuned { dense_ms: 1.0, tiles: vec![], wgmma_ms: Some(0.99), skinny_ms: None, skinny_wg_ms: None };
         assert_eq!(choose(&s, 0.5, Some(&slow)), GemmPath::DenseMasked, "within the margin stays dense");
         // Not measured (not sm_90) or a shape it cannot run: never chosen.
-        let none = Tuned { dense_ms: 1.0, tiles: vec![], wgmma_ms: None, skinny_ms: None };
+        let none = Tuned { dense_ms: 1.0, tiles: vec![], wgmma_ms: None, skinny_ms: None, skinny_wg_ms: None };
         assert_eq!(choose(&s, 0.5, Some(&none)), GemmPath::DenseMasked);
         assert_eq!(choose(&shape(RoutedOp::Mn, 4096, 64), 0.5, Some(&t)), GemmPath::Wgmma, "G = 64: tiles of two groups");
         assert_eq!(choose(&shape(RoutedOp::Mn, 4096, 48), 0.5, Some(&t)), GemmPath::DenseMasked, "G = 48 does not divide the tile");
@@ -554,7 +615,7 @@ mod tests {
         let k32 = feasible_tiles(&GemmShape { op: RoutedOp::K, m: 4096, n: 4096, k: 14336, group: 32 });
         assert!(!k32.is_empty() && k32.iter().all(|t| t.bk == 32), "a 64-deep k step cannot tile a group of 32");
         // A tuned tile that cannot run this group is never chosen.
-        let t = Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], 0.1)], wgmma_ms: None, skinny_ms: None };
+        let t = Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], 0.1)], wgmma_ms: None, skinny_ms: None, skinny_wg_ms: None };
         assert_eq!(choose(&s, 0.5, Some(&t)), GemmPath::DenseMasked);
         let odd = GemmShape { op: RoutedOp::Mn, m: 4096, n: 14336 / 7 * 7, k: 4100, group: 128 };
         assert!(feasible_tiles(&odd).is_empty(), "K not a multiple of 32");
@@ -607,13 +668,13 @@ mod tests {
 
     #[test]
     fn near_ties_are_around_the_margin_line() {
-        let t = |ms: f64| Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], ms)], wgmma_ms: None, skinny_ms: None };
+        let t = |ms: f64| Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], ms)], wgmma_ms: None, skinny_ms: None, skinny_wg_ms: None };
         assert!(near_tie(&t(0.97)));
         assert!(near_tie(&t(0.93)));
         assert!(near_tie(&t(1.01)));
         assert!(!near_tie(&t(0.80)), "a clear win");
         assert!(!near_tie(&t(1.20)), "a clear loss");
-        assert!(!near_tie(&Tuned { dense_ms: 1.0, tiles: vec![], wgmma_ms: None, skinny_ms: None }), "nothing routed measured");
+        assert!(!near_tie(&Tuned { dense_ms: 1.0, tiles: vec![], wgmma_ms: None, skinny_ms: None, skinny_wg_ms: None }), "nothing routed measured");
     }
 
     #[test]
@@ -627,7 +688,7 @@ mod tests {
         assert_eq!(small_m_tuning_from(Some(" 1 ")), Ok(true));
         assert_eq!(small_m_tuning_from(Some("0")), Ok(false));
         assert!(small_m_tuning_from(Some("yes")).unwrap_err().contains("WIDE_TUNE_SMALL_M takes 1"));
-        let rec = |skinny: f64| Tuned { dense_ms: 1.0, tiles: vec![], wgmma_ms: None, skinny_ms: Some(skinny) };
+        let rec = |skinny: f64| Tuned { dense_ms: 1.0, tiles: vec![], wgmma_ms: None, skinny_ms: Some(skinny), skinny_wg_ms: None };
         assert_eq!(choose(&up16, 0.5, Some(&rec(0.99))), GemmPath::GemvMma, "faster than dense + mask");
         assert_eq!(choose(&up16, 0.5, Some(&rec(1.01))), GemmPath::DenseMasked, "slower");
         assert_eq!(choose(&up16, 0.5, Some(&Tuned { skinny_ms: None, ..rec(0.5) })), GemmPath::DenseMasked, "not measured");
@@ -642,8 +703,49 @@ mod tests {
         assert!(!small_m_candidate(&GemmShape { op: RoutedOp::Mn, m: 16, n: 4096, k: 4096, group: 512 }, 0.5));
         assert!(!small_m_candidate(&shape(RoutedOp::Mn, 1, 128), 0.5));
         assert!(!small_m_candidate(&shape(RoutedOp::K, 16, 128), 0.5));
-        assert!(!small_m_candidate(&shape(RoutedOp::Mn, 16, 8), 0.5));
-        assert!(!small_m_candidate(&shape(RoutedOp::Mn, 17, 128), 0.5), "past the kernel's 16 tokens");
+        let mma_only = |s: &GemmShape| small_m_candidate_with(s, 0.5, true, false);
+        assert!(!mma_only(&shape(RoutedOp::Mn, 16, 8)));
+        assert!(!mma_only(&shape(RoutedOp::Mn, 17, 128)), "past the mma.sync kernel's 16 tokens");
+    }
+
+    #[test]
+    fn wgmma_small_m_kernel_is_measured_up_to_128_tokens() {
+        // Where the rule leaves a plain gemm_mn of 2-128 tokens to dense + mask, the transposed
+        // wgmma kernel is measured (with or without the mma.sync kernel beside it).
+        for m in [16, 17, 77, 128] {
+            let up = shape(RoutedOp::Mn, m, 128);
+            assert!(skinny_wg_feasible(&up), "{up:?}");
+            assert!(small_m_candidate_with(&up, 0.5, false, true), "{up:?}");
+        }
+        assert!(small_m_candidate(&shape(RoutedOp::Mn, 16, 8), 0.5), "groups of 8: the wgmma kernel's 16-byte pieces");
+        // Not: 129+ tokens, SwiGLU, gemm_k, groups that are not whole 16-byte pieces, K or N off
+        // its 64-wide steps, nor with its switch off.
+        assert!(!small_m_candidate(&shape(RoutedOp::Mn, 129, 128), 0.5));
+        assert!(!small_m_candidate_with(&shape(RoutedOp::Mn, 77, 128), 0.5, true, false));
+        assert!(!skinny_wg_feasible(&shape(RoutedOp::MnSwiglu, 64, 128)));
+        assert!(!skinny_wg_feasible(&shape(RoutedOp::K, 64, 128)));
+        assert!(!skinny_wg_feasible(&GemmShape { op: RoutedOp::Mn, m: 64, n: 4096, k: 4096, group: 4 }));
+        assert!(!skinny_wg_feasible(&GemmShape { op: RoutedOp::Mn, m: 64, n: 4096, k: 4032 + 32, group: 128 }));
+        assert!(!skinny_wg_feasible(&GemmShape { op: RoutedOp::Mn, m: 64, n: 4096 + 32, k: 4096, group: 32 }));
+        assert!(!skinny_wg_feasible(&shape(RoutedOp::Mn, 1, 128)), "one token: the GEMV");
+        assert_eq!(skinny_wg_switch_from(None), Ok(true));
+        assert_eq!(skinny_wg_switch_from(Some(" 0")), Ok(false));
+        assert!(skinny_wg_switch_from(Some("off")).unwrap_err().contains("WIDE_SKINNY_WG takes 1"));
+        // The measurement decides: the faster of the two small-M kernels, if faster than dense.
+        let rec = |skinny: Option<f64>, wg: Option<f64>| Tuned { dense_ms: 1.0, tiles: vec![], wgmma_ms: None, skinny_ms: skinny, skinny_wg_ms: wg };
+        let up16 = shape(RoutedOp::Mn, 16, 128);
+        assert_eq!(choose(&up16, 0.5, Some(&rec(Some(0.99), Some(0.95)))), GemmPath::SkinnyWg);
+        assert_eq!(choose(&up16, 0.5, Some(&rec(Some(0.95), Some(0.99)))), GemmPath::GemvMma);
+        assert_eq!(choose(&up16, 0.5, Some(&rec(Some(1.02), Some(1.01)))), GemmPath::DenseMasked);
+        let up128 = shape(RoutedOp::Mn, 128, 128);
+        assert_eq!(choose(&up128, 0.5, None), GemmPath::DenseMasked);
+        assert_eq!(choose(&up128, 0.5, Some(&rec(None, Some(0.9)))), GemmPath::SkinnyWg);
+        assert_eq!(choose(&up128, 0.5, Some(&rec(None, Some(1.05)))), GemmPath::DenseMasked);
+        // A record of the mma.sync kernel does not apply past its 16 tokens.
+        assert_eq!(choose(&up128, 0.5, Some(&rec(Some(0.5), None))), GemmPath::DenseMasked);
+        let r = rec(None, Some(0.9));
+        assert_eq!(r.best_path(), Some((GemmPath::SkinnyWg, 0.9)));
+        assert_eq!(r.margin(), SMALL_M_MARGIN);
     }
 
     #[test]

@@ -143,6 +143,7 @@ fn choose_path_for(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, l
             None => GemmPath::DenseMasked,
         },
         Some("wgmma") if wgmma_usable(s, x) => GemmPath::Wgmma,
+        Some("wgmma-skinny") if skinny_wg_usable(s, x) => GemmPath::SkinnyWg,
         _ => {
             let sp = layout.sparsity();
             let t = if s.m >= dispatch::LARGE_M_MIN || dispatch::small_m_tunable(s, sp).map_err(anyhow::Error::msg)? { Some(tuned(s, x, w, w2, layout)?) } else { None };
@@ -156,6 +157,7 @@ fn run_path(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: 
         GemmPath::DenseMasked => dense_masked(s, x, w, w2, layout),
         GemmPath::Gemv => launch_gemv(s, x, w, w2, layout),
         GemmPath::GemvMma => launch_skinny(s, x, w, w2, layout),
+        GemmPath::SkinnyWg => super::skinny_wg::launch(s, x, w, layout),
         GemmPath::Tiled(t) => launch_tiled(s, x, w, w2, layout, t),
         GemmPath::Wgmma => wgmma::launch(s, x, w, w2, layout),
     }
@@ -169,6 +171,15 @@ fn wgmma_usable(s: &GemmShape, x: &Tensor) -> bool {
         _ => return false,
     };
     dispatch::wgmma_feasible(s) && (s.group >= dispatch::WGMMA_BN || narrow_allowed()) && wgmma::supported(dev)
+}
+
+/// The transposed small-M wgmma kernel can run this call: a feasible shape, bf16/f16 on a
+/// compute capability 9.0 device.
+fn skinny_wg_usable(s: &GemmShape, x: &Tensor) -> bool {
+    match x.device() {
+        Device::Cuda(d) if matches!(x.kind(), Kind::BFloat16 | Kind::Half) => dispatch::skinny_wg_feasible(s) && wgmma::supported(d),
+        _ => false,
+    }
 }
 
 /// `WIDE_WGMMA_NARROW=0` (read once) keeps groups narrower than the wgmma tile off that kernel
@@ -733,7 +744,11 @@ fn autotune(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: 
     // At 2-16 tokens (see `dispatch::small_m_tunable`) only the small-M kernel is measured
     // against dense + mask: the policy never takes the tiles or the wgmma kernel below
     // LARGE_M_MIN (`WIDE_ROUTED=tiled` still measures the tiles there).
-    let small = s.m < dispatch::LARGE_M_MIN && dispatch::skinny_feasible(s) && dispatch::env_override().is_none();
+    // From 2 to 128 tokens the transposed wgmma kernel is measured too (sm_90, unless
+    // `WIDE_SKINNY_WG=0`).
+    let wg_small = s.m < dispatch::LARGE_M_MIN && skinny_wg_usable(s, x) && dispatch::skinny_wg_enabled().map_err(anyhow::Error::msg)? && dispatch::env_override().is_none();
+    let skinny_small = s.m < dispatch::LARGE_M_MIN && dispatch::skinny_feasible(s) && dispatch::env_override().is_none();
+    let small = skinny_small || wg_small;
     let smem_limit = crate::cuda::max_shared_per_block_optin(device)? as u32;
     let tiles: Vec<TileConfig> = if small {
         Vec::new()
@@ -743,7 +758,12 @@ fn autotune(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: 
     let mut paths = vec![GemmPath::DenseMasked];
     paths.extend(tiles.iter().map(|&t| GemmPath::Tiled(t)));
     if small {
-        paths.push(GemmPath::GemvMma);
+        if skinny_small {
+            paths.push(GemmPath::GemvMma);
+        }
+        if wg_small {
+            paths.push(GemmPath::SkinnyWg);
+        }
     } else if wgmma_usable(s, x) {
         paths.push(GemmPath::Wgmma);
     }
@@ -774,11 +794,13 @@ fn autotune(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: 
         timer.stop_ms()
     };
     let mut samples = vec![Vec::new(); paths.len()];
+    let of = |samples: &[Vec<f64>], p: GemmPath| paths.iter().position(|&q| q == p).map(|i| dispatch::median(&samples[i]));
     let record = |samples: &[Vec<f64>]| Tuned {
         dense_ms: dispatch::median(&samples[0]),
         tiles: tiles.iter().zip(&samples[1..]).map(|(&t, v)| (t, dispatch::median(v))).collect(),
-        wgmma_ms: (!small && paths.len() > tiles.len() + 1).then(|| dispatch::median(&samples[paths.len() - 1])),
-        skinny_ms: small.then(|| dispatch::median(&samples[paths.len() - 1])),
+        wgmma_ms: of(samples, GemmPath::Wgmma),
+        skinny_ms: of(samples, GemmPath::GemvMma),
+        skinny_wg_ms: of(samples, GemmPath::SkinnyWg),
     };
     if mode == TuneMode::Plain {
         // The earlier autotuner, for A/B runs: each candidate's runs back to back, no spin.

@@ -10,6 +10,7 @@ pub mod gemm;
 pub mod layout;
 pub mod probe;
 pub mod scale_shift;
+pub mod skinny_wg;
 pub mod wgmma;
 #[cfg(test)]
 mod pdl_audit;
@@ -82,6 +83,7 @@ pub fn all_kernel_variants() -> Vec<KernelSource> {
     v.extend(scale_shift::kernel_variants());
     v.extend(fused::kernel_variants());
     v.extend(wgmma::kernel_variants());
+    v.extend(skinny_wg::kernel_variants());
     v.extend(attention::kernel_variants());
     v.extend(probe::kernel_variants());
     for f16 in [false, true] {

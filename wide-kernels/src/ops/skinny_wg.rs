@@ -1,0 +1,247 @@
+//! Hopper gemm_mn for 2-128 tokens on `wgmma` with the product transposed (source `skinny_wg.cu`):
+//! the weight rows on the instruction's 64-row side, the tokens (padded to 16, 32, 64 or 128) on
+//! its narrow side, both operands brought by tensor copies (TMA) through a multi-stage
+//! shared-memory pipeline, the group mask applied as the results are written.
+//!
+//! At these sizes a routed product reads almost every weight byte (a group is skipped only where
+//! none of the tokens uses it: at 16 tokens and 50% skip, one group in 65536), so the alternatives
+//! are cuBLAS followed by a second launch that writes the zeros, and the `mma.sync` small-M kernel
+//! (2-16 tokens), which reads x again for every 16 weight rows. This kernel streams the weights
+//! once, stages x once a block, and writes the zeros in the same pass. The dispatch measures it
+//! against those two (see [`super::dispatch::skinny_wg_feasible`]).
+use super::dispatch::{skinny_wg_feasible, GemmShape, RoutedOp, SKINNY_WG_MAX_M};
+use super::gemm::cuda_inputs;
+use super::layout::RouteLayout;
+use crate::cuda::{CudaKernel, KernelArg, LaunchConfig};
+use crate::nvrtc::KernelSource;
+use anyhow::{ensure, Context, Result};
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+use tch::Tensor;
+
+const SOURCE: &str = concat!(include_str!("mbarrier.cuh"), include_str!("wgmma_common.cuh"), include_str!("skinny_wg.cu"));
+
+/// One specialisation of the kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SkinnyWgConfig {
+    /// Token tile (the wgmma N): 16, 32, 64 or 128; a launch takes at most this many tokens.
+    pub nt: u32,
+    /// Consumer warpgroups a block: 64 `r` weight rows a block.
+    pub r: u32,
+    /// Shared-memory pipeline stages.
+    pub stages: u32,
+}
+
+/// Shared memory one block may use so that two blocks of one consumer warpgroup share a
+/// multiprocessor (227 KiB on compute capability 9.0, minus the static barriers and slack).
+const SMEM_PER_PAIR: u32 = 110 * 1024;
+
+impl SkinnyWgConfig {
+    /// The configuration for `m` tokens and `n` output channels on a device of `sms`
+    /// multiprocessors: the smallest token tile that holds them; two consumer warpgroups (128
+    /// rows a block, one block a multiprocessor) from 64 tokens where the grid still has a
+    /// block for most multiprocessors, since each block reads all of x (M x K) from L2 once and
+    /// twice the rows halve that traffic; else one (two blocks a multiprocessor). As many stages
+    /// as fit, up to 8. `WIDE_SKINNY_WG_R` (1 or 2, read once) forces the warpgroups.
+    pub fn for_shape(m: i64, n: i64, sms: i64) -> Self {
+        let nt = [16u32, 32, 64, 128].into_iter().find(|&t| t as i64 >= m).unwrap_or(128);
+        let wide = nt >= 64 && n % 128 == 0 && n / 128 >= sms * 3 / 4;
+        let r = match env_r() {
+            Some(2) if n % 128 == 0 => 2,
+            Some(_) => 1,
+            None if wide => 2,
+            None => 1,
+        };
+        Self::with(nt, r)
+    }
+
+    /// A token tile and warpgroup count with the stages that fit (up to 8).
+    pub fn with(nt: u32, r: u32) -> Self {
+        let stage = 64 * r * 128 + nt * 128;
+        let budget = SMEM_PER_PAIR * if r == 1 { 1 } else { 2 } - 1024;
+        Self { nt, r, stages: (budget / stage).min(8) }
+    }
+
+    pub fn rows(&self) -> i64 {
+        64 * self.r as i64
+    }
+    pub fn threads(&self) -> u32 {
+        128 * (self.r + 1)
+    }
+    pub fn stage_bytes(&self) -> u32 {
+        64 * self.r * 128 + self.nt * 128
+    }
+    /// Dynamic shared memory a launch asks for: the stages and 1 KiB of alignment slack.
+    pub fn smem_bytes(&self) -> u32 {
+        self.stages * self.stage_bytes() + 1024
+    }
+    /// The configuration is well formed: a supported tile, at least two stages, and room in
+    /// the stages for the transposed results (NT rows of 64 r + 8 elements).
+    pub fn valid(&self) -> bool {
+        [16, 32, 64, 128].contains(&self.nt)
+            && (self.r == 1 || self.r == 2)
+            && self.stages >= 2
+            && self.nt * (64 * self.r + 8) * 2 <= self.stages * self.stage_bytes()
+            && self.smem_bytes() <= super::wgmma::SMEM_LIMIT
+    }
+    pub fn label(&self) -> String {
+        format!("wgmma-skinny nt{} r{} s{}", self.nt, self.r, self.stages)
+    }
+}
+
+/// `WIDE_SKINNY_WG_R`: None unset; an unusable value is named in a warning and ignored.
+fn env_r() -> Option<u32> {
+    static V: OnceLock<Option<u32>> = OnceLock::new();
+    *V.get_or_init(|| {
+        let v = std::env::var("WIDE_SKINNY_WG_R").ok()?;
+        match v.trim() {
+            "1" => Some(1),
+            "2" => Some(2),
+            o => {
+                eprintln!("warning: WIDE_SKINNY_WG_R takes 1 or 2 (consumer warpgroups a block), got '{o}'; ignored");
+                None
+            }
+        }
+    })
+}
+
+pub fn source(f16: bool, c: SkinnyWgConfig) -> KernelSource {
+    KernelSource::new("skinny_wg", SOURCE)
+        .target(super::wgmma::TARGET)
+        .define("WIDE_F16", f16 as u32)
+        .define("NT", c.nt)
+        .define("R", c.r)
+        .define("STAGES", c.stages)
+}
+
+/// Every variant shipped: each token tile with one and two consumer warpgroups, both dtypes.
+pub fn kernel_variants() -> Vec<KernelSource> {
+    let mut v = vec![];
+    for f16 in [false, true] {
+        for nt in [16, 32, 64, 128] {
+            for r in [1, 2] {
+                v.push(source(f16, SkinnyWgConfig::with(nt, r)));
+            }
+        }
+    }
+    v
+}
+
+fn kernel(f16: bool, c: SkinnyWgConfig, device: usize) -> Result<CudaKernel> {
+    static K: OnceLock<Mutex<HashMap<(bool, SkinnyWgConfig, usize), CudaKernel>>> = OnceLock::new();
+    let key = (f16, c, device);
+    if let Some(k) = K.get_or_init(Default::default).lock().unwrap().get(&key) {
+        return Ok(*k);
+    }
+    let k = CudaKernel::get(&source(f16, c), "skinny_wg", device)?;
+    k.set_max_dynamic_shared_mem(c.smem_bytes())?;
+    K.get_or_init(Default::default).lock().unwrap().insert(key, k);
+    Ok(k)
+}
+
+/// Runs a plain gemm_mn on this kernel in its configuration for the shape.
+pub(crate) fn launch(s: &GemmShape, x: &Tensor, w: &Tensor, layout: &RouteLayout) -> Result<Tensor> {
+    let device = match x.device() {
+        tch::Device::Cuda(d) => d,
+        d => anyhow::bail!("the wgmma small-M kernel needs CUDA tensors, got {d:?}"),
+    };
+    let sms = crate::cuda::multiprocessor_count(device)? as i64;
+    launch_with(s, x, w, layout, SkinnyWgConfig::for_shape(s.m, s.n, sms))
+}
+
+/// gemm_mn (`x` [M, K], `w` [N, K], `group` channels a group of the layout's mask) on this kernel
+/// in one given configuration (for tests and sweeps).
+pub fn gemm_mn_with(config: SkinnyWgConfig, x: &Tensor, w: &Tensor, layout: &RouteLayout, group: i64) -> Result<Tensor> {
+    let (xs, ws) = (x.size(), w.size());
+    ensure!(xs.len() == 2 && ws.len() == 2 && xs[1] == ws[1], "skinny_wg::gemm_mn_with: x {xs:?} and w {ws:?} must be [M, K] and [N, K]");
+    ensure!(group > 0 && ws[0] % group == 0, "skinny_wg::gemm_mn_with: group {group} must divide the {} output channels", ws[0]);
+    ensure!(
+        layout.tokens() == xs[0] && layout.groups() == ws[0] / group,
+        "skinny_wg::gemm_mn_with: the layout is for a mask [{}, {}] but x has {} tokens and w {} groups of {group}",
+        layout.tokens(),
+        layout.groups(),
+        xs[0],
+        ws[0] / group
+    );
+    let s = GemmShape { op: RoutedOp::Mn, m: xs[0], n: ws[0], k: xs[1], group };
+    launch_with(&s, x, w, layout, config)
+}
+
+fn launch_with(s: &GemmShape, x: &Tensor, w: &Tensor, layout: &RouteLayout, c: SkinnyWgConfig) -> Result<Tensor> {
+    ensure!(
+        skinny_wg_feasible(s),
+        "the wgmma small-M kernel takes a plain gemm_mn with 2..={SKINNY_WG_MAX_M} tokens, 64 | N, 64 | K and 8 | group; got {:?} M {} N {} K {} group {}",
+        s.op,
+        s.m,
+        s.n,
+        s.k,
+        s.group
+    );
+    ensure!(c.valid(), "wgmma small-M configuration {} is not valid", c.label());
+    ensure!(s.m <= c.nt as i64 && s.n % c.rows() == 0, "{} cannot run M {} N {} (needs M <= {} and {} | N)", c.label(), s.m, s.n, c.nt, c.rows());
+    let (device, f16, x, w, _) = cuda_inputs(s, x, w, None)?;
+    ensure!(super::wgmma::supported(device), "the wgmma small-M kernel needs a compute capability 9.0 (Hopper) GPU; device {device} is not one");
+    let k = kernel(f16, c, device).with_context(|| format!("loading {}", c.label()))?;
+    let out = Tensor::empty([s.m, s.n], (x.kind(), x.device()));
+    let args = [
+        crate::cuda::tensor_map_2d(&w, f16, c.rows() as u32, 64)?,
+        crate::cuda::tensor_map_2d(&x, f16, c.nt, 64)?,
+        KernelArg::tensor(layout.mask())?,
+        KernelArg::tensor(&out)?,
+        KernelArg::I32(s.m as i32),
+        KernelArg::I32(s.n as i32),
+        KernelArg::I32(s.k as i32),
+        KernelArg::I32(s.group as i32),
+        KernelArg::I32((s.n / s.group) as i32),
+    ];
+    let cfg = LaunchConfig { grid: ((s.n / c.rows()) as u32, 1, 1), block: (c.threads(), 1, 1), shared_mem_bytes: c.smem_bytes() };
+    // SAFETY: the arguments follow skinny_wg's signature: tensor maps of w [N, K] (boxes of 64 k
+    // x 64 r rows) and x [M, K] (64 k x NT rows, M <= NT: rows past M read as zeros), the
+    // layout's mask [M, N / group] (u8), out [M, N]; one block for each 64 r rows (64 r | N),
+    // 64 | K, 8 | group.
+    unsafe { k.launch(cfg, &args)? };
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn configurations_fit_and_cover_the_token_range() {
+        for nt in [16, 32, 64, 128] {
+            for r in [1, 2] {
+                let c = SkinnyWgConfig::with(nt, r);
+                assert!(c.valid(), "{c:?}");
+                assert!(c.stages >= 4, "{c:?}: too shallow a pipeline to stream");
+                if r == 1 {
+                    assert!(2 * (c.smem_bytes() + 1024) <= 228 * 1024, "{c:?}: two blocks must share a multiprocessor");
+                }
+            }
+        }
+        // 132 multiprocessors: up (14336 rows, 112 blocks of 128) takes two warpgroups from 64
+        // tokens; Q (4096 rows) keeps one (32 blocks of 128 would leave most idle).
+        assert_eq!(SkinnyWgConfig::for_shape(16, 14336, 132), SkinnyWgConfig::with(16, 1));
+        assert_eq!(SkinnyWgConfig::for_shape(17, 14336, 132).nt, 32);
+        assert_eq!(SkinnyWgConfig::for_shape(128, 14336, 132), SkinnyWgConfig::with(128, 2));
+        assert_eq!(SkinnyWgConfig::for_shape(100, 4096, 132), SkinnyWgConfig::with(128, 1));
+        assert_eq!(SkinnyWgConfig::for_shape(2, 64, 132).nt, 16);
+        assert!(!SkinnyWgConfig { nt: 128, r: 2, stages: 1 }.valid());
+        assert!(!SkinnyWgConfig { nt: 48, r: 1, stages: 4 }.valid());
+    }
+
+    #[test]
+    fn variants_target_sm90a() {
+        let v = kernel_variants();
+        assert_eq!(v.len(), 16);
+        assert!(v.iter().all(|k| k.name == "skinny_wg" && k.target == Some("compute_90a")));
+        // Every configuration the launch rule can pick is shipped (precompiled machine code
+        // covers it: the GPU machine keeps no cache between calls).
+        for m in [2, 16, 17, 33, 64, 65, 128] {
+            for n in [64, 4096, 14336] {
+                let c = SkinnyWgConfig::for_shape(m, n, 132);
+                assert!(v.iter().any(|k| k.defines == source(false, c).defines), "{c:?} is not among the variants");
+            }
+        }
+    }
+}
