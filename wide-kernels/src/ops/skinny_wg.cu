@@ -11,6 +11,8 @@
 //             x rows past M come as zeros from the tensor copy
 //   R         consumer warpgroups: a block computes 64 R weight rows (output channels)
 //   STAGES    shared-memory pipeline depth
+//   CLUSTER   1, or 2: clusters of two blocks on neighbouring row blocks; each block loads half
+//             of x's rows and multicasts them to both, so x crosses from L2 once for two blocks
 //
 // Block: warpgroup 0 is the producer (one thread issues, for each k step of 64, one tensor copy
 // of the block's 64 R x 64 weight box and one of the NT x 64 box of x, both 128-byte swizzled,
@@ -36,6 +38,12 @@
 #endif
 #if R != 1 && R != 2
 #error "R is 1 or 2"
+#endif
+#ifndef CLUSTER
+#define CLUSTER 1
+#endif
+#if CLUSTER != 1 && CLUSTER != 2
+#error "CLUSTER is 1 or 2"
 #endif
 
 #define ROWS (64 * R)
@@ -73,9 +81,42 @@ __device__ __forceinline__ void wgmma_nt(float (&d)[ACC], unsigned long long da,
 #endif
 }
 
+#if CLUSTER == 2
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// The same shared-memory offset in block `rank` of the cluster.
+__device__ __forceinline__ unsigned map_rank(unsigned addr, unsigned rank) {
+    unsigned r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
+    return r;
+}
+// An arrival on a barrier of the other block (its stage's readers, wgmma, have completed).
+__device__ __forceinline__ void mbar_arrive_remote(unsigned cluster_addr) {
+    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(cluster_addr) : "memory");
+}
+// Box {64 k, rows} at (k0, row0), written 128B-swizzled at `dst` in both blocks of the cluster,
+// completing its bytes on the barrier at `bar` in each.
+__device__ __forceinline__ void tma_load_multicast(unsigned dst, const TmaDesc* map, int k0, int row0, unsigned bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+        " [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(dst),
+        "l"(reinterpret_cast<unsigned long long>(map)), "r"(k0), "r"(row0), "r"(bar), "h"((unsigned short)3)
+        : "memory");
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(THREADS, R == 1 ? 2 : 1)
+#if CLUSTER == 2
+__cluster_dims__(2, 1, 1)
+#endif
 skinny_wg(const __grid_constant__ TmaDesc tmap_w,  // w [N, K]: boxes of 64 k x ROWS rows
-          const __grid_constant__ TmaDesc tmap_x,  // x [M, K]: boxes of 64 k x NT rows
+          const __grid_constant__ TmaDesc tmap_x,  // x [M, K]: boxes of 64 k x NT / CLUSTER rows
           const unsigned char* __restrict__ mask,  // [M, NG]
           T* __restrict__ out,                     // [M, N]
           int M, int N, int K, int G, int NG) {
@@ -90,11 +131,16 @@ skinny_wg(const __grid_constant__ TmaDesc tmap_w,  // w [N, K]: boxes of 64 k x 
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(smem_u32(&full_bar[s]), 1);       // the producer's expect_tx
-            mbar_init(smem_u32(&empty_bar[s]), 4 * R);  // every consumer warp
+            mbar_init(smem_u32(&empty_bar[s]), 4 * R * CLUSTER);  // every consumer warp (of the cluster)
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
+#if CLUSTER == 2
+    // Both blocks' barriers initialised before either multicasts or arrives remotely.
+    cluster_sync();
+    const unsigned rank = cluster_rank();
+#endif
     const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
     float acc[ACC];
 #pragma unroll
@@ -108,7 +154,13 @@ skinny_wg(const __grid_constant__ TmaDesc tmap_w,  // w [N, K]: boxes of 64 k x 
                 const unsigned sa = base + s * STAGE_BYTES;
                 mbar_arrive_expect_tx(fb, STAGE_BYTES);
                 tma_load_2d(sa, &tmap_w, kt * 64, n0, fb);
+#if CLUSTER == 2
+                // This block's half of x's rows, into both blocks' stage (the stage is free in
+                // both: each block's empty barrier counts both blocks' consumer warps).
+                tma_load_multicast(sa + W_BYTES + rank * (X_BYTES / 2), &tmap_x, kt * 64, (int)rank * (NT / 2), fb);
+#else
                 tma_load_2d(sa + W_BYTES, &tmap_x, kt * 64, 0, fb);
+#endif
             }
         }
     } else {
@@ -128,7 +180,12 @@ skinny_wg(const __grid_constant__ TmaDesc tmap_w,  // w [N, K]: boxes of 64 k x 
             wg_wait<1>();  // the group of step kt - 1 has completed
             fence_acc(acc);
             __syncwarp();
-            if (kt > 0 && lane == 0) mbar_arrive(smem_u32(&empty_bar[prev]));
+            if (kt > 0 && lane == 0) {
+                mbar_arrive(smem_u32(&empty_bar[prev]));
+#if CLUSTER == 2
+                mbar_arrive_remote(map_rank(smem_u32(&empty_bar[prev]), rank ^ 1u));
+#endif
+            }
             prev = s;
             if (++s == STAGES) {
                 s = 0;
@@ -163,4 +220,9 @@ skinny_wg(const __grid_constant__ TmaDesc tmap_w,  // w [N, K]: boxes of 64 k x 
         if (mask[(long long)m * NG + ch / G] != 0) v = *reinterpret_cast<const uint4*>(st + m * SROW + c * 8);
         *reinterpret_cast<uint4*>(out + (long long)m * N + ch) = v;
     }
+#if CLUSTER == 2
+    // The other block may still arrive on this block's barriers: neither leaves before both
+    // are done.
+    cluster_sync();
+#endif
 }

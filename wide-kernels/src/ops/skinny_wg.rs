@@ -30,6 +30,9 @@ pub struct SkinnyWgConfig {
     pub r: u32,
     /// Shared-memory pipeline stages.
     pub stages: u32,
+    /// 1, or 2: clusters of two blocks on neighbouring row blocks, each loading half of x's rows
+    /// and multicasting them to both (x then crosses from L2 once for two blocks).
+    pub cluster: u32,
 }
 
 /// Shared memory one block may use so that two blocks of one consumer warpgroup share a
@@ -42,7 +45,8 @@ impl SkinnyWgConfig {
     /// rows a block, one block a multiprocessor) from 64 tokens where the grid still has a
     /// block for most multiprocessors, since each block reads all of x (M x K) from L2 once and
     /// twice the rows halve that traffic; else one (two blocks a multiprocessor). As many stages
-    /// as fit, up to 8. `WIDE_SKINNY_WG_R` (1 or 2, read once) forces the warpgroups.
+    /// as fit, up to 8. `WIDE_SKINNY_WG_R` (1 or 2, read once) forces the warpgroups and
+    /// `WIDE_SKINNY_WG_CLUSTER=2` (read once) pairs the blocks where their count is even.
     pub fn for_shape(m: i64, n: i64, sms: i64) -> Self {
         let nt = [16u32, 32, 64, 128].into_iter().find(|&t| t as i64 >= m).unwrap_or(128);
         let wide = nt >= 64 && n % 128 == 0 && n / 128 >= sms * 3 / 4;
@@ -52,14 +56,19 @@ impl SkinnyWgConfig {
             None if wide => 2,
             None => 1,
         };
-        Self::with(nt, r)
+        let c = Self::with(nt, r);
+        if env_cluster() == 2 && (n / c.rows()) % 2 == 0 {
+            Self { cluster: 2, ..c }
+        } else {
+            c
+        }
     }
 
-    /// A token tile and warpgroup count with the stages that fit (up to 8).
+    /// A token tile and warpgroup count with the stages that fit (up to 8), no cluster.
     pub fn with(nt: u32, r: u32) -> Self {
         let stage = 64 * r * 128 + nt * 128;
         let budget = SMEM_PER_PAIR * if r == 1 { 1 } else { 2 } - 1024;
-        Self { nt, r, stages: (budget / stage).min(8) }
+        Self { nt, r, stages: (budget / stage).min(8), cluster: 1 }
     }
 
     pub fn rows(&self) -> i64 {
@@ -83,9 +92,10 @@ impl SkinnyWgConfig {
             && self.stages >= 2
             && self.nt * (64 * self.r + 8) * 2 <= self.stages * self.stage_bytes()
             && self.smem_bytes() <= super::wgmma::SMEM_LIMIT
+            && (self.cluster == 1 || self.cluster == 2)
     }
     pub fn label(&self) -> String {
-        format!("wgmma-skinny nt{} r{} s{}", self.nt, self.r, self.stages)
+        format!("wgmma-skinny nt{} r{} s{}{}", self.nt, self.r, self.stages, if self.cluster == 2 { " c2" } else { "" })
     }
 }
 
@@ -105,6 +115,20 @@ fn env_r() -> Option<u32> {
     })
 }
 
+/// `WIDE_SKINNY_WG_CLUSTER`: 2 pairs the blocks (x multicast), anything else unpaired; an
+/// unusable value is named in a warning.
+fn env_cluster() -> u32 {
+    static V: OnceLock<u32> = OnceLock::new();
+    *V.get_or_init(|| match std::env::var("WIDE_SKINNY_WG_CLUSTER").ok().as_deref().map(str::trim) {
+        None | Some("") | Some("1") => 1,
+        Some("2") => 2,
+        Some(o) => {
+            eprintln!("warning: WIDE_SKINNY_WG_CLUSTER takes 1 or 2 (blocks a cluster), got '{o}'; ignored");
+            1
+        }
+    })
+}
+
 pub fn source(f16: bool, c: SkinnyWgConfig) -> KernelSource {
     KernelSource::new("skinny_wg", SOURCE)
         .target(super::wgmma::TARGET)
@@ -112,15 +136,19 @@ pub fn source(f16: bool, c: SkinnyWgConfig) -> KernelSource {
         .define("NT", c.nt)
         .define("R", c.r)
         .define("STAGES", c.stages)
+        .define("CLUSTER", c.cluster)
 }
 
-/// Every variant shipped: each token tile with one and two consumer warpgroups, both dtypes.
+/// Every variant shipped: each token tile with one and two consumer warpgroups, unpaired and in
+/// clusters of two, both dtypes.
 pub fn kernel_variants() -> Vec<KernelSource> {
     let mut v = vec![];
     for f16 in [false, true] {
         for nt in [16, 32, 64, 128] {
             for r in [1, 2] {
-                v.push(source(f16, SkinnyWgConfig::with(nt, r)));
+                for cluster in [1, 2] {
+                    v.push(source(f16, SkinnyWgConfig { cluster, ..SkinnyWgConfig::with(nt, r) }));
+                }
             }
         }
     }
@@ -178,14 +206,22 @@ fn launch_with(s: &GemmShape, x: &Tensor, w: &Tensor, layout: &RouteLayout, c: S
         s.group
     );
     ensure!(c.valid(), "wgmma small-M configuration {} is not valid", c.label());
-    ensure!(s.m <= c.nt as i64 && s.n % c.rows() == 0, "{} cannot run M {} N {} (needs M <= {} and {} | N)", c.label(), s.m, s.n, c.nt, c.rows());
+    ensure!(
+        s.m <= c.nt as i64 && s.n % (c.rows() * c.cluster as i64) == 0,
+        "{} cannot run M {} N {} (needs M <= {} and {} | N)",
+        c.label(),
+        s.m,
+        s.n,
+        c.nt,
+        c.rows() * c.cluster as i64
+    );
     let (device, f16, x, w, _) = cuda_inputs(s, x, w, None)?;
     ensure!(super::wgmma::supported(device), "the wgmma small-M kernel needs a compute capability 9.0 (Hopper) GPU; device {device} is not one");
     let k = kernel(f16, c, device).with_context(|| format!("loading {}", c.label()))?;
     let out = Tensor::empty([s.m, s.n], (x.kind(), x.device()));
     let args = [
         crate::cuda::tensor_map_2d(&w, f16, c.rows() as u32, 64)?,
-        crate::cuda::tensor_map_2d(&x, f16, c.nt, 64)?,
+        crate::cuda::tensor_map_2d(&x, f16, c.nt / c.cluster, 64)?,
         KernelArg::tensor(layout.mask())?,
         KernelArg::tensor(&out)?,
         KernelArg::I32(s.m as i32),
@@ -196,9 +232,9 @@ fn launch_with(s: &GemmShape, x: &Tensor, w: &Tensor, layout: &RouteLayout, c: S
     ];
     let cfg = LaunchConfig { grid: ((s.n / c.rows()) as u32, 1, 1), block: (c.threads(), 1, 1), shared_mem_bytes: c.smem_bytes() };
     // SAFETY: the arguments follow skinny_wg's signature: tensor maps of w [N, K] (boxes of 64 k
-    // x 64 r rows) and x [M, K] (64 k x NT rows, M <= NT: rows past M read as zeros), the
-    // layout's mask [M, N / group] (u8), out [M, N]; one block for each 64 r rows (64 r | N),
-    // 64 | K, 8 | group.
+    // x 64 r rows) and x [M, K] (64 k x NT / cluster rows, M <= NT: rows past M read as zeros),
+    // the layout's mask [M, N / group] (u8), out [M, N]; one block for each 64 r rows (64 r
+    // cluster | N, so the grid is whole clusters), 64 | K, 8 | group.
     unsafe { k.launch(cfg, &args)? };
     Ok(out)
 }
@@ -226,14 +262,16 @@ mod tests {
         assert_eq!(SkinnyWgConfig::for_shape(128, 14336, 132), SkinnyWgConfig::with(128, 2));
         assert_eq!(SkinnyWgConfig::for_shape(100, 4096, 132), SkinnyWgConfig::with(128, 1));
         assert_eq!(SkinnyWgConfig::for_shape(2, 64, 132).nt, 16);
-        assert!(!SkinnyWgConfig { nt: 128, r: 2, stages: 1 }.valid());
-        assert!(!SkinnyWgConfig { nt: 48, r: 1, stages: 4 }.valid());
+        assert!(!SkinnyWgConfig { stages: 1, ..SkinnyWgConfig::with(128, 2) }.valid());
+        assert!(!SkinnyWgConfig { nt: 48, ..SkinnyWgConfig::with(32, 1) }.valid());
+        assert!(!SkinnyWgConfig { cluster: 3, ..SkinnyWgConfig::with(32, 1) }.valid());
+        assert!(SkinnyWgConfig { cluster: 2, ..SkinnyWgConfig::with(16, 2) }.valid());
     }
 
     #[test]
     fn variants_target_sm90a() {
         let v = kernel_variants();
-        assert_eq!(v.len(), 16);
+        assert_eq!(v.len(), 32);
         assert!(v.iter().all(|k| k.name == "skinny_wg" && k.target == Some("compute_90a")));
         // Every configuration the launch rule can pick is shipped (precompiled machine code
         // covers it: the GPU machine keeps no cache between calls).
