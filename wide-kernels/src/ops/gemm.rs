@@ -146,7 +146,10 @@ fn choose_path_for(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, l
         Some("wgmma-skinny") if skinny_wg_usable(s, x) => GemmPath::SkinnyWg,
         _ => {
             let sp = layout.sparsity();
-            let t = if s.m >= dispatch::LARGE_M_MIN || dispatch::small_m_tunable(s, sp).map_err(anyhow::Error::msg)? { Some(tuned(s, x, w, w2, layout)?) } else { None };
+            // Below LARGE_M_MIN a measurement only where one of the small-M kernels can run
+            // here (the wgmma one needs compute capability 9.0).
+            let small = s.m < dispatch::LARGE_M_MIN && dispatch::small_m_tunable(s, sp).map_err(anyhow::Error::msg)? && (dispatch::skinny_feasible(s) || skinny_wg_usable(s, x));
+            let t = if s.m >= dispatch::LARGE_M_MIN || small { Some(tuned(s, x, w, w2, layout)?) } else { None };
             dispatch::choose(s, sp, t.as_ref())
         }
     })
