@@ -81,36 +81,6 @@ __device__ __forceinline__ void wgmma_nt(float (&d)[ACC], unsigned long long da,
 #endif
 }
 
-#if CLUSTER == 2
-__device__ __forceinline__ unsigned cluster_rank() {
-    unsigned r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-// The same shared-memory offset in block `rank` of the cluster.
-__device__ __forceinline__ unsigned map_rank(unsigned addr, unsigned rank) {
-    unsigned r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
-    return r;
-}
-// An arrival on a barrier of the other block (its stage's readers, wgmma, have completed).
-__device__ __forceinline__ void mbar_arrive_remote(unsigned cluster_addr) {
-    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(cluster_addr) : "memory");
-}
-// Box {64 k, rows} at (k0, row0), written 128B-swizzled at `dst` in both blocks of the cluster,
-// completing its bytes on the barrier at `bar` in each.
-__device__ __forceinline__ void tma_load_multicast(unsigned dst, const TmaDesc* map, int k0, int row0, unsigned bar) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-        " [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(dst),
-        "l"(reinterpret_cast<unsigned long long>(map)), "r"(k0), "r"(row0), "r"(bar), "h"((unsigned short)3)
-        : "memory");
-}
-#endif
-
 extern "C" __global__ void __launch_bounds__(THREADS, R == 1 ? 2 : 1)
 #if CLUSTER == 2
 __cluster_dims__(2, 1, 1)

@@ -19,7 +19,7 @@ use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 use tch::Tensor;
 
-const SOURCE: &str = concat!(include_str!("mbarrier.cuh"), include_str!("wgmma_common.cuh"), include_str!("skinny_wg.cu"));
+const SOURCE: &str = concat!(include_str!("mbarrier.cuh"), include_str!("wgmma_common.cuh"), include_str!("cluster.cuh"), include_str!("skinny_wg.cu"));
 
 /// One specialisation of the kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

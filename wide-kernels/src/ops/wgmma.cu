@@ -168,41 +168,12 @@ __device__ __forceinline__ void cp_async16_sz(unsigned dst, const void* src, int
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
 }
 __device__ __forceinline__ float silu(float a) { return a / (1.0f + __expf(-a)); }
-__device__ __forceinline__ unsigned cluster_rank() {
-    unsigned r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
 // True in every producer thread iff `p` holds in all 128 (named barrier 1, the producer
 // warpgroup's own).
 __device__ __forceinline__ bool producer_all(bool p) {
     unsigned r;
     asm volatile("{\n.reg .pred a, b;\nsetp.ne.u32 a, %1, 0;\nbar.red.and.pred b, 1, 128, a;\nselp.u32 %0, 1, 0, b;\n}" : "=r"(r) : "r"((unsigned)p) : "memory");
     return r != 0;
-}
-// The same shared-memory offset in block `rank` of the cluster.
-__device__ __forceinline__ unsigned map_rank(unsigned addr, unsigned rank) {
-    unsigned r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
-    return r;
-}
-// Arrival on a barrier of another block of the cluster. Default semantics: the stage's readers
-// were wgmma, complete (wgmma.wait_group) before this in program order; no data written here
-// needs a cluster-scope release.
-__device__ __forceinline__ void mbar_arrive_remote(unsigned cluster_addr) {
-    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(cluster_addr) : "memory");
-}
-// Box {64 k, 64 rows} at (k0, row0) of the 2-D tensor map, written 128B-swizzled at `dst` in both
-// blocks of the cluster, completing `bytes` on the barrier at `bar` in each.
-__device__ __forceinline__ void tma_load_multicast(unsigned dst, const TmaDesc* map, int k0, int row0, unsigned bar) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-        " [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(dst),
-        "l"(reinterpret_cast<unsigned long long>(map)), "r"(k0), "r"(row0), "r"(bar), "h"((unsigned short)3)
-        : "memory");
 }
 // The weight tile(s) of the stage at `sa` in two boxes of 64 rows each, by one thread, with the
 // expect_tx arrival on the stage's barrier.

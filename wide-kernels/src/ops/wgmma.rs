@@ -26,7 +26,7 @@ use std::sync::{Mutex, OnceLock};
 use tch::Tensor;
 
 /// The module source: the shared Hopper helpers, then the kernel.
-const SOURCE: &str = concat!(include_str!("mbarrier.cuh"), include_str!("wgmma_common.cuh"), include_str!("wgmma.cu"));
+const SOURCE: &str = concat!(include_str!("mbarrier.cuh"), include_str!("wgmma_common.cuh"), include_str!("cluster.cuh"), include_str!("wgmma.cu"));
 
 /// NVRTC target of the module: `wgmma` exists only in the architecture-specific sm_90a set.
 pub const TARGET: &str = "compute_90a";
