@@ -146,10 +146,16 @@ pub fn skinny_wg_enabled() -> Result<bool, String> {
 }
 
 pub fn skinny_wg_switch_from(v: Option<&str>) -> Result<bool, String> {
+    on_by_default(v, "WIDE_SKINNY_WG", "measure the wgmma small-M kernel against dense + mask", "leave it out")
+}
+
+/// A switch that is on unless set to `0`: unset, empty or `1` on; anything else an error that
+/// names the variable and both meanings.
+fn on_by_default(v: Option<&str>, var: &str, on: &str, off: &str) -> Result<bool, String> {
     match v.map(str::trim) {
         None | Some("") | Some("1") => Ok(true),
         Some("0") => Ok(false),
-        Some(o) => Err(format!("WIDE_SKINNY_WG takes 1 (the default: measure the wgmma small-M kernel against dense + mask) or 0 (leave it out), got '{o}'")),
+        Some(o) => Err(format!("{var} takes 1 (the default: {on}) or 0 ({off}), got '{o}'")),
     }
 }
 
@@ -183,11 +189,7 @@ pub fn small_m_tunable(s: &GemmShape, sparsity: f64) -> Result<bool, String> {
 /// [`small_m_tunable`]'s switch: unset, empty or `1` on (the default); `0` off; anything else
 /// an error.
 pub fn small_m_tuning_from(v: Option<&str>) -> Result<bool, String> {
-    match v.map(str::trim) {
-        None | Some("") | Some("1") => Ok(true),
-        Some("0") => Ok(false),
-        Some(o) => Err(format!("WIDE_TUNE_SMALL_M takes 1 (the default: measure the small-M kernel against dense + mask) or 0 (the static rule), got '{o}'")),
-    }
+    on_by_default(v, "WIDE_TUNE_SMALL_M", "measure the small-M kernel against dense + mask", "the static rule")
 }
 
 /// The shapes [`small_m_tunable`] measures once switched on.

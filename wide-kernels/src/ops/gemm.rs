@@ -64,7 +64,7 @@ pub fn gemm_k_reference(x: &Tensor, w: &Tensor, mask: &Tensor, group: i64) -> Te
     xm.linear::<&Tensor>(w, None)
 }
 
-fn shape_of(op: RoutedOp, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: &RouteLayout, group: i64) -> Result<GemmShape> {
+pub(super) fn shape_of(op: RoutedOp, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: &RouteLayout, group: i64) -> Result<GemmShape> {
     ensure!((op == RoutedOp::MnSwiglu) == w2.is_some(), "w_up is given exactly for the fused SwiGLU projection");
     let name = match op {
         RoutedOp::Mn => "gemm_mn",

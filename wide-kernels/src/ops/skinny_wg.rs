@@ -180,18 +180,7 @@ pub(crate) fn launch(s: &GemmShape, x: &Tensor, w: &Tensor, layout: &RouteLayout
 /// gemm_mn (`x` [M, K], `w` [N, K], `group` channels a group of the layout's mask) on this kernel
 /// in one given configuration (for tests and sweeps).
 pub fn gemm_mn_with(config: SkinnyWgConfig, x: &Tensor, w: &Tensor, layout: &RouteLayout, group: i64) -> Result<Tensor> {
-    let (xs, ws) = (x.size(), w.size());
-    ensure!(xs.len() == 2 && ws.len() == 2 && xs[1] == ws[1], "skinny_wg::gemm_mn_with: x {xs:?} and w {ws:?} must be [M, K] and [N, K]");
-    ensure!(group > 0 && ws[0] % group == 0, "skinny_wg::gemm_mn_with: group {group} must divide the {} output channels", ws[0]);
-    ensure!(
-        layout.tokens() == xs[0] && layout.groups() == ws[0] / group,
-        "skinny_wg::gemm_mn_with: the layout is for a mask [{}, {}] but x has {} tokens and w {} groups of {group}",
-        layout.tokens(),
-        layout.groups(),
-        xs[0],
-        ws[0] / group
-    );
-    let s = GemmShape { op: RoutedOp::Mn, m: xs[0], n: ws[0], k: xs[1], group };
+    let s = super::gemm::shape_of(RoutedOp::Mn, x, w, None, layout, group)?;
     launch_with(&s, x, w, layout, config)
 }
 
