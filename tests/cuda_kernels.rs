@@ -325,7 +325,8 @@ fn dispatch_measures_small_m_kernel_against_dense() {
 /// The transposed small-M wgmma gemm_mn in every shipped configuration: token counts up to each
 /// tile's (rows past M come as zeros from the tensor copy), one and two consumer warpgroups,
 /// groups of 8 to 512 channels (narrower and wider than a block's rows), all-on and all-off
-/// masks, a K of one k step, blocks alone and in clusters of two (x multicast). Hopper only.
+/// masks, a K of one k step (two with K split), blocks alone, in clusters of two that share x and in
+/// clusters of two that split K. Hopper only.
 #[test]
 fn gemm_mn_wgmma_skinny_matches_reference() {
     if hopper_gpu().is_none() {
@@ -334,10 +335,15 @@ fn gemm_mn_wgmma_skinny_matches_reference() {
     tch::manual_seed(41);
     for kind in [Kind::BFloat16, Kind::Half] {
         for nt in [16u32, 32, 64, 128] {
-            for (r, cluster) in [(1u32, 1u32), (2, 1), (1, 2), (2, 2)] {
-                let c = SkinnyWgConfig { cluster, ..SkinnyWgConfig::with(nt, r) };
+            for (r, cluster, split) in [(1u32, 1u32, 1u32), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (2, 1, 2)] {
+                let c = SkinnyWgConfig { cluster, split, ..SkinnyWgConfig::with(nt, r) };
                 for (m, n, k, g, p) in [(nt as i64, 14336, 4096, 128, 0.5), (nt as i64 / 2 + 1, 4096, 512, 32, 0.5), (2, 1024, 64, 8, 0.5), (nt as i64 - 3, 512, 192, 512, 0.3), (nt as i64, 256, 128, 64, 1.0), (5, 256, 128, 128, 0.0)] {
                     let MnCase { x, w, l, r: reference, off, .. } = mn_case(kind, m, n, k, g, p, false);
+                    if k % (64 * c.split as i64) != 0 {
+                        let e = wide_kernels::ops::skinny_wg::gemm_mn_with(c, &x, &w, &l, g).unwrap_err().to_string();
+                        assert!(e.contains("128 | K"), "{e}");
+                        continue;
+                    }
                     poison(m, n, kind);
                     let y = wide_kernels::ops::skinny_wg::gemm_mn_with(c, &x, &w, &l, g).unwrap();
                     check(&y, &reference, Some(&off), &format!("{} {kind:?} M={m} N={n} K={k} G={g} active={p}", c.label()));

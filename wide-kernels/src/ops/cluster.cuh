@@ -1,6 +1,7 @@
 // Thread-block cluster helpers shared by the wgmma gemm_mn kernels (wgmma.cu, skinny_wg.cu):
-// the block's rank, a cluster-wide barrier, another block's shared-memory address, a remote
-// mbarrier arrival and a multicast tensor copy. Prepended after mbarrier.cuh (TmaDesc).
+// the block's rank, a cluster-wide barrier, another block's shared-memory address and an f32
+// load from it, a remote mbarrier arrival and a multicast tensor copy. Prepended after
+// mbarrier.cuh (TmaDesc).
 __device__ __forceinline__ unsigned cluster_rank() {
     unsigned r;
     asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
@@ -14,6 +15,12 @@ __device__ __forceinline__ unsigned map_rank(unsigned addr, unsigned rank) {
     unsigned r;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
     return r;
+}
+// An f32 of another block's shared memory (an address from map_rank).
+__device__ __forceinline__ float ld_cluster_f32(unsigned cluster_addr) {
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(cluster_addr) : "memory");
+    return v;
 }
 // Arrival on a barrier of another block of the cluster. Default semantics: the stage's readers
 // were wgmma, complete (wgmma.wait_group) before this in program order; no data written here

@@ -13,6 +13,10 @@
 //   STAGES    shared-memory pipeline depth
 //   CLUSTER   1, or 2: clusters of two blocks on neighbouring row blocks; each block loads half
 //             of x's rows and multicasts them to both, so x crosses from L2 once for two blocks
+//   SPLITK    1, or 2 (with CLUSTER 1): clusters of two blocks on the same rows, each taking half
+//             of K; the second hands its f32 partial sums to the first through distributed
+//             shared memory, which adds them and writes the tile (twice the blocks for a narrow
+//             product such as Q 4096 x 4096, whose 64 row blocks leave half the multiprocessors idle)
 //
 // Block: warpgroup 0 is the producer (one thread issues, for each k step of 64, one tensor copy
 // of the block's 64 R x 64 weight box and one of the NT x 64 box of x, both 128-byte swizzled,
@@ -45,6 +49,14 @@
 #if CLUSTER != 1 && CLUSTER != 2
 #error "CLUSTER is 1 or 2"
 #endif
+#ifndef SPLITK
+#define SPLITK 1
+#endif
+#if SPLITK != 1 && (SPLITK != 2 || CLUSTER != 1)
+#error "SPLITK is 1, or 2 with CLUSTER 1"
+#endif
+// Blocks a cluster, for either pairing.
+#define PAIR (CLUSTER * SPLITK)
 
 #define ROWS (64 * R)
 #define W_BYTES (ROWS * 128)
@@ -82,7 +94,7 @@ __device__ __forceinline__ void wgmma_nt(float (&d)[ACC], unsigned long long da,
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, R == 1 ? 2 : 1)
-#if CLUSTER == 2
+#if PAIR == 2
 __cluster_dims__(2, 1, 1)
 #endif
 skinny_wg(const __grid_constant__ TmaDesc tmap_w,  // w [N, K]: boxes of 64 k x ROWS rows
@@ -96,8 +108,16 @@ skinny_wg(const __grid_constant__ TmaDesc tmap_w,  // w [N, K]: boxes of 64 k x 
     // launch asks for 1024 bytes of slack.
     const unsigned base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     const int tid = threadIdx.x;
+#if SPLITK == 2
+    // A cluster is one row block; block `rank` takes k steps [rank KT, rank KT + KT).
+    const int n0 = (blockIdx.x >> 1) * ROWS;
+    const int KT = K / 128;
+    const int kt0 = (int)(blockIdx.x & 1) * KT;
+#else
     const int n0 = blockIdx.x * ROWS;
     const int KT = K / 64;
+    const int kt0 = 0;
+#endif
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(smem_u32(&full_bar[s]), 1);       // the producer's expect_tx
@@ -109,6 +129,9 @@ skinny_wg(const __grid_constant__ TmaDesc tmap_w,  // w [N, K]: boxes of 64 k x 
 #if CLUSTER == 2
     // Both blocks' barriers initialised before either multicasts or arrives remotely.
     cluster_sync();
+    const unsigned rank = cluster_rank();
+#endif
+#if SPLITK == 2
     const unsigned rank = cluster_rank();
 #endif
     const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
@@ -123,13 +146,13 @@ skinny_wg(const __grid_constant__ TmaDesc tmap_w,  // w [N, K]: boxes of 64 k x 
                 const unsigned fb = smem_u32(&full_bar[s]);
                 const unsigned sa = base + s * STAGE_BYTES;
                 mbar_arrive_expect_tx(fb, STAGE_BYTES);
-                tma_load_2d(sa, &tmap_w, kt * 64, n0, fb);
+                tma_load_2d(sa, &tmap_w, (kt0 + kt) * 64, n0, fb);
 #if CLUSTER == 2
                 // This block's half of x's rows, into both blocks' stage (the stage is free in
                 // both: each block's empty barrier counts both blocks' consumer warps).
                 tma_load_multicast(sa + W_BYTES + rank * (X_BYTES / 2), &tmap_x, kt * 64, (int)rank * (NT / 2), fb);
 #else
-                tma_load_2d(sa + W_BYTES, &tmap_x, kt * 64, 0, fb);
+                tma_load_2d(sa + W_BYTES, &tmap_x, (kt0 + kt) * 64, 0, fb);
 #endif
             }
         }
@@ -168,6 +191,27 @@ skinny_wg(const __grid_constant__ TmaDesc tmap_w,  // w [N, K]: boxes of 64 k x 
     // Every copy has landed (the consumers waited for each stage) and every wgmma has read its
     // operands once all threads pass here: the stage memory is free for the staged results.
     __syncthreads();
+#if SPLITK == 2
+    {
+        // The second block's partial sums, accumulator e of consumer thread t at e * 128 R + t
+        // (a warp's loads consecutive), read and added by the first block; the second then leaves.
+        float* red = reinterpret_cast<float*>(smem_raw + (base - smem_u32(smem_raw)));
+        const int t = tid - 128;
+        if (rank == 1 && wg > 0) {
+#pragma unroll
+            for (int e = 0; e < ACC; ++e) red[e * (128 * R) + t] = acc[e];
+        }
+        cluster_sync();
+        if (rank == 0 && wg > 0) {
+            const unsigned remote = map_rank(smem_u32(red), 1u);
+#pragma unroll
+            for (int e = 0; e < ACC; ++e) acc[e] += ld_cluster_f32(remote + 4u * (unsigned)(e * (128 * R) + t));
+        }
+        // The second block's shared memory stays until the first has read it.
+        cluster_sync();
+        if (rank == 1) return;
+    }
+#endif
     T* st = reinterpret_cast<T*>(smem_raw + (base - smem_u32(smem_raw)));
     if (wg > 0) {
         // Accumulator e of the m64nNT fragment: channel row (warp % 4) * 16 + lane / 4 (+ 8 for

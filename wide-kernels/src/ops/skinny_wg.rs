@@ -33,6 +33,9 @@ pub struct SkinnyWgConfig {
     /// 1, or 2: clusters of two blocks on neighbouring row blocks, each loading half of x's rows
     /// and multicasting them to both (x then crosses from L2 once for two blocks).
     pub cluster: u32,
+    /// 1, or 2 (unpaired otherwise): clusters of two blocks on the same rows, each taking half of
+    /// K, the second's partial sums added by the first through distributed shared memory.
+    pub split: u32,
 }
 
 /// Shared memory one block may use so that two blocks of one consumer warpgroup share a
@@ -46,8 +49,11 @@ impl SkinnyWgConfig {
     /// block for most multiprocessors, since each block reads all of x (M x K) from L2 once and
     /// twice the rows halve that traffic; else one (two blocks a multiprocessor). As many stages
     /// as fit, up to 8. `WIDE_SKINNY_WG_R` (1 or 2, read once) forces the warpgroups and
-    /// `WIDE_SKINNY_WG_CLUSTER=2` (read once) pairs the blocks where their count is even.
-    pub fn for_shape(m: i64, n: i64, sms: i64) -> Self {
+    /// `WIDE_SKINNY_WG_CLUSTER=2` (read once) pairs the blocks where their count is even. K is
+    /// split over two blocks (each half of K) where one warpgroup's row blocks are fewer than the
+    /// multiprocessors (Q 4096 x 4096: 64 blocks) and 128 | K; `WIDE_SKINNY_WG_SPLIT=1|2` (read
+    /// once) forces it off or on (where 128 | K).
+    pub fn for_shape(m: i64, n: i64, k: i64, sms: i64) -> Self {
         let nt = [16u32, 32, 64, 128].into_iter().find(|&t| t as i64 >= m).unwrap_or(128);
         let wide = nt >= 64 && n % 128 == 0 && n / 128 >= sms * 3 / 4;
         let r = match env_r() {
@@ -57,7 +63,16 @@ impl SkinnyWgConfig {
             None => 1,
         };
         let c = Self::with(nt, r);
-        if env_cluster() == 2 && (n / c.rows()) % 2 == 0 {
+        let split_ok = k % 128 == 0;
+        let split = match env_split() {
+            Some(2) if split_ok => 2,
+            Some(_) => 1,
+            None if split_ok && r == 1 && n / c.rows() < sms => 2,
+            None => 1,
+        };
+        if split == 2 {
+            Self { split: 2, ..c }
+        } else if env_cluster() == 2 && (n / c.rows()) % 2 == 0 {
             Self { cluster: 2, ..c }
         } else {
             c
@@ -68,7 +83,7 @@ impl SkinnyWgConfig {
     pub fn with(nt: u32, r: u32) -> Self {
         let stage = 64 * r * 128 + nt * 128;
         let budget = SMEM_PER_PAIR * if r == 1 { 1 } else { 2 } - 1024;
-        Self { nt, r, stages: (budget / stage).min(8), cluster: 1 }
+        Self { nt, r, stages: (budget / stage).min(8), cluster: 1, split: 1 }
     }
 
     pub fn rows(&self) -> i64 {
@@ -93,9 +108,18 @@ impl SkinnyWgConfig {
             && self.nt * (64 * self.r + 8) * 2 <= self.stages * self.stage_bytes()
             && self.smem_bytes() <= super::wgmma::SMEM_LIMIT
             && (self.cluster == 1 || self.cluster == 2)
+            && (self.split == 1 || (self.split == 2 && self.cluster == 1))
+            && (self.split == 1 || self.nt / 2 * 128 * self.r * 4 <= self.stages * self.stage_bytes())
     }
     pub fn label(&self) -> String {
-        format!("wgmma-skinny nt{} r{} s{}{}", self.nt, self.r, self.stages, if self.cluster == 2 { " c2" } else { "" })
+        format!(
+            "wgmma-skinny nt{} r{} s{}{}{}",
+            self.nt,
+            self.r,
+            self.stages,
+            if self.cluster == 2 { " c2" } else { "" },
+            if self.split == 2 { " k2" } else { "" }
+        )
     }
 }
 
@@ -129,6 +153,23 @@ fn env_cluster() -> u32 {
     })
 }
 
+/// `WIDE_SKINNY_WG_SPLIT`: None unset; 1 or 2 forces the split of K; another value is named in a
+/// warning and ignored.
+fn env_split() -> Option<u32> {
+    static V: OnceLock<Option<u32>> = OnceLock::new();
+    *V.get_or_init(|| {
+        let v = std::env::var("WIDE_SKINNY_WG_SPLIT").ok()?;
+        match v.trim() {
+            "1" => Some(1),
+            "2" => Some(2),
+            o => {
+                eprintln!("warning: WIDE_SKINNY_WG_SPLIT takes 1 or 2 (blocks sharing K), got '{o}'; ignored");
+                None
+            }
+        }
+    })
+}
+
 pub fn source(f16: bool, c: SkinnyWgConfig) -> KernelSource {
     KernelSource::new("skinny_wg", SOURCE)
         .target(super::wgmma::TARGET)
@@ -137,17 +178,18 @@ pub fn source(f16: bool, c: SkinnyWgConfig) -> KernelSource {
         .define("R", c.r)
         .define("STAGES", c.stages)
         .define("CLUSTER", c.cluster)
+        .define("SPLITK", c.split)
 }
 
-/// Every variant shipped: each token tile with one and two consumer warpgroups, unpaired and in
-/// clusters of two, both dtypes.
+/// Every variant shipped: each token tile with one and two consumer warpgroups, unpaired, in
+/// clusters of two that share x and in clusters of two that split K, both dtypes.
 pub fn kernel_variants() -> Vec<KernelSource> {
     let mut v = vec![];
     for f16 in [false, true] {
         for nt in [16, 32, 64, 128] {
             for r in [1, 2] {
-                for cluster in [1, 2] {
-                    v.push(source(f16, SkinnyWgConfig { cluster, ..SkinnyWgConfig::with(nt, r) }));
+                for (cluster, split) in [(1, 1), (2, 1), (1, 2)] {
+                    v.push(source(f16, SkinnyWgConfig { cluster, split, ..SkinnyWgConfig::with(nt, r) }));
                 }
             }
         }
@@ -174,7 +216,7 @@ pub(crate) fn launch(s: &GemmShape, x: &Tensor, w: &Tensor, layout: &RouteLayout
         d => anyhow::bail!("the wgmma small-M kernel needs CUDA tensors, got {d:?}"),
     };
     let sms = crate::cuda::multiprocessor_count(device)? as i64;
-    launch_with(s, x, w, layout, SkinnyWgConfig::for_shape(s.m, s.n, sms))
+    launch_with(s, x, w, layout, SkinnyWgConfig::for_shape(s.m, s.n, s.k, sms))
 }
 
 /// gemm_mn (`x` [M, K], `w` [N, K], `group` channels a group of the layout's mask) on this kernel
@@ -196,13 +238,15 @@ fn launch_with(s: &GemmShape, x: &Tensor, w: &Tensor, layout: &RouteLayout, c: S
     );
     ensure!(c.valid(), "wgmma small-M configuration {} is not valid", c.label());
     ensure!(
-        s.m <= c.nt as i64 && s.n % (c.rows() * c.cluster as i64) == 0,
-        "{} cannot run M {} N {} (needs M <= {} and {} | N)",
+        s.m <= c.nt as i64 && s.n % (c.rows() * c.cluster as i64) == 0 && s.k % (64 * c.split as i64) == 0,
+        "{} cannot run M {} N {} K {} (needs M <= {}, {} | N and {} | K)",
         c.label(),
         s.m,
         s.n,
+        s.k,
         c.nt,
-        c.rows() * c.cluster as i64
+        c.rows() * c.cluster as i64,
+        64 * c.split
     );
     let (device, f16, x, w, _) = cuda_inputs(s, x, w, None)?;
     ensure!(super::wgmma::supported(device), "the wgmma small-M kernel needs a compute capability 9.0 (Hopper) GPU; device {device} is not one");
@@ -219,11 +263,12 @@ fn launch_with(s: &GemmShape, x: &Tensor, w: &Tensor, layout: &RouteLayout, c: S
         KernelArg::I32(s.group as i32),
         KernelArg::I32((s.n / s.group) as i32),
     ];
-    let cfg = LaunchConfig { grid: ((s.n / c.rows()) as u32, 1, 1), block: (c.threads(), 1, 1), shared_mem_bytes: c.smem_bytes() };
+    let cfg = LaunchConfig { grid: ((s.n / c.rows() * c.split as i64) as u32, 1, 1), block: (c.threads(), 1, 1), shared_mem_bytes: c.smem_bytes() };
     // SAFETY: the arguments follow skinny_wg's signature: tensor maps of w [N, K] (boxes of 64 k
     // x 64 r rows) and x [M, K] (64 k x NT / cluster rows, M <= NT: rows past M read as zeros),
     // the layout's mask [M, N / group] (u8), out [M, N]; one block for each 64 r rows (64 r
-    // cluster | N, so the grid is whole clusters), 64 | K, 8 | group.
+    // cluster | N, so the grid is whole clusters), two with the split of K (64 split | K),
+    // 8 | group.
     unsafe { k.launch(cfg, &args)? };
     Ok(out)
 }
@@ -246,27 +291,33 @@ mod tests {
         }
         // 132 multiprocessors: up (14336 rows, 112 blocks of 128) takes two warpgroups from 64
         // tokens; Q (4096 rows) keeps one (32 blocks of 128 would leave most idle).
-        assert_eq!(SkinnyWgConfig::for_shape(16, 14336, 132), SkinnyWgConfig::with(16, 1));
-        assert_eq!(SkinnyWgConfig::for_shape(17, 14336, 132).nt, 32);
-        assert_eq!(SkinnyWgConfig::for_shape(128, 14336, 132), SkinnyWgConfig::with(128, 2));
-        assert_eq!(SkinnyWgConfig::for_shape(100, 4096, 132), SkinnyWgConfig::with(128, 1));
-        assert_eq!(SkinnyWgConfig::for_shape(2, 64, 132).nt, 16);
+        assert_eq!(SkinnyWgConfig::for_shape(16, 14336, 4096, 132), SkinnyWgConfig::with(16, 1));
+        assert_eq!(SkinnyWgConfig::for_shape(17, 14336, 4096, 132).nt, 32);
+        assert_eq!(SkinnyWgConfig::for_shape(128, 14336, 4096, 132), SkinnyWgConfig::with(128, 2));
+        // Q: 64 row blocks of one warpgroup on 132 multiprocessors: K split over two blocks
+        // (where 128 | K).
+        assert_eq!(SkinnyWgConfig::for_shape(100, 4096, 4096, 132), SkinnyWgConfig { split: 2, ..SkinnyWgConfig::with(128, 1) });
+        assert_eq!(SkinnyWgConfig::for_shape(100, 4096, 4032, 132), SkinnyWgConfig::with(128, 1));
+        assert_eq!(SkinnyWgConfig::for_shape(16, 14336, 4096, 132).split, 1, "224 row blocks: no split");
+        assert_eq!(SkinnyWgConfig::for_shape(2, 64, 64, 132).nt, 16);
         assert!(!SkinnyWgConfig { stages: 1, ..SkinnyWgConfig::with(128, 2) }.valid());
         assert!(!SkinnyWgConfig { nt: 48, ..SkinnyWgConfig::with(32, 1) }.valid());
         assert!(!SkinnyWgConfig { cluster: 3, ..SkinnyWgConfig::with(32, 1) }.valid());
         assert!(SkinnyWgConfig { cluster: 2, ..SkinnyWgConfig::with(16, 2) }.valid());
+        assert!(SkinnyWgConfig { split: 2, ..SkinnyWgConfig::with(128, 2) }.valid());
+        assert!(!SkinnyWgConfig { split: 2, cluster: 2, ..SkinnyWgConfig::with(64, 1) }.valid());
     }
 
     #[test]
     fn variants_target_sm90a() {
         let v = kernel_variants();
-        assert_eq!(v.len(), 32);
+        assert_eq!(v.len(), 48);
         assert!(v.iter().all(|k| k.name == "skinny_wg" && k.target == Some("compute_90a")));
         // Every configuration the launch rule can pick is shipped (precompiled machine code
         // covers it: the GPU machine keeps no cache between calls).
         for m in [2, 16, 17, 33, 64, 65, 128] {
             for n in [64, 4096, 14336] {
-                let c = SkinnyWgConfig::for_shape(m, n, 132);
+                let c = SkinnyWgConfig::for_shape(m, n, 4096, 132);
                 assert!(v.iter().any(|k| k.defines == source(false, c).defines), "{c:?} is not among the variants");
             }
         }
