@@ -169,6 +169,42 @@ pub const LARGE_M_MIN: i64 = 256;
 pub const GEMV_K_MAX_GROUPS: i64 = 1024;
 /// A routed kernel must beat dense by this factor to be chosen (timing noise margin).
 pub const MARGIN: f64 = 0.97;
+
+/// The factor a routed kernel from [`LARGE_M_MIN`] tokens must beat dense + mask by:
+/// `WIDE_TUNE_MARGIN` (read once; for A/B runs) or [`MARGIN`]. A value that is not a number in
+/// (0.5, 1.1] is an error (reported by the autotuner; [`choose`] then keeps [`MARGIN`]).
+pub fn large_m_margin() -> Result<f64, String> {
+    static P: OnceLock<Result<f64, String>> = OnceLock::new();
+    P.get_or_init(|| large_m_margin_from(std::env::var("WIDE_TUNE_MARGIN").ok().as_deref())).clone()
+}
+
+/// [`large_m_margin`]'s parse.
+pub fn large_m_margin_from(v: Option<&str>) -> Result<f64, String> {
+    match v.map(str::trim) {
+        None | Some("") => Ok(MARGIN),
+        Some(o) => match o.parse::<f64>() {
+            Ok(f) if f > 0.5 && f <= 1.1 => Ok(f),
+            _ => Err(format!("WIDE_TUNE_MARGIN takes a factor in (0.5, 1.1] that a routed kernel must beat dense + mask by (default {MARGIN}), got '{o}'")),
+        },
+    }
+}
+
+/// `WIDE_TUNE_LOG=1` (read once): the autotuner prints each record it measures (the candidates'
+/// times and the path the policy takes) to stderr. Unset, empty or `0` off; anything else an
+/// error.
+pub fn tune_log() -> Result<bool, String> {
+    static P: OnceLock<Result<bool, String>> = OnceLock::new();
+    P.get_or_init(|| tune_log_from(std::env::var("WIDE_TUNE_LOG").ok().as_deref())).clone()
+}
+
+/// [`tune_log`]'s parse.
+pub fn tune_log_from(v: Option<&str>) -> Result<bool, String> {
+    match v.map(str::trim) {
+        None | Some("") | Some("0") => Ok(false),
+        Some("1") => Ok(true),
+        Some(o) => Err(format!("WIDE_TUNE_LOG takes 1 (print each autotuner record) or 0 (the default), got '{o}'")),
+    }
+}
 /// At 2-16 tokens the measured choice is between two of our paths that both write the zeros
 /// (the small-M kernel and cuBLAS + the zero pass) on a 15-60 us product, timed cold after a
 /// spin: the faster one is taken. A/B of `314f1e5` (NOTES v32, two processes each, up / gate+up /
@@ -251,7 +287,7 @@ impl Tuned {
         if self.skinny_ms.is_some() || self.skinny_wg_ms.is_some() {
             SMALL_M_MARGIN
         } else {
-            MARGIN
+            large_m_margin().unwrap_or(MARGIN)
         }
     }
 }
@@ -358,9 +394,10 @@ pub fn choose(s: &GemmShape, sparsity: f64, tuned: Option<&Tuned>) -> GemmPath {
     if s.m < LARGE_M_MIN {
         return small_m_measured(s, tuned);
     }
+    let margin = large_m_margin().unwrap_or(MARGIN);
     match tuned.and_then(|t| t.best_path().map(|b| (t.dense_ms, b))) {
-        Some((dense, (GemmPath::Tiled(tile), ms))) if ms < MARGIN * dense && feasible_tiles(s).contains(&tile) => GemmPath::Tiled(tile),
-        Some((dense, (GemmPath::Wgmma, ms))) if ms < MARGIN * dense && wgmma_feasible(s) => GemmPath::Wgmma,
+        Some((dense, (GemmPath::Tiled(tile), ms))) if ms < margin * dense && feasible_tiles(s).contains(&tile) => GemmPath::Tiled(tile),
+        Some((dense, (GemmPath::Wgmma, ms))) if ms < margin * dense && wgmma_feasible(s) => GemmPath::Wgmma,
         _ => GemmPath::DenseMasked,
     }
 }
@@ -748,6 +785,21 @@ mod tests {
         let r = rec(None, Some(0.9));
         assert_eq!(r.best_path(), Some((GemmPath::SkinnyWg, 0.9)));
         assert_eq!(r.margin(), SMALL_M_MARGIN);
+    }
+
+    #[test]
+    fn margin_and_log_switches_parse() {
+        assert_eq!(large_m_margin_from(None), Ok(MARGIN));
+        assert_eq!(large_m_margin_from(Some(" ")), Ok(MARGIN));
+        assert_eq!(large_m_margin_from(Some("1.0")), Ok(1.0));
+        assert_eq!(large_m_margin_from(Some(" 0.99 ")), Ok(0.99));
+        for bad in ["0.5", "1.2", "-1", "nan", "fast"] {
+            assert!(large_m_margin_from(Some(bad)).unwrap_err().contains("WIDE_TUNE_MARGIN takes a factor"), "{bad}");
+        }
+        assert_eq!(tune_log_from(None), Ok(false));
+        assert_eq!(tune_log_from(Some("0")), Ok(false));
+        assert_eq!(tune_log_from(Some("1")), Ok(true));
+        assert!(tune_log_from(Some("yes")).unwrap_err().contains("WIDE_TUNE_LOG takes 1"));
     }
 
     #[test]

@@ -733,6 +733,25 @@ fn tuned(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: &Ro
         return Ok(t.clone());
     }
     let t = autotune(s, x, w, w2, layout).with_context(|| format!("autotuning {s:?}"))?;
+    if dispatch::tune_log().map_err(anyhow::Error::msg)? {
+        let us = |ms: Option<f64>| ms.map_or("-".to_string(), |v| format!("{:.1}", v * 1e3));
+        let tiles: Vec<String> = t.tiles.iter().map(|(c, ms)| format!("{}x{}x{} {:.1}", c.bm, c.bn, c.bk, ms * 1e3)).collect();
+        eprintln!(
+            "autotune {:?} M={} N={} K={} G={} sparsity {:.3}: dense+mask {:.1} us, tiles [{}], wgmma {}, mma.sync small-M {}, wgmma small-M {} -> {:?}",
+            s.op,
+            s.m,
+            s.n,
+            s.k,
+            s.group,
+            layout.sparsity(),
+            t.dense_ms * 1e3,
+            tiles.join(", "),
+            us(t.wgmma_ms),
+            us(t.skinny_ms),
+            us(t.skinny_wg_ms),
+            dispatch::choose(s, layout.sparsity(), Some(&t))
+        );
+    }
     dispatch::tune_cache().lock().unwrap().insert(key, t.clone());
     Ok(t)
 }
@@ -776,6 +795,7 @@ fn autotune(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: 
         let _ = run_path(s, x, w, w2, layout, p)?;
     }
     let mode = dispatch::tune_mode().map_err(anyhow::Error::msg)?;
+    dispatch::large_m_margin().map_err(anyhow::Error::msg)?;
     // Cold: read before each run, twice the L2's size (clean lines, as a layer's weight reads
     // leave them), so every candidate starts from DRAM as in a prefill's layer.
     let flush = match mode {
