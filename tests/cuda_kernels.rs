@@ -808,6 +808,15 @@ fn sanitizer_small_all_ops() {
             let up = if fused { Some(&w) } else { None };
             let _ = wide_kernels::ops::wgmma::gemm_mn_banded(WgmmaConfig::default_for(fused), Some(3), &x, &w, up, &l, 128).unwrap();
         }
+        // The transposed small-M kernel with K split over pairs of blocks (the partial sums
+        // read from the other block's shared memory), one and two consumer warpgroups.
+        for (m, nt, r) in [(14i64, 16u32, 1u32), (100, 128, 2)] {
+            let c = SkinnyWgConfig { split: 2, ..SkinnyWgConfig::with(nt, r) };
+            let msk = mask(m, 512 / 64, 0.5);
+            let x = Tensor::randn([m, 384], (Kind::BFloat16, gpu()));
+            let w = Tensor::randn([512, 384], (Kind::BFloat16, gpu())) * 0.05;
+            let _ = wide_kernels::ops::skinny_wg::gemm_mn_with(c, &x, &w, &route_layout(&msk).unwrap(), 64).unwrap();
+        }
     }
     run_k_case(Kind::Half, 65, 256, 512, 32, 0.5);
     run_fold_case(Kind::BFloat16, 512, 1024, 64, 512, 32, 12, 4, 0.5);
