@@ -13,12 +13,10 @@
 //   STAGES    shared-memory pipeline depth
 //   CLUSTER   1, or 2: clusters of two blocks on neighbouring row blocks; each block loads half
 //             of x's rows and multicasts them to both, so x crosses from L2 once for two blocks
-//   SPLITK    1, 2 or 4 (with CLUSTER 1; 4 with NT >= 32): clusters of SPLITK blocks on the same
-//             rows, each taking 1 / SPLITK of K; every block leaves its f32 partial sums in its
-//             shared memory and then adds the others' for its own NT / SPLITK tokens, read
-//             through distributed shared memory, and writes those tokens of the tile (SPLITK
-//             times the blocks for a narrow product such as Q 4096 x 4096, whose 64 row blocks
-//             leave half the multiprocessors idle)
+//   SPLITK    1, or 2 (with CLUSTER 1): clusters of two blocks on the same rows, each taking half
+//             of K; the second hands its f32 partial sums to the first through distributed
+//             shared memory, which adds them and writes the tile (twice the blocks for a narrow
+//             product such as Q 4096 x 4096, whose 64 row blocks leave half the multiprocessors idle)
 //
 // Block: warpgroup 0 is the producer (one thread issues, for each k step of 64, one tensor copy
 // of the block's 64 R x 64 weight box and one of the NT x 64 box of x, both 128-byte swizzled,
@@ -54,14 +52,11 @@
 #ifndef SPLITK
 #define SPLITK 1
 #endif
-#if SPLITK != 1 && ((SPLITK != 2 && SPLITK != 4) || CLUSTER != 1)
-#error "SPLITK is 1, or 2 or 4 with CLUSTER 1"
+#if SPLITK != 1 && (SPLITK != 2 || CLUSTER != 1)
+#error "SPLITK is 1, or 2 with CLUSTER 1"
 #endif
-#if SPLITK > 1 && NT / SPLITK < 8
-#error "each block of a split writes whole 8-token columns: NT / SPLITK >= 8"
-#endif
-// Blocks a cluster, for either kind of cluster.
-#define CBLOCKS (CLUSTER * SPLITK)
+// Blocks a cluster, for either pairing.
+#define PAIR (CLUSTER * SPLITK)
 
 #define ROWS (64 * R)
 #define W_BYTES (ROWS * 128)
@@ -99,8 +94,8 @@ __device__ __forceinline__ void wgmma_nt(float (&d)[ACC], unsigned long long da,
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, R == 1 ? 2 : 1)
-#if CBLOCKS > 1
-__cluster_dims__(CBLOCKS, 1, 1)
+#if PAIR == 2
+__cluster_dims__(2, 1, 1)
 #endif
 skinny_wg(const __grid_constant__ TmaDesc tmap_w,  // w [N, K]: boxes of 64 k x ROWS rows
           const __grid_constant__ TmaDesc tmap_x,  // x [M, K]: boxes of 64 k x NT / CLUSTER rows
@@ -113,12 +108,11 @@ skinny_wg(const __grid_constant__ TmaDesc tmap_w,  // w [N, K]: boxes of 64 k x 
     // launch asks for 1024 bytes of slack.
     const unsigned base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     const int tid = threadIdx.x;
-#if SPLITK > 1
-    // A cluster is one row block; block `rank` (blockIdx.x % SPLITK in a cluster of SPLITK x 1 x
-    // 1) takes k steps [rank KT, rank KT + KT).
-    const int n0 = (blockIdx.x / SPLITK) * ROWS;
-    const int KT = K / (64 * SPLITK);
-    const int kt0 = (int)(blockIdx.x % SPLITK) * KT;
+#if SPLITK == 2
+    // A cluster is one row block; block `rank` takes k steps [rank KT, rank KT + KT).
+    const int n0 = (blockIdx.x >> 1) * ROWS;
+    const int KT = K / 128;
+    const int kt0 = (int)(blockIdx.x & 1) * KT;
 #else
     const int n0 = blockIdx.x * ROWS;
     const int KT = K / 64;
@@ -135,8 +129,9 @@ skinny_wg(const __grid_constant__ TmaDesc tmap_w,  // w [N, K]: boxes of 64 k x 
 #if CLUSTER == 2
     // Both blocks' barriers initialised before either multicasts or arrives remotely.
     cluster_sync();
+    const unsigned rank = cluster_rank();
 #endif
-#if CBLOCKS > 1
+#if SPLITK == 2
     const unsigned rank = cluster_rank();
 #endif
     const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
@@ -196,36 +191,26 @@ skinny_wg(const __grid_constant__ TmaDesc tmap_w,  // w [N, K]: boxes of 64 k x 
     // Every copy has landed (the consumers waited for each stage) and every wgmma has read its
     // operands once all threads pass here: the stage memory is free for the staged results.
     __syncthreads();
-#if SPLITK > 1
-    // Reduce-scatter over the cluster: every block leaves its partial sums in its own stage
-    // memory (accumulator e of consumer thread t at e * 128 R + t, a warp's accesses
-    // consecutive); after a cluster barrier block `rank` adds the others' for its accumulators
-    // [rank EPR, rank EPR + EPR), which are its tokens [rank NT / SPLITK, ...) (EPR a multiple
-    // of 4: whole 8-token columns of the fragment), and writes only those tokens of the tile. A
-    // second barrier keeps every block's shared memory until the others have read it.
-    constexpr int EPR = ACC / SPLITK;
+#if SPLITK == 2
     {
+        // The second block's partial sums, accumulator e of consumer thread t at e * 128 R + t
+        // (a warp's loads consecutive), read and added by the first block; the second then leaves.
         float* red = reinterpret_cast<float*>(smem_raw + (base - smem_u32(smem_raw)));
         const int t = tid - 128;
-        if (wg > 0) {
+        if (rank == 1 && wg > 0) {
 #pragma unroll
             for (int e = 0; e < ACC; ++e) red[e * (128 * R) + t] = acc[e];
         }
         cluster_sync();
-        if (wg > 0) {
+        if (rank == 0 && wg > 0) {
+            const unsigned remote = map_rank(smem_u32(red), 1u);
 #pragma unroll
-            for (unsigned q = 1; q < SPLITK; ++q) {
-                const unsigned remote = map_rank(smem_u32(red), (rank + q) % SPLITK);
-#pragma unroll
-                for (int e = 0; e < ACC; ++e)
-                    if (e / EPR == (int)rank) acc[e] += ld_cluster_f32(remote + 4u * (unsigned)(e * (128 * R) + t));
-            }
+            for (int e = 0; e < ACC; ++e) acc[e] += ld_cluster_f32(remote + 4u * (unsigned)(e * (128 * R) + t));
         }
+        // The second block's shared memory stays until the first has read it.
         cluster_sync();
+        if (rank == 1) return;
     }
-    const int m_lo = (int)rank * (NT / SPLITK), m_hi = min(M, m_lo + NT / SPLITK);
-#else
-    const int m_lo = 0, m_hi = M;
 #endif
     T* st = reinterpret_cast<T*>(smem_raw + (base - smem_u32(smem_raw)));
     if (wg > 0) {
@@ -235,9 +220,6 @@ skinny_wg(const __grid_constant__ TmaDesc tmap_w,  // w [N, K]: boxes of 64 k x 
         const int r0 = (wg - 1) * 64 + w4 * 16 + (lane >> 2);
 #pragma unroll
         for (int e = 0; e < ACC; ++e) {
-#if SPLITK > 1
-            if (e / EPR != (int)rank) continue;
-#endif
             const int row = r0 + ((e & 2) ? 8 : 0);
             const int col = 8 * (e >> 2) + 2 * (lane & 3) + (e & 1);
             st[col * SROW + row] = (T)acc[e];
@@ -245,8 +227,8 @@ skinny_wg(const __grid_constant__ TmaDesc tmap_w,  // w [N, K]: boxes of 64 k x 
     }
     __syncthreads();
     constexpr int CH = ROWS / 8;  // 16-byte pieces of a token's row
-    for (int i = tid; i < (m_hi - m_lo) * CH; i += THREADS) {
-        const int m = m_lo + i / CH, c = i % CH;
+    for (int i = tid; i < M * CH; i += THREADS) {
+        const int m = i / CH, c = i - m * CH;
         const int ch = n0 + c * 8;
         uint4 v = make_uint4(0u, 0u, 0u, 0u);
         if (mask[(long long)m * NG + ch / G] != 0) v = *reinterpret_cast<const uint4*>(st + m * SROW + c * 8);

@@ -33,9 +33,8 @@ pub struct SkinnyWgConfig {
     /// 1, or 2: clusters of two blocks on neighbouring row blocks, each loading half of x's rows
     /// and multicasting them to both (x then crosses from L2 once for two blocks).
     pub cluster: u32,
-    /// 1, 2 or 4 (unpaired otherwise; 4 from 32 tokens a tile): clusters of `split` blocks on
-    /// the same rows, each taking 1 / `split` of K; each block adds the others' partial sums for
-    /// its share of the tokens through distributed shared memory and writes those tokens.
+    /// 1, or 2 (unpaired otherwise): clusters of two blocks on the same rows, each taking half of
+    /// K, the second's partial sums added by the first through distributed shared memory.
     pub split: u32,
 }
 
@@ -52,9 +51,8 @@ impl SkinnyWgConfig {
     /// as fit, up to 8. `WIDE_SKINNY_WG_R` (1 or 2, read once) forces the warpgroups and
     /// `WIDE_SKINNY_WG_CLUSTER=2` (read once) pairs the blocks where their count is even. K is
     /// split over two blocks (each half of K) where one warpgroup's row blocks are fewer than the
-    /// multiprocessors (Q 4096 x 4096: 64 blocks) and 128 | K; `WIDE_SKINNY_WG_SPLIT=1|2|4` (read
-    /// once) forces no split or a split in two or four (where 64 x that | K and, for four, the
-    /// token tile is 32 or more).
+    /// multiprocessors (Q 4096 x 4096: 64 blocks) and 128 | K; `WIDE_SKINNY_WG_SPLIT=1|2` (read
+    /// once) forces it off or on (where 128 | K).
     pub fn for_shape(m: i64, n: i64, k: i64, sms: i64) -> Self {
         let nt = [16u32, 32, 64, 128].into_iter().find(|&t| t as i64 >= m).unwrap_or(128);
         let wide = nt >= 64 && n % 128 == 0 && n / 128 >= sms * 3 / 4;
@@ -65,15 +63,15 @@ impl SkinnyWgConfig {
             None => 1,
         };
         let c = Self::with(nt, r);
-        let split_ok = |f: u32| k % (64 * f as i64) == 0 && Self { split: f, ..c }.valid();
+        let split_ok = k % 128 == 0;
         let split = match env_split() {
-            Some(f) if split_ok(f) => f,
+            Some(2) if split_ok => 2,
             Some(_) => 1,
-            None if split_ok(2) && r == 1 && n / c.rows() < sms => 2,
+            None if split_ok && r == 1 && n / c.rows() < sms => 2,
             None => 1,
         };
-        if split > 1 {
-            Self { split, ..c }
+        if split == 2 {
+            Self { split: 2, ..c }
         } else if env_cluster() == 2 && (n / c.rows()) % 2 == 0 {
             Self { cluster: 2, ..c }
         } else {
@@ -110,7 +108,7 @@ impl SkinnyWgConfig {
             && self.nt * (64 * self.r + 8) * 2 <= self.stages * self.stage_bytes()
             && self.smem_bytes() <= super::wgmma::SMEM_LIMIT
             && (self.cluster == 1 || self.cluster == 2)
-            && (self.split == 1 || ((self.split == 2 || (self.split == 4 && self.nt >= 32)) && self.cluster == 1))
+            && (self.split == 1 || (self.split == 2 && self.cluster == 1))
             && (self.split == 1 || self.nt / 2 * 128 * self.r * 4 <= self.stages * self.stage_bytes())
     }
     pub fn label(&self) -> String {
@@ -120,7 +118,7 @@ impl SkinnyWgConfig {
             self.r,
             self.stages,
             if self.cluster == 2 { " c2" } else { "" },
-            if self.split > 1 { format!(" k{}", self.split) } else { String::new() }
+            if self.split == 2 { " k2" } else { "" }
         )
     }
 }
@@ -155,8 +153,8 @@ fn env_cluster() -> u32 {
     })
 }
 
-/// `WIDE_SKINNY_WG_SPLIT`: None unset; 1, 2 or 4 forces the split of K (1: none); another value is
-/// named in a warning and ignored.
+/// `WIDE_SKINNY_WG_SPLIT`: None unset; 1 or 2 forces the split of K; another value is named in a
+/// warning and ignored.
 fn env_split() -> Option<u32> {
     static V: OnceLock<Option<u32>> = OnceLock::new();
     *V.get_or_init(|| {
@@ -164,9 +162,8 @@ fn env_split() -> Option<u32> {
         match v.trim() {
             "1" => Some(1),
             "2" => Some(2),
-            "4" => Some(4),
             o => {
-                eprintln!("warning: WIDE_SKINNY_WG_SPLIT takes 1, 2 or 4 (blocks sharing K), got '{o}'; ignored");
+                eprintln!("warning: WIDE_SKINNY_WG_SPLIT takes 1 or 2 (blocks sharing K), got '{o}'; ignored");
                 None
             }
         }
@@ -185,18 +182,14 @@ pub fn source(f16: bool, c: SkinnyWgConfig) -> KernelSource {
 }
 
 /// Every variant shipped: each token tile with one and two consumer warpgroups, unpaired, in
-/// clusters of two that share x, in clusters of two that split K and (tiles of 32 tokens or
-/// more) of four that split K, both dtypes.
+/// clusters of two that share x and in clusters of two that split K, both dtypes.
 pub fn kernel_variants() -> Vec<KernelSource> {
     let mut v = vec![];
     for f16 in [false, true] {
         for nt in [16, 32, 64, 128] {
             for r in [1, 2] {
-                for (cluster, split) in [(1, 1), (2, 1), (1, 2), (1, 4)] {
-                    let c = SkinnyWgConfig { cluster, split, ..SkinnyWgConfig::with(nt, r) };
-                    if c.valid() {
-                        v.push(source(f16, c));
-                    }
+                for (cluster, split) in [(1, 1), (2, 1), (1, 2)] {
+                    v.push(source(f16, SkinnyWgConfig { cluster, split, ..SkinnyWgConfig::with(nt, r) }));
                 }
             }
         }
@@ -274,7 +267,7 @@ fn launch_with(s: &GemmShape, x: &Tensor, w: &Tensor, layout: &RouteLayout, c: S
     // SAFETY: the arguments follow skinny_wg's signature: tensor maps of w [N, K] (boxes of 64 k
     // x 64 r rows) and x [M, K] (64 k x NT / cluster rows, M <= NT: rows past M read as zeros),
     // the layout's mask [M, N / group] (u8), out [M, N]; one block for each 64 r rows (64 r
-    // cluster | N, so the grid is whole clusters), `split` with the split of K (64 split | K),
+    // cluster | N, so the grid is whole clusters), two with the split of K (64 split | K),
     // 8 | group.
     unsafe { k.launch(cfg, &args)? };
     Ok(out)
@@ -313,24 +306,12 @@ mod tests {
         assert!(SkinnyWgConfig { cluster: 2, ..SkinnyWgConfig::with(16, 2) }.valid());
         assert!(SkinnyWgConfig { split: 2, ..SkinnyWgConfig::with(128, 2) }.valid());
         assert!(!SkinnyWgConfig { split: 2, cluster: 2, ..SkinnyWgConfig::with(64, 1) }.valid());
-        // A split in four: from 32 tokens a tile (each block writes 8 or more tokens), unpaired.
-        for nt in [32, 64, 128] {
-            for r in [1, 2] {
-                assert!(SkinnyWgConfig { split: 4, ..SkinnyWgConfig::with(nt, r) }.valid(), "nt {nt} r {r}");
-            }
-        }
-        assert!(!SkinnyWgConfig { split: 4, ..SkinnyWgConfig::with(16, 1) }.valid());
-        assert!(!SkinnyWgConfig { split: 3, ..SkinnyWgConfig::with(64, 1) }.valid());
-        assert!(!SkinnyWgConfig { split: 4, cluster: 2, ..SkinnyWgConfig::with(64, 1) }.valid());
-        assert_eq!(SkinnyWgConfig { split: 4, ..SkinnyWgConfig::with(128, 2) }.label(), "wgmma-skinny nt128 r2 s6 k4");
     }
 
     #[test]
     fn variants_target_sm90a() {
         let v = kernel_variants();
-        // 4 tiles x 2 warpgroup counts x 3 kinds of cluster, and the split in four for 3 tiles x 2,
-        // both dtypes.
-        assert_eq!(v.len(), 60);
+        assert_eq!(v.len(), 48);
         assert!(v.iter().all(|k| k.name == "skinny_wg" && k.target == Some("compute_90a")));
         // Every configuration the launch rule can pick is shipped (precompiled machine code
         // covers it: the GPU machine keeps no cache between calls).
