@@ -335,8 +335,12 @@ fn gemm_mn_wgmma_skinny_matches_reference() {
     tch::manual_seed(41);
     for kind in [Kind::BFloat16, Kind::Half] {
         for nt in [16u32, 32, 64, 128] {
-            for (r, cluster, split) in [(1u32, 1u32, 1u32), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (2, 1, 2)] {
+            for (r, cluster, split, alt) in [(1u32, 1u32, 1u32, false), (2, 1, 1, false), (1, 2, 1, false), (2, 2, 1, false), (1, 1, 2, false), (2, 1, 2, false), (1, 1, 1, true), (2, 2, 1, true), (1, 1, 2, true), (2, 1, 2, true)] {
                 let c = SkinnyWgConfig { cluster, split, ..SkinnyWgConfig::with(nt, r) };
+                // Both forms of each option: the mask bytes in shared memory (default) or read
+                // by the write-out; the split's sums pulled from the second block or pushed by it
+                // (the split's default); the pair's pipeline depth or the deepest one block holds.
+                let c = if alt { SkinnyWgConfig { stages: c.max_stages(), push: split == 2, mask_pre: false, ..c } } else { c };
                 for (m, n, k, g, p) in [(nt as i64, 14336, 4096, 128, 0.5), (nt as i64 / 2 + 1, 4096, 512, 32, 0.5), (2, 1024, 64, 8, 0.5), (nt as i64 - 3, 512, 192, 512, 0.3), (nt as i64, 256, 128, 64, 1.0), (5, 256, 128, 128, 0.0)] {
                     let MnCase { x, w, l, r: reference, off, .. } = mn_case(kind, m, n, k, g, p, false);
                     if k % (64 * c.split as i64) != 0 {
@@ -810,8 +814,9 @@ fn sanitizer_small_all_ops() {
         }
         // The transposed small-M kernel with K split over pairs of blocks (the partial sums
         // read from the other block's shared memory), one and two consumer warpgroups.
-        for (m, nt, r) in [(14i64, 16u32, 1u32), (100, 128, 2)] {
+        for (m, nt, r, alt) in [(14i64, 16u32, 1u32, false), (100, 128, 2, false), (14, 16, 1, true), (100, 128, 1, true)] {
             let c = SkinnyWgConfig { split: 2, ..SkinnyWgConfig::with(nt, r) };
+            let c = if alt { SkinnyWgConfig { stages: c.max_stages(), push: true, mask_pre: true, ..c } } else { c };
             let msk = mask(m, 512 / 64, 0.5);
             let x = Tensor::randn([m, 384], (Kind::BFloat16, gpu()));
             let w = Tensor::randn([512, 384], (Kind::BFloat16, gpu())) * 0.05;

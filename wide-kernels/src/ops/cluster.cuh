@@ -22,6 +22,11 @@ __device__ __forceinline__ float ld_cluster_f32(unsigned cluster_addr) {
     asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(cluster_addr) : "memory");
     return v;
 }
+// Four f32 into another block's shared memory (an address from map_rank, 16-byte aligned): a
+// store the thread does not wait for; a release (cluster_sync) makes it visible there.
+__device__ __forceinline__ void st_cluster_v4(unsigned cluster_addr, float a, float b, float c, float d) {
+    asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(cluster_addr), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+}
 // Arrival on a barrier of another block of the cluster. Default semantics: the stage's readers
 // were wgmma, complete (wgmma.wait_group) before this in program order; no data written here
 // needs a cluster-scope release.

@@ -17,6 +17,13 @@
 //             of K; the second hands its f32 partial sums to the first through distributed
 //             shared memory, which adds them and writes the tile (twice the blocks for a narrow
 //             product such as Q 4096 x 4096, whose 64 row blocks leave half the multiprocessors idle)
+//   PUSH      with SPLITK 2: 1 = the second block stores its partial sums into the first's
+//             shared memory (16-byte remote stores, not waited for one by one) between two
+//             cluster barriers and the first adds them from its own memory; 0 = the first reads
+//             them from the second's memory, one f32 remote load at a time
+//   MASKPRE   1 = the producer warpgroup's idle warps copy the block's mask bits (one byte a
+//             token and 16-byte piece of the tile) into shared memory while the weights
+//             stream, so the write-out reads no global memory; 0 = the write-out reads the mask
 //
 // Block: warpgroup 0 is the producer (one thread issues, for each k step of 64, one tensor copy
 // of the block's 64 R x 64 weight box and one of the NT x 64 box of x, both 128-byte swizzled,
@@ -55,6 +62,15 @@
 #if SPLITK != 1 && (SPLITK != 2 || CLUSTER != 1)
 #error "SPLITK is 1, or 2 with CLUSTER 1"
 #endif
+#ifndef PUSH
+#define PUSH 0
+#endif
+#ifndef MASKPRE
+#define MASKPRE 0
+#endif
+#if PUSH != 0 && SPLITK != 2
+#error "PUSH is for the split of K"
+#endif
 // Blocks a cluster, for either pairing.
 #define PAIR (CLUSTER * SPLITK)
 
@@ -67,6 +83,7 @@
 // the banks.
 #define SROW (ROWS + 8)
 #define ACC (NT / 2)
+#define CH (ROWS / 8)  // 16-byte pieces of a token's row of the tile
 
 #define WG_ACC16(b) WG_ACC8(b), WG_ACC8(b + 8)
 
@@ -104,6 +121,9 @@ skinny_wg(const __grid_constant__ TmaDesc tmap_w,  // w [N, K]: boxes of 64 k x 
           int M, int N, int K, int G, int NG) {
     extern __shared__ unsigned char smem_raw[];
     __shared__ __align__(8) unsigned long long full_bar[STAGES], empty_bar[STAGES];
+#if MASKPRE
+    __shared__ unsigned char keep[NT * CH];  // token m, piece c: kept (1) or skipped (0)
+#endif
     // Stages start 1024-aligned (the swizzle pattern is defined on absolute address bits); the
     // launch asks for 1024 bytes of slack.
     const unsigned base = (smem_u32(smem_raw) + 1023u) & ~1023u;
@@ -156,6 +176,16 @@ skinny_wg(const __grid_constant__ TmaDesc tmap_w,  // w [N, K]: boxes of 64 k x 
 #endif
             }
         }
+#if MASKPRE
+        else if (tid >= 32) {
+            // Warps 1-3 of the producer warpgroup (warp 0 issues the copies): read once, here,
+            // while the first stages are in flight; the __syncthreads below publishes them.
+            for (int i = tid - 32; i < M * CH; i += 96) {
+                const int m = i / CH, c = i - m * CH;
+                keep[i] = mask[(long long)m * NG + (n0 + c * 8) / G] != 0;
+            }
+        }
+#endif
     } else {
         const int cw = wg - 1, lane = tid & 31;
         int s = 0, prev = STAGES - 1;
@@ -197,6 +227,34 @@ skinny_wg(const __grid_constant__ TmaDesc tmap_w,  // w [N, K]: boxes of 64 k x 
         // (a warp's loads consecutive), read and added by the first block; the second then leaves.
         float* red = reinterpret_cast<float*>(smem_raw + (base - smem_u32(smem_raw)));
         const int t = tid - 128;
+#if PUSH
+        // Accumulators 4j .. 4j + 3 of consumer thread t as the 16 bytes at j * 128 R + t (a
+        // warp's stores consecutive). The first barrier: both blocks are past their main loops,
+        // so the first's stage memory is free; the second's (release / acquire): its stores
+        // have landed.
+        float4* red4 = reinterpret_cast<float4*>(red);
+        cluster_sync();
+        if (rank == 1 && wg > 0) {
+            const unsigned remote = map_rank(smem_u32(red4), 0u);
+#pragma unroll
+            for (int j = 0; j < ACC / 4; ++j)
+                st_cluster_v4(remote + 16u * (unsigned)(j * (128 * R) + t), acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
+        }
+        cluster_sync();
+        if (rank == 1) return;
+        if (wg > 0) {
+#pragma unroll
+            for (int j = 0; j < ACC / 4; ++j) {
+                const float4 v = red4[j * (128 * R) + t];
+                acc[4 * j] += v.x;
+                acc[4 * j + 1] += v.y;
+                acc[4 * j + 2] += v.z;
+                acc[4 * j + 3] += v.w;
+            }
+        }
+        // The staging below overwrites red4: every consumer has read its sums first.
+        __syncthreads();
+#else
         if (rank == 1 && wg > 0) {
 #pragma unroll
             for (int e = 0; e < ACC; ++e) red[e * (128 * R) + t] = acc[e];
@@ -210,6 +268,7 @@ skinny_wg(const __grid_constant__ TmaDesc tmap_w,  // w [N, K]: boxes of 64 k x 
         // The second block's shared memory stays until the first has read it.
         cluster_sync();
         if (rank == 1) return;
+#endif
     }
 #endif
     T* st = reinterpret_cast<T*>(smem_raw + (base - smem_u32(smem_raw)));
@@ -226,12 +285,16 @@ skinny_wg(const __grid_constant__ TmaDesc tmap_w,  // w [N, K]: boxes of 64 k x 
         }
     }
     __syncthreads();
-    constexpr int CH = ROWS / 8;  // 16-byte pieces of a token's row
     for (int i = tid; i < M * CH; i += THREADS) {
         const int m = i / CH, c = i - m * CH;
         const int ch = n0 + c * 8;
         uint4 v = make_uint4(0u, 0u, 0u, 0u);
-        if (mask[(long long)m * NG + ch / G] != 0) v = *reinterpret_cast<const uint4*>(st + m * SROW + c * 8);
+#if MASKPRE
+        if (keep[i])
+#else
+        if (mask[(long long)m * NG + ch / G] != 0)
+#endif
+            v = *reinterpret_cast<const uint4*>(st + m * SROW + c * 8);
         *reinterpret_cast<uint4*>(out + (long long)m * N + ch) = v;
     }
 #if CLUSTER == 2

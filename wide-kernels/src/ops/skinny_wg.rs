@@ -36,6 +36,12 @@ pub struct SkinnyWgConfig {
     /// 1, or 2 (unpaired otherwise): clusters of two blocks on the same rows, each taking half of
     /// K, the second's partial sums added by the first through distributed shared memory.
     pub split: u32,
+    /// With the split: the second block stores its partial sums into the first's shared memory
+    /// (false: the first reads them from the second's, one f32 at a time).
+    pub push: bool,
+    /// The block's mask bytes copied into shared memory while the weights stream (false: the
+    /// write-out reads them from global memory).
+    pub mask_pre: bool,
 }
 
 /// Shared memory one block may use so that two blocks of one consumer warpgroup share a
@@ -52,8 +58,31 @@ impl SkinnyWgConfig {
     /// `WIDE_SKINNY_WG_CLUSTER=2` (read once) pairs the blocks where their count is even. K is
     /// split over two blocks (each half of K) where one warpgroup's row blocks are fewer than the
     /// multiprocessors (Q 4096 x 4096: 64 blocks) and 128 | K; `WIDE_SKINNY_WG_SPLIT=1|2` (read
-    /// once) forces it off or on (where 128 | K).
+    /// once) forces it off or on (where 128 | K). For A/B runs (each read once):
+    /// `WIDE_SKINNY_WG_STAGES=n` sets the pipeline depth, clamped to what one block's shared
+    /// memory holds; `WIDE_SKINNY_WG_PUSH=0|1` the split's hand-off; `WIDE_SKINNY_WG_MASKPRE=0|1`
+    /// where the write-out reads the mask.
     pub fn for_shape(m: i64, n: i64, k: i64, sms: i64) -> Self {
+        let mut c = Self::for_shape_default(m, n, k, sms);
+        if let Some(s) = env_stages() {
+            c.stages = s.min(c.max_stages());
+        }
+        if let Some(p) = env_flag("WIDE_SKINNY_WG_PUSH") {
+            c.push = p && c.split == 2;
+        }
+        if let Some(p) = env_flag("WIDE_SKINNY_WG_MASKPRE") {
+            c.mask_pre = p;
+        }
+        c
+    }
+
+    /// The most stages one block's shared memory holds for this tile (4 KiB left for the
+    /// kernel's static shared memory: barriers and the mask bytes).
+    pub fn max_stages(&self) -> u32 {
+        (super::wgmma::SMEM_LIMIT - 1024 - 4096) / self.stage_bytes()
+    }
+
+    fn for_shape_default(m: i64, n: i64, k: i64, sms: i64) -> Self {
         let nt = [16u32, 32, 64, 128].into_iter().find(|&t| t as i64 >= m).unwrap_or(128);
         let wide = nt >= 64 && n % 128 == 0 && n / 128 >= sms * 3 / 4;
         let r = match env_r() {
@@ -70,20 +99,34 @@ impl SkinnyWgConfig {
             None if split_ok && r == 1 && n / c.rows() < sms => 2,
             None => 1,
         };
-        if split == 2 {
-            Self { split: 2, ..c }
+        let c = if split == 2 {
+            c.split_k()
         } else if env_cluster() == 2 && (n / c.rows()) % 2 == 0 {
             Self { cluster: 2, ..c }
+        } else {
+            c
+        };
+        // A grid of at most one block a multiprocessor leaves the second block's shared memory
+        // free: the deepest pipeline (Q 4096 x 4096 split: 9 stages at 128 tokens instead of 4).
+        if n / c.rows() * c.split as i64 <= sms {
+            Self { stages: c.max_stages(), ..c }
         } else {
             c
         }
     }
 
-    /// A token tile and warpgroup count with the stages that fit (up to 8), no cluster.
+    /// The same tile with K split over two blocks, the second's sums pushed into the first's
+    /// shared memory.
+    pub fn split_k(self) -> Self {
+        Self { split: 2, push: true, ..self }
+    }
+
+    /// A token tile and warpgroup count with the stages that fit (up to 8; with one warpgroup,
+    /// two blocks a multiprocessor), no cluster, the mask bytes read while the weights stream.
     pub fn with(nt: u32, r: u32) -> Self {
         let stage = 64 * r * 128 + nt * 128;
         let budget = SMEM_PER_PAIR * if r == 1 { 1 } else { 2 } - 1024;
-        Self { nt, r, stages: (budget / stage).min(8), cluster: 1, split: 1 }
+        Self { nt, r, stages: (budget / stage).min(8), cluster: 1, split: 1, push: false, mask_pre: true }
     }
 
     pub fn rows(&self) -> i64 {
@@ -110,15 +153,18 @@ impl SkinnyWgConfig {
             && (self.cluster == 1 || self.cluster == 2)
             && (self.split == 1 || (self.split == 2 && self.cluster == 1))
             && (self.split == 1 || self.nt / 2 * 128 * self.r * 4 <= self.stages * self.stage_bytes())
+            && (!self.push || self.split == 2)
     }
     pub fn label(&self) -> String {
         format!(
-            "wgmma-skinny nt{} r{} s{}{}{}",
+            "wgmma-skinny nt{} r{} s{}{}{}{}{}",
             self.nt,
             self.r,
             self.stages,
             if self.cluster == 2 { " c2" } else { "" },
-            if self.split == 2 { " k2" } else { "" }
+            if self.split == 2 { " k2" } else { "" },
+            if self.push { " push" } else { "" },
+            if self.mask_pre { " maskpre" } else { "" }
         )
     }
 }
@@ -153,6 +199,37 @@ fn env_cluster() -> u32 {
     })
 }
 
+/// `WIDE_SKINNY_WG_STAGES`: None unset; a count of at least 2 forces the pipeline depth (clamped
+/// to what fits); another value is named in a warning and ignored.
+fn env_stages() -> Option<u32> {
+    static V: OnceLock<Option<u32>> = OnceLock::new();
+    *V.get_or_init(|| {
+        let v = std::env::var("WIDE_SKINNY_WG_STAGES").ok()?;
+        match v.trim().parse::<u32>() {
+            Ok(n) if n >= 2 => Some(n),
+            _ => {
+                eprintln!("warning: WIDE_SKINNY_WG_STAGES takes a stage count of at least 2, got '{}'; ignored", v.trim());
+                None
+            }
+        }
+    })
+}
+
+/// A 0 / 1 switch read once: None unset or empty; another value is named in a warning and
+/// ignored.
+fn env_flag(name: &'static str) -> Option<bool> {
+    static V: OnceLock<Mutex<HashMap<&'static str, Option<bool>>>> = OnceLock::new();
+    *V.get_or_init(Default::default).lock().unwrap().entry(name).or_insert_with(|| match std::env::var(name).ok().as_deref().map(str::trim) {
+        None | Some("") => None,
+        Some("0") => Some(false),
+        Some("1") => Some(true),
+        Some(o) => {
+            eprintln!("warning: {name} takes 0 or 1, got '{o}'; ignored");
+            None
+        }
+    })
+}
+
 /// `WIDE_SKINNY_WG_SPLIT`: None unset; 1 or 2 forces the split of K; another value is named in a
 /// warning and ignored.
 fn env_split() -> Option<u32> {
@@ -179,18 +256,28 @@ pub fn source(f16: bool, c: SkinnyWgConfig) -> KernelSource {
         .define("STAGES", c.stages)
         .define("CLUSTER", c.cluster)
         .define("SPLITK", c.split)
+        .define("PUSH", c.push as u32)
+        .define("MASKPRE", c.mask_pre as u32)
 }
 
 /// Every variant shipped: each token tile with one and two consumer warpgroups, unpaired, in
-/// clusters of two that share x and in clusters of two that split K, both dtypes.
+/// clusters of two that share x and in clusters of two that split K, each unpaired and split
+/// form also with the deepest pipeline one block holds, both dtypes.
 pub fn kernel_variants() -> Vec<KernelSource> {
     let mut v = vec![];
     for f16 in [false, true] {
         for nt in [16, 32, 64, 128] {
             for r in [1, 2] {
-                for (cluster, split) in [(1, 1), (2, 1), (1, 2)] {
-                    v.push(source(f16, SkinnyWgConfig { cluster, split, ..SkinnyWgConfig::with(nt, r) }));
+                let c = SkinnyWgConfig::with(nt, r);
+                v.push(source(f16, c));
+                v.push(source(f16, SkinnyWgConfig { cluster: 2, ..c }));
+                v.push(source(f16, c.split_k()));
+                // One block a multiprocessor: the deepest pipeline.
+                let deep = SkinnyWgConfig { stages: c.max_stages(), ..c };
+                if deep.stages != c.stages {
+                    v.push(source(f16, deep));
                 }
+                v.push(source(f16, deep.split_k()));
             }
         }
     }
@@ -295,9 +382,13 @@ mod tests {
         assert_eq!(SkinnyWgConfig::for_shape(17, 14336, 4096, 132).nt, 32);
         assert_eq!(SkinnyWgConfig::for_shape(128, 14336, 4096, 132), SkinnyWgConfig::with(128, 2));
         // Q: 64 row blocks of one warpgroup on 132 multiprocessors: K split over two blocks
-        // (where 128 | K).
-        assert_eq!(SkinnyWgConfig::for_shape(100, 4096, 4096, 132), SkinnyWgConfig { split: 2, ..SkinnyWgConfig::with(128, 1) });
-        assert_eq!(SkinnyWgConfig::for_shape(100, 4096, 4032, 132), SkinnyWgConfig::with(128, 1));
+        // (where 128 | K), one block a multiprocessor, so the deepest pipeline.
+        let q = SkinnyWgConfig::for_shape(100, 4096, 4096, 132);
+        assert_eq!(q, SkinnyWgConfig { stages: 9, ..SkinnyWgConfig::with(128, 1).split_k() });
+        assert!(q.push && q.mask_pre && q.valid());
+        assert_eq!(SkinnyWgConfig::for_shape(100, 4096, 4032, 132), SkinnyWgConfig { stages: 9, ..SkinnyWgConfig::with(128, 1) });
+        // 8192 rows: 128 row blocks, split into 256: two blocks a multiprocessor, the pair's depth.
+        assert_eq!(SkinnyWgConfig::for_shape(100, 8192, 4096, 132), SkinnyWgConfig::with(128, 1).split_k());
         assert_eq!(SkinnyWgConfig::for_shape(16, 14336, 4096, 132).split, 1, "224 row blocks: no split");
         assert_eq!(SkinnyWgConfig::for_shape(2, 64, 64, 132).nt, 16);
         assert!(!SkinnyWgConfig { stages: 1, ..SkinnyWgConfig::with(128, 2) }.valid());
@@ -309,14 +400,35 @@ mod tests {
     }
 
     #[test]
+    fn deepest_pipelines_fit_one_block() {
+        for nt in [16, 32, 64, 128] {
+            for r in [1, 2] {
+                for split in [1, 2] {
+                    let c = SkinnyWgConfig { split, ..SkinnyWgConfig::with(nt, r) };
+                    let deep = SkinnyWgConfig { stages: c.max_stages(), ..c };
+                    assert!(deep.valid(), "{deep:?}");
+                    assert!(deep.stages >= c.stages, "{deep:?}");
+                    let over = SkinnyWgConfig { stages: deep.stages + 1, ..c };
+                    assert!(!over.valid() || over.smem_bytes() + 4096 > super::super::wgmma::SMEM_LIMIT, "{over:?} should not be the deepest");
+                    // The hand-off by remote stores exists only for the split of K.
+                    assert_eq!(SkinnyWgConfig { push: true, mask_pre: true, ..deep }.valid(), split == 2);
+                }
+            }
+        }
+        // Q at 128 tokens: 24 KiB stages, 4 with two blocks a multiprocessor, 9 with one.
+        assert_eq!(SkinnyWgConfig::with(128, 1).stages, 4);
+        assert_eq!(SkinnyWgConfig::with(128, 1).max_stages(), 9);
+    }
+
+    #[test]
     fn variants_target_sm90a() {
         let v = kernel_variants();
-        assert_eq!(v.len(), 48);
+        assert_eq!(v.len(), 78);
         assert!(v.iter().all(|k| k.name == "skinny_wg" && k.target == Some("compute_90a")));
         // Every configuration the launch rule can pick is shipped (precompiled machine code
         // covers it: the GPU machine keeps no cache between calls).
         for m in [2, 16, 17, 33, 64, 65, 128] {
-            for n in [64, 4096, 14336] {
+            for n in [64, 4096, 8192, 14336] {
                 let c = SkinnyWgConfig::for_shape(m, n, 4096, 132);
                 assert!(v.iter().any(|k| k.defines == source(false, c).defines), "{c:?} is not among the variants");
             }
