@@ -301,7 +301,28 @@ fn dispatch_measures_small_m_kernel_against_dense() {
         let hopper = wide_kernels::ops::wgmma::supported(0);
         assert!(t.skinny_ms.is_some_and(|ms| ms > 0.0) && t.dense_ms > 0.0 && t.tiles.is_empty() && t.wgmma_ms.is_none(), "{t:?}");
         assert_eq!(t.skinny_wg_ms.is_some_and(|ms| ms > 0.0), hopper, "{t:?}");
-        eprintln!("{kind:?} M={m}: dense + mask {:.4} ms, small-M kernel {:.4} ms, wgmma small-M {:?} ms, took {}", t.dense_ms, t.skinny_ms.unwrap(), t.skinny_wg_ms, path.label());
+        // The same candidates timed again on a warm L2.
+        let w = t.warm.unwrap_or_else(|| panic!("no warm timings in {t:?}"));
+        assert!(w.dense_ms > 0.0 && w.skinny_ms.is_some_and(|ms| ms > 0.0) && w.skinny_wg_ms.is_some() == hopper, "{t:?}");
+        eprintln!("{kind:?} M={m}: dense + mask {:.4} ms, small-M kernel {:.4} ms, wgmma small-M {:?} ms, warm {w:?}, took {}", t.dense_ms, t.skinny_ms.unwrap(), t.skinny_wg_ms, path.label());
+        if hopper {
+            // A narrow product (as Q) at 16 tokens: the rule takes the mma.sync kernel; on Hopper
+            // the two small-M kernels are measured against each other, cold and warm.
+            let (n, g) = (2048, 256);
+            let c = mn_case(kind, m, n, k, g, 0.5, false);
+            let s = GemmShape { op: RoutedOp::Mn, m, n, k, group: g };
+            assert_eq!(wide_kernels::choose(&s, c.l.sparsity(), None), GemmPath::GemvMma);
+            assert!(wide_kernels::ops::dispatch::small_m_tunable(&s, c.l.sparsity()).unwrap(), "{s:?}");
+            poison(m, n, kind);
+            let (y, path) = routed_gemm(RoutedOp::Mn, &c.x, &c.w, None, &c.l, g, None).unwrap();
+            assert!(matches!(path, GemmPath::GemvMma | GemmPath::SkinnyWg | GemmPath::DenseMasked), "{path:?}");
+            check(&y, &c.r, Some(&c.off), &format!("dispatch {kind:?} M={m} N={n} K={k} G={g} ({})", path.label()));
+            let recs = wide_kernels::ops::gemm::tuned_records();
+            let (_, t) = recs.iter().find(|(key, _)| key.n == n && key.k == k && key.m_bucket == 16 && key.f16 == (kind == Kind::Half)).expect("a record for the narrow product");
+            let w = t.warm.unwrap_or_else(|| panic!("no warm timings in {t:?}"));
+            assert!(t.skinny_ms.is_some() && t.skinny_wg_ms.is_some() && w.skinny_ms.is_some() && w.skinny_wg_ms.is_some(), "{t:?}");
+            eprintln!("{kind:?} M={m} N={n}: {t:?}, took {}", path.label());
+        }
         if hopper {
             // Past the mma.sync kernel's 16 tokens, the wgmma one alone is measured.
             let m = 100;

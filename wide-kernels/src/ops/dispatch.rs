@@ -235,9 +235,13 @@ pub fn small_m_candidate(s: &GemmShape, sparsity: f64) -> bool {
 
 /// [`small_m_candidate`] with each kernel's switch: the static rule leaves the product to dense
 /// + mask, and the `mma.sync` small-M kernel (`skinny`) or the transposed wgmma kernel (`wg`)
-/// can run it.
+/// can run it; or the rule takes the `mma.sync` kernel and the wgmma kernel can run it too
+/// (both switches on), so the two are measured against each other.
 pub fn small_m_candidate_with(s: &GemmShape, sparsity: f64, skinny: bool, wg: bool) -> bool {
-    s.m < LARGE_M_MIN && ((skinny && skinny_feasible(s)) || (wg && skinny_wg_feasible(s))) && choose(s, sparsity, None) == GemmPath::DenseMasked
+    let rule = choose(s, sparsity, None);
+    let feasible = (skinny && skinny_feasible(s)) || (wg && skinny_wg_feasible(s));
+    let both = skinny && wg && skinny_feasible(s) && skinny_wg_feasible(s);
+    s.m < LARGE_M_MIN && ((feasible && rule == GemmPath::DenseMasked) || (both && rule == GemmPath::GemvMma))
 }
 
 /// A routed projection's shape.
@@ -263,6 +267,20 @@ pub struct Tuned {
     pub skinny_ms: Option<f64>,
     /// The transposed small-M wgmma kernel's time (2-128 tokens, where the static rule leaves
     /// the product to dense + mask, on compute capability 9.0).
+    pub skinny_wg_ms: Option<f64>,
+    /// Small-M records: the same candidates timed again with the operands in L2 (the times
+    /// above have the weights from DRAM).
+    pub warm: Option<WarmTimes>,
+}
+
+/// A small-M record's timings with the operands in L2. A call may meet either state (a decode
+/// layer's weights come from DRAM; a product repeated on the same weights finds them in L2),
+/// so the small-M choice takes the kernel whose worse ratio to dense + mask over the two states
+/// is lowest ([`small_m_measured`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct WarmTimes {
+    pub dense_ms: f64,
+    pub skinny_ms: Option<f64>,
     pub skinny_wg_ms: Option<f64>,
 }
 
@@ -383,6 +401,11 @@ pub fn choose(s: &GemmShape, sparsity: f64, tuned: Option<&Tuned>) -> GemmPath {
             _ => frac <= GEMV_MAX_FRACTION,
         };
         if mma {
+            // Where the autotuner also measured the transposed wgmma kernel (Hopper: Q at 2-16
+            // tokens, up at 2-4), the measurement decides between the two and dense + mask.
+            if tuned.is_some_and(|t| t.skinny_ms.is_some() && t.skinny_wg_ms.is_some()) && skinny_wg_feasible(s) {
+                return small_m_measured(s, tuned);
+            }
             return GemmPath::GemvMma;
         }
         // Where the rule leaves it to dense + mask, the autotuner's measurement decides.
@@ -402,15 +425,24 @@ pub fn choose(s: &GemmShape, sparsity: f64, tuned: Option<&Tuned>) -> GemmPath {
     }
 }
 
-/// Below LARGE_M_MIN, where the static rule leaves a product to dense + mask: the faster of the
-/// small-M kernels the autotuner measured (both write the zeros, as dense + mask does), if it
-/// beats dense + mask.
+/// Below LARGE_M_MIN, where the static rule leaves a product to dense + mask (or, with both
+/// small-M kernels measured, where it would take the `mma.sync` one): the small-M kernel the
+/// autotuner measured (both write the zeros, as dense + mask does) whose time over dense +
+/// mask's is lowest, if below 1. With warm timings in the record a kernel's ratio is the worse
+/// of its cold and warm ones, so the choice holds whether the weights come from DRAM or L2.
 fn small_m_measured(s: &GemmShape, tuned: Option<&Tuned>) -> GemmPath {
     let Some(t) = tuned else { return GemmPath::DenseMasked };
-    let skinny = t.skinny_ms.filter(|_| skinny_feasible(s)).map(|ms| (GemmPath::GemvMma, ms));
-    let wg = t.skinny_wg_ms.filter(|_| skinny_wg_feasible(s)).map(|ms| (GemmPath::SkinnyWg, ms));
+    let ratio = |cold: f64, warm: Option<f64>| {
+        let c = cold / t.dense_ms;
+        match (t.warm, warm) {
+            (Some(w), Some(ms)) => c.max(ms / w.dense_ms),
+            _ => c,
+        }
+    };
+    let skinny = t.skinny_ms.filter(|_| skinny_feasible(s)).map(|ms| (GemmPath::GemvMma, ratio(ms, t.warm.and_then(|w| w.skinny_ms))));
+    let wg = t.skinny_wg_ms.filter(|_| skinny_wg_feasible(s)).map(|ms| (GemmPath::SkinnyWg, ratio(ms, t.warm.and_then(|w| w.skinny_wg_ms))));
     match [skinny, wg].into_iter().flatten().min_by(|a, b| a.1.partial_cmp(&b.1).unwrap_or(std::cmp::Ordering::Equal)) {
-        Some((p, ms)) if ms < SMALL_M_MARGIN * t.dense_ms => p,
+        Some((p, r)) if r < SMALL_M_MARGIN => p,
         _ => GemmPath::DenseMasked,
     }
 }
@@ -602,24 +634,24 @@ mod tests {
     fn large_m_follows_the_measured_timings() {
         let s = shape(RoutedOp::Mn, 4096, 128);
         assert_eq!(choose(&s, 0.5, None), GemmPath::DenseMasked, "untuned large M stays dense");
-        let t = Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], 0.6), (TILES[1], 0.7)], wgmma_ms: None, skinny_ms: None, skinny_wg_ms: None };
+        let t = Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], 0.6), (TILES[1], 0.7)], wgmma_ms: None, skinny_ms: None, skinny_wg_ms: None, warm: None };
         assert_eq!(choose(&s, 0.5, Some(&t)), GemmPath::Tiled(TILES[0]));
-        let slow = Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], 0.98)], wgmma_ms: None, skinny_ms: None, skinny_wg_ms: None };
+        let slow = Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], 0.98)], wgmma_ms: None, skinny_ms: None, skinny_wg_ms: None, warm: None };
         assert_eq!(choose(&s, 0.5, Some(&slow)), GemmPath::DenseMasked, "within the margin stays dense");
     }
 
     #[test]
     fn wgmma_is_chosen_only_where_it_measured_fastest() {
         let s = shape(RoutedOp::Mn, 4096, 128);
-        let t = Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], 0.8)], wgmma_ms: Some(0.55), skinny_ms: None, skinny_wg_ms: None };
+        let t = Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], 0.8)], wgmma_ms: Some(0.55), skinny_ms: None, skinny_wg_ms: None, warm: None };
         assert_eq!(choose(&s, 0.5, Some(&t)), GemmPath::Wgmma);
         assert_eq!(choose(&shape(RoutedOp::MnSwiglu, 4096, 128), 0.5, Some(&t)), GemmPath::Wgmma);
-        let tile_wins = Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], 0.5)], wgmma_ms: Some(0.55), skinny_ms: None, skinny_wg_ms: None };
+        let tile_wins = Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], 0.5)], wgmma_ms: Some(0.55), skinny_ms: None, skinny_wg_ms: None, warm: None };
         assert_eq!(choose(&s, 0.5, Some(&tile_wins)), GemmPath::Tiled(TILES[0]));
-        let slow = Tuned { dense_ms: 1.0, tiles: vec![], wgmma_ms: Some(0.99), skinny_ms: None, skinny_wg_ms: None };
+        let slow = Tuned { dense_ms: 1.0, tiles: vec![], wgmma_ms: Some(0.99), skinny_ms: None, skinny_wg_ms: None, warm: None };
         assert_eq!(choose(&s, 0.5, Some(&slow)), GemmPath::DenseMasked, "within the margin stays dense");
         // Not measured (not sm_90) or a shape it cannot run: never chosen.
-        let none = Tuned { dense_ms: 1.0, tiles: vec![], wgmma_ms: None, skinny_ms: None, skinny_wg_ms: None };
+        let none = Tuned { dense_ms: 1.0, tiles: vec![], wgmma_ms: None, skinny_ms: None, skinny_wg_ms: None, warm: None };
         assert_eq!(choose(&s, 0.5, Some(&none)), GemmPath::DenseMasked);
         assert_eq!(choose(&shape(RoutedOp::Mn, 4096, 64), 0.5, Some(&t)), GemmPath::Wgmma, "G = 64: tiles of two groups");
         assert_eq!(choose(&shape(RoutedOp::Mn, 4096, 48), 0.5, Some(&t)), GemmPath::DenseMasked, "G = 48 does not divide the tile");
@@ -654,7 +686,7 @@ mod tests {
         let k32 = feasible_tiles(&GemmShape { op: RoutedOp::K, m: 4096, n: 4096, k: 14336, group: 32 });
         assert!(!k32.is_empty() && k32.iter().all(|t| t.bk == 32), "a 64-deep k step cannot tile a group of 32");
         // A tuned tile that cannot run this group is never chosen.
-        let t = Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], 0.1)], wgmma_ms: None, skinny_ms: None, skinny_wg_ms: None };
+        let t = Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], 0.1)], wgmma_ms: None, skinny_ms: None, skinny_wg_ms: None, warm: None };
         assert_eq!(choose(&s, 0.5, Some(&t)), GemmPath::DenseMasked);
         let odd = GemmShape { op: RoutedOp::Mn, m: 4096, n: 14336 / 7 * 7, k: 4100, group: 128 };
         assert!(feasible_tiles(&odd).is_empty(), "K not a multiple of 32");
@@ -707,13 +739,13 @@ mod tests {
 
     #[test]
     fn near_ties_are_around_the_margin_line() {
-        let t = |ms: f64| Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], ms)], wgmma_ms: None, skinny_ms: None, skinny_wg_ms: None };
+        let t = |ms: f64| Tuned { dense_ms: 1.0, tiles: vec![(TILES[0], ms)], wgmma_ms: None, skinny_ms: None, skinny_wg_ms: None, warm: None };
         assert!(near_tie(&t(0.97)));
         assert!(near_tie(&t(0.93)));
         assert!(near_tie(&t(1.01)));
         assert!(!near_tie(&t(0.80)), "a clear win");
         assert!(!near_tie(&t(1.20)), "a clear loss");
-        assert!(!near_tie(&Tuned { dense_ms: 1.0, tiles: vec![], wgmma_ms: None, skinny_ms: None, skinny_wg_ms: None }), "nothing routed measured");
+        assert!(!near_tie(&Tuned { dense_ms: 1.0, tiles: vec![], wgmma_ms: None, skinny_ms: None, skinny_wg_ms: None, warm: None }), "nothing routed measured");
     }
 
     #[test]
@@ -727,7 +759,7 @@ mod tests {
         assert_eq!(small_m_tuning_from(Some(" 1 ")), Ok(true));
         assert_eq!(small_m_tuning_from(Some("0")), Ok(false));
         assert!(small_m_tuning_from(Some("yes")).unwrap_err().contains("WIDE_TUNE_SMALL_M takes 1"));
-        let rec = |skinny: f64| Tuned { dense_ms: 1.0, tiles: vec![], wgmma_ms: None, skinny_ms: Some(skinny), skinny_wg_ms: None };
+        let rec = |skinny: f64| Tuned { dense_ms: 1.0, tiles: vec![], wgmma_ms: None, skinny_ms: Some(skinny), skinny_wg_ms: None, warm: None };
         assert_eq!(choose(&up16, 0.5, Some(&rec(0.99))), GemmPath::GemvMma, "faster than dense + mask");
         assert_eq!(choose(&up16, 0.5, Some(&rec(1.01))), GemmPath::DenseMasked, "slower");
         assert_eq!(choose(&up16, 0.5, Some(&Tuned { skinny_ms: None, ..rec(0.5) })), GemmPath::DenseMasked, "not measured");
@@ -736,10 +768,15 @@ mod tests {
         // Near a tie with dense + mask itself (the small-M line), more rounds.
         assert!(near_tie(&rec(1.03)) && near_tie(&rec(0.97)));
         assert!(!near_tie(&rec(0.8)) && !near_tie(&rec(1.2)));
-        // Not candidates: where the rule already takes the kernel (4 tokens of up, Q), one token
-        // (the GEMV), gemm_k (no small-M kernel) and groups the kernel cannot tile.
-        assert!(!small_m_candidate(&shape(RoutedOp::Mn, 4, 128), 0.5));
-        assert!(!small_m_candidate(&GemmShape { op: RoutedOp::Mn, m: 16, n: 4096, k: 4096, group: 512 }, 0.5));
+        // Where the rule takes the kernel (4 tokens of up, Q) it is a candidate only beside the
+        // wgmma small-M kernel; never one token (the GEMV), gemm_k (no small-M kernel) nor groups
+        // the kernel cannot tile.
+        let q16 = GemmShape { op: RoutedOp::Mn, m: 16, n: 4096, k: 4096, group: 512 };
+        assert!(small_m_candidate(&shape(RoutedOp::Mn, 4, 128), 0.5));
+        assert!(small_m_candidate(&q16, 0.5));
+        assert!(!small_m_candidate_with(&shape(RoutedOp::Mn, 4, 128), 0.5, true, false));
+        assert!(!small_m_candidate_with(&q16, 0.5, true, false));
+        assert!(!small_m_candidate_with(&q16, 0.5, false, true), "the rule's kernel switched off: not measured against it");
         assert!(!small_m_candidate(&shape(RoutedOp::Mn, 1, 128), 0.5));
         assert!(!small_m_candidate(&shape(RoutedOp::K, 16, 128), 0.5));
         let mma_only = |s: &GemmShape| small_m_candidate_with(s, 0.5, true, false);
@@ -771,7 +808,7 @@ mod tests {
         assert_eq!(skinny_wg_switch_from(Some(" 0")), Ok(false));
         assert!(skinny_wg_switch_from(Some("off")).unwrap_err().contains("WIDE_SKINNY_WG takes 1"));
         // The measurement decides: the faster of the two small-M kernels, if faster than dense.
-        let rec = |skinny: Option<f64>, wg: Option<f64>| Tuned { dense_ms: 1.0, tiles: vec![], wgmma_ms: None, skinny_ms: skinny, skinny_wg_ms: wg };
+        let rec = |skinny: Option<f64>, wg: Option<f64>| Tuned { dense_ms: 1.0, tiles: vec![], wgmma_ms: None, skinny_ms: skinny, skinny_wg_ms: wg, warm: None };
         let up16 = shape(RoutedOp::Mn, 16, 128);
         assert_eq!(choose(&up16, 0.5, Some(&rec(Some(0.99), Some(0.95)))), GemmPath::SkinnyWg);
         assert_eq!(choose(&up16, 0.5, Some(&rec(Some(0.95), Some(0.99)))), GemmPath::GemvMma);
@@ -785,6 +822,31 @@ mod tests {
         let r = rec(None, Some(0.9));
         assert_eq!(r.best_path(), Some((GemmPath::SkinnyWg, 0.9)));
         assert_eq!(r.margin(), SMALL_M_MARGIN);
+    }
+
+    #[test]
+    fn small_m_choice_holds_in_both_l2_states() {
+        // Q at 16 tokens: the rule's mma.sync kernel, unless both kernels were measured.
+        let q16 = GemmShape { op: RoutedOp::Mn, m: 16, n: 4096, k: 4096, group: 512 };
+        assert_eq!(choose(&q16, 0.5, None), GemmPath::GemvMma);
+        let warm = |d: f64, mma: f64, wg: f64| Some(WarmTimes { dense_ms: d, skinny_ms: Some(mma), skinny_wg_ms: Some(wg) });
+        // The H100's figures: the mma.sync kernel 0.84 of dense + mask cold but 1.05 warm, the
+        // wgmma kernel 0.91 and 0.82: the wgmma kernel's worse ratio is the lower.
+        let t = Tuned { dense_ms: 23.5, tiles: vec![], wgmma_ms: None, skinny_ms: Some(19.6), skinny_wg_ms: Some(21.4), warm: warm(13.1, 13.8, 10.8) };
+        assert_eq!(t.best_path().map(|p| p.0), Some(GemmPath::GemvMma), "the faster cold");
+        assert_eq!(choose(&q16, 0.5, Some(&t)), GemmPath::SkinnyWg);
+        // Without warm timings the cold ones decide.
+        assert_eq!(choose(&q16, 0.5, Some(&Tuned { warm: None, ..t.clone() })), GemmPath::GemvMma);
+        // Both slower than dense + mask in one state or the other: dense + mask.
+        let slow = Tuned { warm: warm(10.0, 10.5, 10.2), ..t.clone() };
+        assert_eq!(choose(&q16, 0.5, Some(&slow)), GemmPath::DenseMasked);
+        // Only the mma.sync kernel measured (no Hopper): the rule's kernel.
+        assert_eq!(choose(&q16, 0.5, Some(&Tuned { skinny_wg_ms: None, ..slow.clone() })), GemmPath::GemvMma);
+        // Where the rule leaves dense + mask (up at 16 tokens), the same worse-ratio choice.
+        let up16 = shape(RoutedOp::Mn, 16, 128);
+        assert_eq!(choose(&up16, 0.5, Some(&Tuned { dense_ms: 1.0, ..t.clone() })), GemmPath::DenseMasked, "cold ratios of 19.6 and 21.4");
+        let t = Tuned { dense_ms: 1.0, tiles: vec![], wgmma_ms: None, skinny_ms: Some(0.95), skinny_wg_ms: Some(0.97), warm: warm(1.0, 1.02, 0.96) };
+        assert_eq!(choose(&up16, 0.5, Some(&t)), GemmPath::SkinnyWg);
     }
 
     #[test]

@@ -716,12 +716,13 @@ fn launch_tiled(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layo
 }
 
 /// The autotuner's record for this shape's bucket, measuring it on these inputs on first use:
-/// dense+mask, every feasible tile and (on sm_90) the wgmma kernel (at 2-16 tokens: dense+mask
-/// and the small-M kernel), each warmed up once, then
+/// dense+mask, every feasible tile and (on sm_90) the wgmma kernel (at 2-128 tokens: dense+mask
+/// and the small-M kernels), each warmed up once, then
 /// timed in interleaved rounds (median of 3, of 7 where the fastest routed kernel is a near tie
 /// with dense), each run on a cold L2 and after a device spin so that the events time device
 /// work alone, the routed kernels with the building of their token lists (see
-/// [`TuneMode`] for the A/B modes). It synchronises the device, so run a first (un-captured)
+/// [`TuneMode`] for the A/B modes); the small-M candidates then 3 more rounds on a warm L2
+/// ([`dispatch::WarmTimes`]). It synchronises the device, so run a first (un-captured)
 /// call before capturing a CUDA graph.
 fn tuned(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: &RouteLayout) -> Result<Tuned> {
     let device = match x.device() {
@@ -737,7 +738,7 @@ fn tuned(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: &Ro
         let us = |ms: Option<f64>| ms.map_or("-".to_string(), |v| format!("{:.1}", v * 1e3));
         let tiles: Vec<String> = t.tiles.iter().map(|(c, ms)| format!("{}x{}x{} {:.1}", c.bm, c.bn, c.bk, ms * 1e3)).collect();
         eprintln!(
-            "autotune {:?} M={} N={} K={} G={} sparsity {:.3}: dense+mask {:.1} us, tiles [{}], wgmma {}, mma.sync small-M {}, wgmma small-M {} -> {:?}",
+            "autotune {:?} M={} N={} K={} G={} sparsity {:.3}: dense+mask {:.1} us, tiles [{}], wgmma {}, mma.sync small-M {}, wgmma small-M {}{} -> {:?}",
             s.op,
             s.m,
             s.n,
@@ -749,6 +750,7 @@ fn tuned(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: &Ro
             us(t.wgmma_ms),
             us(t.skinny_ms),
             us(t.skinny_wg_ms),
+            t.warm.map_or(String::new(), |w| format!("; warm: dense+mask {:.1} us, mma.sync small-M {}, wgmma small-M {}", w.dense_ms * 1e3, us(w.skinny_ms), us(w.skinny_wg_ms))),
             dispatch::choose(s, layout.sparsity(), Some(&t))
         );
     }
@@ -803,8 +805,8 @@ fn autotune(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: 
         _ => None,
     };
     let timer = GpuTimer::new(device)?;
-    let time = |i: usize| -> Result<f64> {
-        if let Some(f) = &flush {
+    let time_in = |i: usize, cold: bool| -> Result<f64> {
+        if let (Some(f), true) = (&flush, cold) {
             let _ = f.sum(Kind::Float);
         }
         if mode != TuneMode::Plain {
@@ -816,6 +818,7 @@ fn autotune(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: 
         let _ = run_path(s, x, w, w2, fresh.as_ref().unwrap_or(layout), paths[i])?;
         timer.stop_ms()
     };
+    let time = |i: usize| time_in(i, true);
     let mut samples = vec![Vec::new(); paths.len()];
     let of = |samples: &[Vec<f64>], p: GemmPath| paths.iter().position(|&q| q == p).map(|i| dispatch::median(&samples[i]));
     let record = |samples: &[Vec<f64>]| Tuned {
@@ -824,6 +827,7 @@ fn autotune(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: 
         wgmma_ms: of(samples, GemmPath::Wgmma),
         skinny_ms: of(samples, GemmPath::GemvMma),
         skinny_wg_ms: of(samples, GemmPath::SkinnyWg),
+        warm: None,
     };
     if mode == TuneMode::Plain {
         // The earlier autotuner, for A/B runs: each candidate's runs back to back, no spin.
@@ -839,6 +843,17 @@ fn autotune(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: 
     if dispatch::near_tie(&t) {
         dispatch::time_interleaved(&mut samples, dispatch::TUNE_MAX_ROUNDS - dispatch::TUNE_ROUNDS, &time)?;
         t = record(&samples);
+    }
+    if small && mode == TuneMode::Cold {
+        // The small-M candidates again with the operands in L2: the choice takes the kernel whose
+        // worse ratio to dense + mask over the two states is lowest (`dispatch::WarmTimes`).
+        let mut warm = vec![Vec::new(); paths.len()];
+        dispatch::time_interleaved(&mut warm, dispatch::TUNE_ROUNDS, |i| time_in(i, false))?;
+        t.warm = Some(dispatch::WarmTimes {
+            dense_ms: dispatch::median(&warm[0]),
+            skinny_ms: of(&warm, GemmPath::GemvMma),
+            skinny_wg_ms: of(&warm, GemmPath::SkinnyWg),
+        });
     }
     Ok(t)
 }
