@@ -424,7 +424,10 @@ fn print_table(r: &serde_json::Value) {
 /// What happens to the L2 between timed runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum L2Mode {
-    /// Nothing: the operands of the previous iteration may still be resident.
+    /// The same call run once, untimed, just before the timed one: its own operands are in L2,
+    /// as when a product repeats on the same weights. (Before `warm` meant whatever the variant
+    /// timed before it left there; with the rotation that was always the same neighbour, and the
+    /// same cuBLAS call read 5-7% apart in two slots of one iteration.)
     Warm,
     /// `cold`: the flush buffer (at least twice the L2) is written, so the timed call starts on
     /// an L2 full of dirty lines of another buffer and pays their write-back as it evicts them.
@@ -451,8 +454,8 @@ fn l2_mode(mode: &str) -> Result<L2Mode> {
 /// that clock and power drift over a case and the position after the input draw fall on all
 /// variants alike (timed one after another, the same dense product differed by up to 17% between
 /// cases at 16384 tokens). Before each timed call the L2 is prepared per `l2` (the flush buffer
-/// written or read) and a device spin is queued so the host enqueues the timed launches ahead of
-/// the GPU (as a CUDA-graph replay would run them).
+/// written or read, or the same call run once untimed) and a device spin is queued so the host
+/// enqueues the timed launches ahead of the GPU (as a CUDA-graph replay would run them).
 #[allow(clippy::too_many_arguments)]
 fn medians_ms<S>(
     cfg: &KernelBenchConfig,
@@ -477,7 +480,7 @@ fn medians_ms<S>(
                 L2Mode::ColdClean => {
                     let _ = flush.sum(Kind::Float);
                 }
-                L2Mode::Warm => {}
+                L2Mode::Warm => call(names[i], &inputs)?,
             }
             wide_kernels::ops::gpu_spin(dev, 200)?;
             timer.start()?;

@@ -809,6 +809,11 @@ fn autotune(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: 
         if let (Some(f), true) = (&flush, cold) {
             let _ = f.sum(Kind::Float);
         }
+        if !cold {
+            // Warm: the candidate's own operands in L2 (one untimed run of it first), not what
+            // the candidate before it left there.
+            let _ = run_path(s, x, w, w2, layout, paths[i])?;
+        }
         if mode != TuneMode::Plain {
             super::gpu_spin(device, dispatch::TUNE_SPIN_US)?;
         }
