@@ -106,14 +106,16 @@ pub fn autotune_json() -> serde_json::Value {
     let v: Vec<serde_json::Value> = recs
         .into_iter()
         .map(|(k, t)| {
-            // The policy itself on the bucket's M (records exist for large M, and for 2-16 tokens
-            // where the small-M kernel is measured against dense + mask).
+            // The policy itself on the bucket's M (records exist for large M, and for 2-128 tokens
+            // where the small-M kernels are measured against dense + mask, cold and warm).
             let shape = GemmShape { op: k.op, m: k.m_bucket, n: k.n, k: k.k, group: k.group };
             let picked = choose(&shape, k.sparsity_eighths as f64 / 8.0, Some(&t));
             serde_json::json!({"op": format!("{:?}", k.op), "N": k.n, "K": k.k, "G": k.group, "m_bucket": k.m_bucket,
                    "sparsity": k.sparsity_eighths as f64 / 8.0, "dense_ms": t.dense_ms,
                    "tiles": t.tiles.iter().map(|(c, ms)| serde_json::json!({"tile": c.label(), "ms": ms})).collect::<Vec<_>>(),
-                   "wgmma_ms": t.wgmma_ms, "skinny_ms": t.skinny_ms, "skinny_wg_ms": t.skinny_wg_ms, "picked": picked.label()})
+                   "wgmma_ms": t.wgmma_ms, "skinny_ms": t.skinny_ms, "skinny_wg_ms": t.skinny_wg_ms,
+                   "warm": t.warm.map(|w| serde_json::json!({"dense_ms": w.dense_ms, "skinny_ms": w.skinny_ms, "skinny_wg_ms": w.skinny_wg_ms})),
+                   "picked": picked.label()})
         })
         .collect();
     serde_json::Value::Array(v)

@@ -830,8 +830,9 @@ mod tests {
         let q16 = GemmShape { op: RoutedOp::Mn, m: 16, n: 4096, k: 4096, group: 512 };
         assert_eq!(choose(&q16, 0.5, None), GemmPath::GemvMma);
         let warm = |d: f64, mma: f64, wg: f64| Some(WarmTimes { dense_ms: d, skinny_ms: Some(mma), skinny_wg_ms: Some(wg) });
-        // The H100's figures: the mma.sync kernel 0.84 of dense + mask cold but 1.05 warm, the
-        // wgmma kernel 0.91 and 0.82: the wgmma kernel's worse ratio is the lower.
+        // Figures of the kind the H100 measured for Q at 16 tokens (NOTES v50): the mma.sync
+        // kernel 0.83 of dense + mask cold but 1.05 warm, the wgmma kernel 0.91 and 0.82: the
+        // wgmma kernel's worse ratio is the lower.
         let t = Tuned { dense_ms: 23.5, tiles: vec![], wgmma_ms: None, skinny_ms: Some(19.6), skinny_wg_ms: Some(21.4), warm: warm(13.1, 13.8, 10.8) };
         assert_eq!(t.best_path().map(|p| p.0), Some(GemmPath::GemvMma), "the faster cold");
         assert_eq!(choose(&q16, 0.5, Some(&t)), GemmPath::SkinnyWg);
