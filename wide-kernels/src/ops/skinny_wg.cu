@@ -223,8 +223,9 @@ skinny_wg(const __grid_constant__ TmaDesc tmap_w,  // w [N, K]: boxes of 64 k x 
     __syncthreads();
 #if SPLITK == 2
     {
-        // The second block's partial sums, accumulator e of consumer thread t at e * 128 R + t
-        // (a warp's loads consecutive), read and added by the first block; the second then leaves.
+        // The second block's partial sums added by the first (PUSH: stored into the first's
+        // shared memory by the second; else read from the second's by the first); the second
+        // then leaves.
         float* red = reinterpret_cast<float*>(smem_raw + (base - smem_u32(smem_raw)));
         const int t = tid - 128;
 #if PUSH
@@ -255,6 +256,7 @@ skinny_wg(const __grid_constant__ TmaDesc tmap_w,  // w [N, K]: boxes of 64 k x 
         // The staging below overwrites red4: every consumer has read its sums first.
         __syncthreads();
 #else
+        // Accumulator e of consumer thread t at e * 128 R + t (a warp's loads consecutive).
         if (rank == 1 && wg > 0) {
 #pragma unroll
             for (int e = 0; e < ACC; ++e) red[e * (128 * R) + t] = acc[e];

@@ -67,10 +67,10 @@ impl SkinnyWgConfig {
         if let Some(s) = env_stages() {
             c.stages = s.min(c.max_stages());
         }
-        if let Some(p) = env_flag("WIDE_SKINNY_WG_PUSH") {
+        if let Some(p) = env_push() {
             c.push = p && c.split == 2;
         }
-        if let Some(p) = env_flag("WIDE_SKINNY_WG_MASKPRE") {
+        if let Some(p) = env_mask_pre() {
             c.mask_pre = p;
         }
         c
@@ -215,11 +215,9 @@ fn env_stages() -> Option<u32> {
     })
 }
 
-/// A 0 / 1 switch read once: None unset or empty; another value is named in a warning and
-/// ignored.
-fn env_flag(name: &'static str) -> Option<bool> {
-    static V: OnceLock<Mutex<HashMap<&'static str, Option<bool>>>> = OnceLock::new();
-    *V.get_or_init(Default::default).lock().unwrap().entry(name).or_insert_with(|| match std::env::var(name).ok().as_deref().map(str::trim) {
+/// A 0 / 1 switch's value: None unset or empty; another value is named in a warning and ignored.
+fn flag_from(name: &str, v: Option<&str>) -> Option<bool> {
+    match v.map(str::trim) {
         None | Some("") => None,
         Some("0") => Some(false),
         Some("1") => Some(true),
@@ -227,7 +225,20 @@ fn env_flag(name: &'static str) -> Option<bool> {
             eprintln!("warning: {name} takes 0 or 1, got '{o}'; ignored");
             None
         }
-    })
+    }
+}
+
+/// `WIDE_SKINNY_WG_PUSH` (read once): the split's hand-off by remote stores (1) or loads (0).
+fn env_push() -> Option<bool> {
+    static V: OnceLock<Option<bool>> = OnceLock::new();
+    *V.get_or_init(|| flag_from("WIDE_SKINNY_WG_PUSH", std::env::var("WIDE_SKINNY_WG_PUSH").ok().as_deref()))
+}
+
+/// `WIDE_SKINNY_WG_MASKPRE` (read once): the mask bytes read while the weights stream (1) or by
+/// the write-out (0).
+fn env_mask_pre() -> Option<bool> {
+    static V: OnceLock<Option<bool>> = OnceLock::new();
+    *V.get_or_init(|| flag_from("WIDE_SKINNY_WG_MASKPRE", std::env::var("WIDE_SKINNY_WG_MASKPRE").ok().as_deref()))
 }
 
 /// `WIDE_SKINNY_WG_SPLIT`: None unset; 1 or 2 forces the split of K; another value is named in a
@@ -418,6 +429,15 @@ mod tests {
         // Q at 128 tokens: 24 KiB stages, 4 with two blocks a multiprocessor, 9 with one.
         assert_eq!(SkinnyWgConfig::with(128, 1).stages, 4);
         assert_eq!(SkinnyWgConfig::with(128, 1).max_stages(), 9);
+    }
+
+    #[test]
+    fn switches_parse_and_ignore_other_values() {
+        assert_eq!(flag_from("X", None), None);
+        assert_eq!(flag_from("X", Some(" ")), None);
+        assert_eq!(flag_from("X", Some("1")), Some(true));
+        assert_eq!(flag_from("X", Some(" 0 ")), Some(false));
+        assert_eq!(flag_from("X", Some("yes")), None);
     }
 
     #[test]
