@@ -594,6 +594,33 @@ fn gemv_rows_override(mm: i64, n: i64) -> Option<i64> {
 /// Dense cuBLAS product(s) and the mask: one extra pass over the output (gemm_mn: zeros
 /// written where groups are off; SwiGLU: activation, product and mask fused), a masked copy of
 /// the input (gemm_k), or nothing (gemm_k with a premasked input).
+/// Rows a thread of the dense path's mask kernel (`apply_group_mask`) takes at a time: its whole
+/// share of the `m` rows over the grid's `gy` row slots, at most 32 (the kernel's `MASK_RB_MAX`),
+/// or `WIDE_MASK_ROWS` (1-32; read once, an A/B knob: 4 is the batch of the kernel before).
+fn mask_rows_batch(m: i64, gy: u32) -> i32 {
+    let share = (m.max(1) as u64).div_ceil(gy.max(1) as u64).clamp(1, MASK_ROWS_MAX as u64) as i32;
+    env_mask_rows().unwrap_or(share)
+}
+
+/// The kernel's `MASK_RB_MAX`.
+const MASK_ROWS_MAX: i32 = 32;
+
+fn env_mask_rows() -> Option<i32> {
+    static V: std::sync::OnceLock<Option<i32>> = std::sync::OnceLock::new();
+    *V.get_or_init(|| mask_rows_from(std::env::var("WIDE_MASK_ROWS").ok().as_deref()))
+}
+
+fn mask_rows_from(v: Option<&str>) -> Option<i32> {
+    let v = v.map(str::trim).filter(|v| !v.is_empty())?;
+    match v.parse::<i32>() {
+        Ok(n) if (1..=MASK_ROWS_MAX).contains(&n) => Some(n),
+        _ => {
+            eprintln!("warning: WIDE_MASK_ROWS takes a row count in 1..={MASK_ROWS_MAX}, got '{v}'; ignored");
+            None
+        }
+    }
+}
+
 fn dense_masked(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: &RouteLayout) -> Result<Tensor> {
     let cuda = match x.device() {
         Device::Cuda(d) if matches!(x.kind(), Kind::BFloat16 | Kind::Half) && s.group % 8 == 0 => Some(d),
@@ -609,6 +636,7 @@ fn dense_masked(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layo
     let apply = |a: &Tensor, b: Option<&Tensor>, dst: &Tensor, cols: i64, mode: i32| -> Result<()> {
         let k = routed_kernel(f16, None, "apply_group_mask", device)?;
         let grid = crate::cuda::row_loop_grid(device, (cols as u32 / 8).div_ceil(128), s.m)?;
+        let rb = mask_rows_batch(s.m, grid.1);
         unsafe {
             k.launch_pdl(
                 LaunchConfig { grid, block: (128, 1, 1), shared_mem_bytes: 0 },
@@ -622,6 +650,7 @@ fn dense_masked(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layo
                     KernelArg::I32(s.group as i32),
                     KernelArg::I32((cols / s.group) as i32),
                     KernelArg::I32(mode),
+                    KernelArg::I32(rb),
                 ],
             )
         }
@@ -892,6 +921,25 @@ mod tests {
         assert!(stacked(&w, &u.copy()).is_none(), "separate storage");
         let (a, b) = (Tensor::randn([3, 4], (Kind::Float, Device::Cpu)), Tensor::randn([3, 4], (Kind::Float, Device::Cpu)));
         assert!(stacked(&a, &b).is_none());
+    }
+
+    #[test]
+    fn mask_kernel_takes_a_threads_whole_share_of_rows() {
+        // Up at 4096 tokens on 132 multiprocessors: 14 column blocks, 150 row slots, 28 rows.
+        assert_eq!(mask_rows_batch(4096, 150), 28);
+        assert_eq!(mask_rows_batch(128, 128), 1);
+        assert_eq!(mask_rows_batch(1, 1), 1);
+        assert_eq!(mask_rows_batch(16384, 150), MASK_ROWS_MAX, "at most the kernel's batch");
+        assert_eq!(mask_rows_from(Some("4")), Some(4));
+        assert_eq!(mask_rows_from(Some(" 32 ")), Some(32));
+        assert_eq!(mask_rows_from(Some("")), None);
+        assert_eq!(mask_rows_from(None), None);
+        assert_eq!(mask_rows_from(Some("0")), None);
+        assert_eq!(mask_rows_from(Some("33")), None);
+        assert_eq!(mask_rows_from(Some("x")), None);
+        // The kernel's bound, as the NVRTC source declares it.
+        let src = include_str!("routed.cu");
+        assert!(src.contains(&format!("#define MASK_RB_MAX {MASK_ROWS_MAX}")));
     }
 
     fn rand_mask(m: i64, ng: i64, p_active: f64) -> Tensor {
