@@ -605,6 +605,20 @@ fn mask_rows_batch(m: i64, gy: u32) -> i32 {
 /// The kernel's `MASK_RB_MAX`.
 const MASK_ROWS_MAX: i32 = 32;
 
+/// `WIDE_MASK_PASS=rows4` (read once; an A/B knob): the mask kernel as it was before batching
+/// a thread's rows (`apply_group_mask_rows4`); unset or `batched` is the default.
+fn env_mask_pass_rows4() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| match std::env::var("WIDE_MASK_PASS").ok().as_deref().map(str::trim) {
+        None | Some("") | Some("batched") => false,
+        Some("rows4") => true,
+        Some(o) => {
+            eprintln!("warning: WIDE_MASK_PASS takes `batched` (the default) or `rows4`, got '{o}'; ignored");
+            false
+        }
+    })
+}
+
 fn env_mask_rows() -> Option<i32> {
     static V: std::sync::OnceLock<Option<i32>> = std::sync::OnceLock::new();
     *V.get_or_init(|| mask_rows_from(std::env::var("WIDE_MASK_ROWS").ok().as_deref()))
@@ -634,24 +648,28 @@ fn dense_masked(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layo
     };
     let f16 = x.kind() == Kind::Half;
     let apply = |a: &Tensor, b: Option<&Tensor>, dst: &Tensor, cols: i64, mode: i32| -> Result<()> {
-        let k = routed_kernel(f16, None, "apply_group_mask", device)?;
+        let rows4 = env_mask_pass_rows4();
+        let k = routed_kernel(f16, None, if rows4 { "apply_group_mask_rows4" } else { "apply_group_mask" }, device)?;
         let grid = crate::cuda::row_loop_grid(device, (cols as u32 / 8).div_ceil(128), s.m)?;
         let rb = mask_rows_batch(s.m, grid.1);
+        let mut args = vec![
+            KernelArg::tensor(a)?,
+            KernelArg::tensor(b.unwrap_or(a))?,
+            KernelArg::tensor(dst)?,
+            KernelArg::tensor(layout.mask())?,
+            KernelArg::I64(s.m),
+            KernelArg::I32(cols as i32),
+            KernelArg::I32(s.group as i32),
+            KernelArg::I32((cols / s.group) as i32),
+            KernelArg::I32(mode),
+        ];
+        if !rows4 {
+            args.push(KernelArg::I32(rb));
+        }
         unsafe {
             k.launch_pdl(
                 LaunchConfig { grid, block: (128, 1, 1), shared_mem_bytes: 0 },
-                &[
-                    KernelArg::tensor(a)?,
-                    KernelArg::tensor(b.unwrap_or(a))?,
-                    KernelArg::tensor(dst)?,
-                    KernelArg::tensor(layout.mask())?,
-                    KernelArg::I64(s.m),
-                    KernelArg::I32(cols as i32),
-                    KernelArg::I32(s.group as i32),
-                    KernelArg::I32((cols / s.group) as i32),
-                    KernelArg::I32(mode),
-                    KernelArg::I32(rb),
-                ],
+                &args,
             )
         }
     };

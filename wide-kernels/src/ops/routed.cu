@@ -893,19 +893,63 @@ SKINNY_ENTRY(2, 4)
 SKINNY_SWIGLU_ENTRY(1, 2)
 SKINNY_SWIGLU_ENTRY(2, 2)
 
+// The same pass as it was before NOTES v51 (rows in batches of 4, each batch's mask loads and
+// then its stores), kept for A/B runs (`WIDE_MASK_PASS=rows4`).
+extern "C" __global__ void apply_group_mask_rows4(const T* a, const T* b, T* __restrict__ dst,
+                                            const unsigned char* mask, long long M, int N, int G, int NG, int mode) {
+    pdl_wait();  // the product it masks comes from the launch just before (cuBLAS)
+    pdl_trigger();
+    // Grid (ceil(N/8/blockDim), rows): blocks loop over rows; no 64-bit division on the hot path.
+    const int n = (blockIdx.x * blockDim.x + threadIdx.x) << 3;
+    if (n >= N) return;
+    const int g = n / G;
+    // Rows in batches of 4 whose mask bytes are loaded together (one wait instead of four).
+    for (long long m0 = blockIdx.y; m0 < M; m0 += 4LL * gridDim.y) {
+        bool on[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const long long m = m0 + u * (long long)gridDim.y;
+            on[u] = m < M && mask[m * NG + g] != 0;
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const long long m = m0 + u * (long long)gridDim.y;
+            if (m >= M) break;
+            uint4* d = reinterpret_cast<uint4*>(dst + m * N + n);
+            if (!on[u]) {
+                *d = make_uint4(0, 0, 0, 0);
+            } else if (mode == 1) {
+                *d = ld_stream(a + m * N + n);
+            } else if (mode == 2) {
+                const uint4 av = ld_stream(a + m * N + n), bv = ld_stream(b + m * N + n);
+                const unsigned* ap = &av.x;
+                const unsigned* bp = &bv.x;
+                uint4 o;
+                unsigned* op = &o.x;
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const float2 p = to_f2(ap[j]), q = to_f2(bp[j]);
+                    op[j] = from_f2(silu(p.x) * q.x, silu(p.y) * q.y);
+                }
+                *d = o;
+            }
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // The dense path's mask in one pass, 8 elements (16 bytes) per thread, G % 8 == 0:
 //   mode 0: dst[m, n] = 0 where group n/G of token m is off (in place, write-only)
 //   mode 1: dst = mask ? a : 0              (masked copy, e.g. a gemm_k input)
 //   mode 2: dst = mask ? silu(a) * b : 0    (SwiGLU of two dense products)
 // Grid (ceil(N/8/blockDim), rows), one resident wave: a thread takes rows y, y + gridDim.y, ...
-// of its 16-byte column, `rb` (1-32) of them at a time: first the mask bytes of all rb rows (rb
-// independent loads in flight, one wait), then their stores. With one load round trip a batch
-// of rows, a batch as long as the thread's whole share (27 rows of up at 4096 tokens) leaves
-// one round trip a launch instead of one every 4 rows, which under the zeros' write traffic
-// took ~1.5-2.5 us each (`WIDE_MASK_ROWS`, NOTES v51).
+// of its 16-byte column, `rb` (1-32) of them at a time: first the mask bytes of all rb rows (in
+// chunks of 8, every load issued before any is used: one round trip a batch), then the stores.
+// The host makes rb a thread's whole share of the rows where it fits (27 rows of up at 4096
+// tokens: one round trip a launch instead of one every 4 rows; NOTES v51).
 // ---------------------------------------------------------------------------------------
 #define MASK_RB_MAX 32
+#define MASK_CHUNK 8
 extern "C" __global__ void apply_group_mask(const T* a, const T* b, T* __restrict__ dst,
                                             const unsigned char* mask, long long M, int N, int G, int NG, int mode, int rb) {
     pdl_wait();  // the product it masks comes from the launch just before (cuBLAS)
@@ -916,14 +960,28 @@ extern "C" __global__ void apply_group_mask(const T* a, const T* b, T* __restric
     const long long step = gridDim.y;
     const long long mstep = step * NG, dstep = step * N;  // a row slot's stride in mask and dst
     for (long long m0 = blockIdx.y; m0 < M; m0 += rb * step) {
-        // Rows of this batch: m0 + u * step for u < left (M < 2^31: the layout's token bound).
+        // Rows of this batch: m0 + u * step for u < left (M < 2^31: the layout's token bound);
+        // uniform over the block, so a chunk past it is skipped by a uniform branch.
         const int left = min(rb, (int)(((unsigned)(M - m0) + (unsigned)step - 1u) / (unsigned)step));
-        // Bit u: row m0 + u * step is on; the pointer walks the rows (one 64-bit add a row).
-        unsigned on = 0;
+        unsigned char v[MASK_RB_MAX];
         const unsigned char* mp = mask + m0 * NG + g;
 #pragma unroll
-        for (int u = 0; u < MASK_RB_MAX; ++u, mp += mstep)
-            if (u < left && *mp != 0) on |= 1u << u;
+        for (int c = 0; c < MASK_RB_MAX; c += MASK_CHUNK) {
+            if (c < left) {
+                const unsigned char* q = mp + c * mstep;
+#pragma unroll
+                for (int u = c; u < c + MASK_CHUNK; ++u, q += mstep) v[u] = u < left ? *q : 1;
+            }
+        }
+        // Bit u: row m0 + u * step is on.
+        unsigned on = 0;
+#pragma unroll
+        for (int c = 0; c < MASK_RB_MAX; c += MASK_CHUNK) {
+            if (c < left) {
+#pragma unroll
+                for (int u = c; u < c + MASK_CHUNK; ++u) on |= (unsigned)(v[u] != 0) << u;
+            }
+        }
         if (mode == 0) {
             T* d = dst + m0 * N + n;
 #pragma unroll 4
