@@ -426,10 +426,10 @@ fn gemm_mn_all_paths_match_reference() {
     }
 }
 
-/// The dense path's mask kernel where a thread takes more rows than one batch: at an up-like
-/// width (14 column blocks, 150 row slots on 132 multiprocessors) 5000 tokens are 34 rows a
-/// thread, a batch of 32 and one of 2 (all three modes: zeros in place, the SwiGLU of two
-/// products, the masked copy of a gemm_k input).
+/// The dense path's batched mask kernel where a thread takes more rows than one batch: at an
+/// up-like width (14 column blocks, 150 row slots on 132 multiprocessors) 5000 tokens are 34 rows
+/// a thread (the batched kernel from 16), a batch of 32 and one of 2 (all three modes: zeros in
+/// place, the SwiGLU of two products, the masked copy of a gemm_k input).
 #[test]
 fn dense_mask_pass_takes_many_rows_a_thread() {
     let _ = gpu(); // the device first (one GPU test at a time)
@@ -812,7 +812,8 @@ fn sanitizer_small_all_ops() {
         run_k_case(Kind::BFloat16, m, 128, 1024, 128, p);
     }
     run_mn_case(Kind::Half, 65, 512, 96, 32, 0.5, true);
-    // The dense path's mask kernel with threads of one and of two rows (2112 row slots).
+    // The dense path's mask kernel (in rows of 4) with threads of one and of two rows (2112 row
+    // slots).
     run_mn_case(Kind::BFloat16, 2200, 1024, 64, 128, 0.5, false);
     // The wgmma kernel (Hopper): k loops of 2 and 3 steps, a partial token tile.
     run_mn_case(Kind::BFloat16, 200, 512, 128, 128, 0.5, false);

@@ -594,29 +594,63 @@ fn gemv_rows_override(mm: i64, n: i64) -> Option<i64> {
 /// Dense cuBLAS product(s) and the mask: one extra pass over the output (gemm_mn: zeros
 /// written where groups are off; SwiGLU: activation, product and mask fused), a masked copy of
 /// the input (gemm_k), or nothing (gemm_k with a premasked input).
-/// Rows a thread of the dense path's mask kernel (`apply_group_mask`) takes at a time: its whole
-/// share of the `m` rows over the grid's `gy` row slots, at most 32 (the kernel's `MASK_RB_MAX`),
-/// or `WIDE_MASK_ROWS` (1-32; read once, an A/B knob: 4 is the batch of the kernel before).
-fn mask_rows_batch(m: i64, gy: u32) -> i32 {
-    let share = (m.max(1) as u64).div_ceil(gy.max(1) as u64).clamp(1, MASK_ROWS_MAX as u64) as i32;
-    env_mask_rows().unwrap_or(share)
+/// The dense path's mask kernel for one launch: `apply_group_mask_rows4` (rows in batches of 4,
+/// each batch's mask loads and then its stores, 30 registers a thread, so the grid's ~16 blocks a
+/// multiprocessor are all resident), or `apply_group_mask` with `rb` rows a batch (all of a
+/// batch's mask loads before its stores: one load round trip a batch, but 106 registers a
+/// thread, 4 blocks a multiprocessor).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum MaskPass {
+    Rows4,
+    Batched(i32),
+}
+
+/// Rows a thread takes from which the batched kernel runs by default. Measured on an H100 (one
+/// process each, two rounds, `WIDE_ROUTED=dense`, NOTES v51): at 2 rows a thread (Q, 1024 tokens)
+/// the batched kernel added 5.5-5.6 us to cuBLAS against 3.7-3.8, at 7 (up, 1024) 6.5-9.0 against
+/// 6.3-8.6, at 8 (Q, 4096) 6.2-7.6 against 6.3-7.3; at 28 (up, 4096) 4.0-28.7 against 19.1-37.6 and
+/// from 32 (Q and up at 16384) 13.1-128.0 against 20.4-127.1, fewer records below 0.97x at both.
+const MASK_BATCHED_FROM_ROWS: i64 = 16;
+
+/// The mask kernel and its batch for `m` rows over the grid's `gy` row slots: a thread's share
+/// of the rows, ceil(m / gy); the batched kernel from [`MASK_BATCHED_FROM_ROWS`] rows a thread,
+/// in batches of the whole share up to 32 (the kernel's `MASK_RB_MAX`). For A/B runs (read once):
+/// `WIDE_MASK_PASS=rows4|batched` takes one kernel everywhere, `WIDE_MASK_ROWS=1..32` sets the
+/// batched kernel's batch.
+fn mask_pass(m: i64, gy: u32) -> MaskPass {
+    mask_pass_with(m, gy, env_mask_pass(), env_mask_rows())
+}
+
+fn mask_pass_with(m: i64, gy: u32, forced: Option<bool>, rows: Option<i32>) -> MaskPass {
+    let share = (m.max(1) as u64).div_ceil(gy.max(1) as u64) as i64;
+    let batched = forced.unwrap_or(share >= MASK_BATCHED_FROM_ROWS);
+    if batched {
+        MaskPass::Batched(rows.unwrap_or(share.clamp(1, MASK_ROWS_MAX as i64) as i32))
+    } else {
+        MaskPass::Rows4
+    }
 }
 
 /// The kernel's `MASK_RB_MAX`.
 const MASK_ROWS_MAX: i32 = 32;
 
-/// `WIDE_MASK_PASS=rows4` (read once; an A/B knob): the mask kernel as it was before batching
-/// a thread's rows (`apply_group_mask_rows4`); unset or `batched` is the default.
-fn env_mask_pass_rows4() -> bool {
-    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V.get_or_init(|| match std::env::var("WIDE_MASK_PASS").ok().as_deref().map(str::trim) {
-        None | Some("") | Some("batched") => false,
-        Some("rows4") => true,
+/// `WIDE_MASK_PASS` (read once): Some(true) `batched`, Some(false) `rows4`, None unset (the
+/// per-launch rule); another value is named in a warning and ignored.
+fn env_mask_pass() -> Option<bool> {
+    static V: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    *V.get_or_init(|| mask_pass_from(std::env::var("WIDE_MASK_PASS").ok().as_deref()))
+}
+
+fn mask_pass_from(v: Option<&str>) -> Option<bool> {
+    match v.map(str::trim) {
+        None | Some("") => None,
+        Some("batched") => Some(true),
+        Some("rows4") => Some(false),
         Some(o) => {
-            eprintln!("warning: WIDE_MASK_PASS takes `batched` (the default) or `rows4`, got '{o}'; ignored");
-            false
+            eprintln!("warning: WIDE_MASK_PASS takes `batched` or `rows4`, got '{o}'; ignored");
+            None
         }
-    })
+    }
 }
 
 fn env_mask_rows() -> Option<i32> {
@@ -648,10 +682,9 @@ fn dense_masked(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layo
     };
     let f16 = x.kind() == Kind::Half;
     let apply = |a: &Tensor, b: Option<&Tensor>, dst: &Tensor, cols: i64, mode: i32| -> Result<()> {
-        let rows4 = env_mask_pass_rows4();
-        let k = routed_kernel(f16, None, if rows4 { "apply_group_mask_rows4" } else { "apply_group_mask" }, device)?;
         let grid = crate::cuda::row_loop_grid(device, (cols as u32 / 8).div_ceil(128), s.m)?;
-        let rb = mask_rows_batch(s.m, grid.1);
+        let pass = mask_pass(s.m, grid.1);
+        let k = routed_kernel(f16, None, if pass == MaskPass::Rows4 { "apply_group_mask_rows4" } else { "apply_group_mask" }, device)?;
         let mut args = vec![
             KernelArg::tensor(a)?,
             KernelArg::tensor(b.unwrap_or(a))?,
@@ -663,7 +696,7 @@ fn dense_masked(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layo
             KernelArg::I32((cols / s.group) as i32),
             KernelArg::I32(mode),
         ];
-        if !rows4 {
+        if let MaskPass::Batched(rb) = pass {
             args.push(KernelArg::I32(rb));
         }
         unsafe {
@@ -942,12 +975,24 @@ mod tests {
     }
 
     #[test]
-    fn mask_kernel_takes_a_threads_whole_share_of_rows() {
-        // Up at 4096 tokens on 132 multiprocessors: 14 column blocks, 150 row slots, 28 rows.
-        assert_eq!(mask_rows_batch(4096, 150), 28);
-        assert_eq!(mask_rows_batch(128, 128), 1);
-        assert_eq!(mask_rows_batch(1, 1), 1);
-        assert_eq!(mask_rows_batch(16384, 150), MASK_ROWS_MAX, "at most the kernel's batch");
+    fn mask_kernel_batches_where_a_thread_has_many_rows() {
+        // 132 multiprocessors: up (14 column blocks) has 150 row slots, Q (4) 528.
+        assert_eq!(mask_pass_with(1024, 528, None, None), MaskPass::Rows4, "Q, 1024 tokens: 2 rows a thread");
+        assert_eq!(mask_pass_with(1024, 150, None, None), MaskPass::Rows4, "up, 1024 tokens: 7 rows");
+        assert_eq!(mask_pass_with(4096, 528, None, None), MaskPass::Rows4, "Q, 4096 tokens: 8 rows");
+        assert_eq!(mask_pass_with(2400, 150, None, None), MaskPass::Batched(16), "16 rows: the first batched");
+        assert_eq!(mask_pass_with(2250, 150, None, None), MaskPass::Rows4, "15 rows");
+        assert_eq!(mask_pass_with(4096, 150, None, None), MaskPass::Batched(28), "up, 4096 tokens: the whole share");
+        assert_eq!(mask_pass_with(16384, 150, None, None), MaskPass::Batched(MASK_ROWS_MAX), "at most the kernel's batch");
+        assert_eq!(mask_pass_with(1, 1, None, None), MaskPass::Rows4);
+        // The A/B knobs.
+        assert_eq!(mask_pass_with(16384, 150, Some(false), None), MaskPass::Rows4);
+        assert_eq!(mask_pass_with(128, 128, Some(true), None), MaskPass::Batched(1));
+        assert_eq!(mask_pass_with(16384, 150, None, Some(4)), MaskPass::Batched(4));
+        assert_eq!(mask_pass_from(Some("batched")), Some(true));
+        assert_eq!(mask_pass_from(Some(" rows4 ")), Some(false));
+        assert_eq!(mask_pass_from(Some("")), None);
+        assert_eq!(mask_pass_from(Some("fast")), None);
         assert_eq!(mask_rows_from(Some("4")), Some(4));
         assert_eq!(mask_rows_from(Some(" 32 ")), Some(32));
         assert_eq!(mask_rows_from(Some("")), None);

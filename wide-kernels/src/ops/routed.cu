@@ -893,8 +893,9 @@ SKINNY_ENTRY(2, 4)
 SKINNY_SWIGLU_ENTRY(1, 2)
 SKINNY_SWIGLU_ENTRY(2, 2)
 
-// The same pass as it was before NOTES v51 (rows in batches of 4, each batch's mask loads and
-// then its stores), kept for A/B runs (`WIDE_MASK_PASS=rows4`).
+// The pass in rows of 4 (each batch's mask loads, then its stores): 30 registers a thread, so
+// the grid's ~16 blocks a multiprocessor are all resident. The host takes it where a thread has
+// fewer than 16 rows (`mask_pass` in gemm.rs), the batched entry below from there.
 extern "C" __global__ void apply_group_mask_rows4(const T* a, const T* b, T* __restrict__ dst,
                                             const unsigned char* mask, long long M, int N, int G, int NG, int mode) {
     pdl_wait();  // the product it masks comes from the launch just before (cuBLAS)
@@ -942,11 +943,13 @@ extern "C" __global__ void apply_group_mask_rows4(const T* a, const T* b, T* __r
 //   mode 0: dst[m, n] = 0 where group n/G of token m is off (in place, write-only)
 //   mode 1: dst = mask ? a : 0              (masked copy, e.g. a gemm_k input)
 //   mode 2: dst = mask ? silu(a) * b : 0    (SwiGLU of two dense products)
-// Grid (ceil(N/8/blockDim), rows), one resident wave: a thread takes rows y, y + gridDim.y, ...
-// of its 16-byte column, `rb` (1-32) of them at a time: first the mask bytes of all rb rows (in
-// chunks of 8, every load issued before any is used: one round trip a batch), then the stores.
-// The host makes rb a thread's whole share of the rows where it fits (27 rows of up at 4096
-// tokens: one round trip a launch instead of one every 4 rows; NOTES v51).
+// Grid (ceil(N/8/blockDim), rows): a thread takes rows y, y + gridDim.y, ... of its 16-byte
+// column, `rb` (1-32) of them at a time: first the mask bytes of all rb rows (in chunks of 8,
+// every load issued before any is used: one round trip a batch), then the stores. The host makes
+// rb a thread's whole share of the rows (28 rows of up at 4096 tokens: one round trip a launch
+// instead of seven) and takes this entry from 16 rows a thread: its 106 registers leave 4 of the
+// grid's ~16 blocks a multiprocessor resident, which costs more than the batching saves at a
+// few rows a thread (NOTES v51).
 // ---------------------------------------------------------------------------------------
 #define MASK_RB_MAX 32
 #define MASK_CHUNK 8
