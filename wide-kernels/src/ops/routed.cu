@@ -893,9 +893,15 @@ SKINNY_ENTRY(2, 4)
 SKINNY_SWIGLU_ENTRY(1, 2)
 SKINNY_SWIGLU_ENTRY(2, 2)
 
-// The pass in rows of 4 (each batch's mask loads, then its stores): 30 registers a thread, so
-// the grid's ~16 blocks a multiprocessor are all resident. The host takes it where a thread has
-// fewer than 16 rows (`mask_pass` in gemm.rs), the batched entry below from there.
+// ---------------------------------------------------------------------------------------
+// The dense path's mask in one pass, 8 elements (16 bytes) per thread, G % 8 == 0:
+//   mode 0: dst[m, n] = 0 where group n/G of token m is off (in place, write-only)
+//   mode 1: dst = mask ? a : 0              (masked copy, e.g. a gemm_k input)
+//   mode 2: dst = mask ? silu(a) * b : 0    (SwiGLU of two dense products)
+// Two entries; the host picks one a launch by the rows a thread takes (`mask_pass` in gemm.rs).
+// ---------------------------------------------------------------------------------------
+// Rows in batches of 4 (each batch's mask loads, then its stores): 30 registers a thread, so the
+// grid's ~16 blocks a multiprocessor are all resident. Taken below 16 rows a thread.
 extern "C" __global__ void apply_group_mask_rows4(const T* a, const T* b, T* __restrict__ dst,
                                             const unsigned char* mask, long long M, int N, int G, int NG, int mode) {
     pdl_wait();  // the product it masks comes from the launch just before (cuBLAS)
@@ -938,19 +944,13 @@ extern "C" __global__ void apply_group_mask_rows4(const T* a, const T* b, T* __r
     }
 }
 
-// ---------------------------------------------------------------------------------------
-// The dense path's mask in one pass, 8 elements (16 bytes) per thread, G % 8 == 0:
-//   mode 0: dst[m, n] = 0 where group n/G of token m is off (in place, write-only)
-//   mode 1: dst = mask ? a : 0              (masked copy, e.g. a gemm_k input)
-//   mode 2: dst = mask ? silu(a) * b : 0    (SwiGLU of two dense products)
-// Grid (ceil(N/8/blockDim), rows): a thread takes rows y, y + gridDim.y, ... of its 16-byte
-// column, `rb` (1-32) of them at a time: first the mask bytes of all rb rows (in chunks of 8,
-// every load issued before any is used: one round trip a batch), then the stores. The host makes
-// rb a thread's whole share of the rows (28 rows of up at 4096 tokens: one round trip a launch
-// instead of seven) and takes this entry from 16 rows a thread: its 106 registers leave 4 of the
-// grid's ~16 blocks a multiprocessor resident, which costs more than the batching saves at a
-// few rows a thread (NOTES v51).
-// ---------------------------------------------------------------------------------------
+// Batched, taken from 16 rows a thread. Grid (ceil(N/8/blockDim), rows): a thread takes rows
+// y, y + gridDim.y, ... of its 16-byte column, `rb` (1-32) of them at a time: first the mask
+// bytes of all rb rows (in chunks of 8, every load issued before any is used: one round trip a
+// batch), then the stores. The host makes rb a thread's whole share of the rows (28 rows of up
+// at 4096 tokens: one round trip a launch instead of seven). Its 106 registers leave 4 of the
+// grid's ~16 blocks a multiprocessor resident, which costs more than the batching saves at a few
+// rows a thread (NOTES v51).
 #define MASK_RB_MAX 32
 #define MASK_CHUNK 8
 extern "C" __global__ void apply_group_mask(const T* a, const T* b, T* __restrict__ dst,
