@@ -685,7 +685,12 @@ fn dense_masked(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layo
         let grid = crate::cuda::row_loop_grid(device, (cols as u32 / 8).div_ceil(128), s.m)?;
         let pass = mask_pass(s.m, grid.1);
         let k = routed_kernel(f16, None, if pass == MaskPass::Rows4 { "apply_group_mask_rows4" } else { "apply_group_mask" }, device)?;
-        let mut args = vec![
+        // The batched entry takes its batch as one more argument.
+        let (rb, n_args) = match pass {
+            MaskPass::Batched(rb) => (rb, 10),
+            MaskPass::Rows4 => (0, 9),
+        };
+        let args = [
             KernelArg::tensor(a)?,
             KernelArg::tensor(b.unwrap_or(a))?,
             KernelArg::tensor(dst)?,
@@ -695,16 +700,9 @@ fn dense_masked(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layo
             KernelArg::I32(s.group as i32),
             KernelArg::I32((cols / s.group) as i32),
             KernelArg::I32(mode),
+            KernelArg::I32(rb),
         ];
-        if let MaskPass::Batched(rb) = pass {
-            args.push(KernelArg::I32(rb));
-        }
-        unsafe {
-            k.launch_pdl(
-                LaunchConfig { grid, block: (128, 1, 1), shared_mem_bytes: 0 },
-                &args,
-            )
-        }
+        unsafe { k.launch_pdl(LaunchConfig { grid, block: (128, 1, 1), shared_mem_bytes: 0 }, &args[..n_args]) }
     };
     Ok(match s.op {
         RoutedOp::Mn => {

@@ -900,6 +900,17 @@ SKINNY_SWIGLU_ENTRY(2, 2)
 //   mode 2: dst = mask ? silu(a) * b : 0    (SwiGLU of two dense products)
 // Two entries; the host picks one a launch by the rows a thread takes (`mask_pass` in gemm.rs).
 // ---------------------------------------------------------------------------------------
+// o = silu(a) * b, 8 elements (16 bytes of each).
+__device__ __forceinline__ void swiglu8(uint4& o, const uint4& a, const uint4& b) {
+    const unsigned* ap = &a.x;
+    const unsigned* bp = &b.x;
+    unsigned* op = &o.x;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const float2 p = to_f2(ap[j]), q = to_f2(bp[j]);
+        op[j] = from_f2(silu(p.x) * q.x, silu(p.y) * q.y);
+    }
+}
 // Rows in batches of 4 (each batch's mask loads, then its stores): 30 registers a thread, so the
 // grid's ~16 blocks a multiprocessor are all resident. Taken below 16 rows a thread.
 extern "C" __global__ void apply_group_mask_rows4(const T* a, const T* b, T* __restrict__ dst,
@@ -929,15 +940,8 @@ extern "C" __global__ void apply_group_mask_rows4(const T* a, const T* b, T* __r
                 *d = ld_stream(a + m * N + n);
             } else if (mode == 2) {
                 const uint4 av = ld_stream(a + m * N + n), bv = ld_stream(b + m * N + n);
-                const unsigned* ap = &av.x;
-                const unsigned* bp = &bv.x;
                 uint4 o;
-                unsigned* op = &o.x;
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const float2 p = to_f2(ap[j]), q = to_f2(bp[j]);
-                    op[j] = from_f2(silu(p.x) * q.x, silu(p.y) * q.y);
-                }
+                swiglu8(o, av, bv);
                 *d = o;
             }
         }
@@ -1011,14 +1015,7 @@ extern "C" __global__ void apply_group_mask(const T* a, const T* b, T* __restric
                     if (mode == 1) {
                         o = av[u];
                     } else {
-                        const unsigned* ap = &av[u].x;
-                        const unsigned* bp = &bv[u].x;
-                        unsigned* op = &o.x;
-#pragma unroll
-                        for (int j = 0; j < 4; ++j) {
-                            const float2 p = to_f2(ap[j]), q = to_f2(bp[j]);
-                            op[j] = from_f2(silu(p.x) * q.x, silu(p.y) * q.y);
-                        }
+                        swiglu8(o, av[u], bv[u]);
                     }
                 }
                 *reinterpret_cast<uint4*>(dst + (m0 + (u0 + u) * step) * N + n) = o;
