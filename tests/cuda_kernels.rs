@@ -275,33 +275,6 @@ fn run_k_case(kind: Kind, m: i64, n: i64, k: i64, g: i64, p_active: f64) {
     }
 }
 
-/// The dispatch from 256 tokens: the autotuner times its rounds after the first on draws of the
-/// mask's tokens (`RouteLayout::with_rows` on the device, the lists built in each timed run);
-/// its record has every candidate's time and the path it takes matches the reference.
-#[test]
-fn dispatch_at_large_m_times_draws_of_the_mask() {
-    let _ = gpu();
-    tch::manual_seed(31);
-    let (m, n, k, g) = (512, 2048, 512, 128);
-    let kind = Kind::BFloat16;
-    let c = mn_case(kind, m, n, k, g, 0.5, false);
-    poison(m, n, kind);
-    let (y, path) = routed_gemm(RoutedOp::Mn, &c.x, &c.w, None, &c.l, g, None).unwrap();
-    check(&y, &c.r, Some(&c.off), &format!("dispatch {kind:?} M={m} N={n} K={k} G={g} ({})", path.label()));
-    let recs = wide_kernels::ops::gemm::tuned_records();
-    let (_, t) = recs.iter().find(|(key, _)| key.n == n && key.k == k && key.m_bucket == 512 && !key.f16).unwrap_or_else(|| panic!("no record at 512 tokens: {recs:?}"));
-    assert!(t.dense_ms > 0.0 && t.tiles.iter().all(|(_, ms)| *ms > 0.0) && t.warm.is_none(), "{t:?}");
-    assert_eq!(t.wgmma_ms.is_some_and(|ms| ms > 0.0), wide_kernels::ops::wgmma::supported(0), "{t:?}");
-    // The draw layouts are the mask's rows: a draw's lists match the reference on its own mask.
-    let rows = Tensor::from_slice(&wide_kernels::ops::dispatch::resample_rows(m, 1));
-    let d = c.l.with_rows(&rows).unwrap();
-    let (perm, count) = d.lists().unwrap();
-    let (rp, rc) = route_layout_reference(&d.mask().to_device(Device::Cpu));
-    assert!(count.to_device(Device::Cpu).equal(&rc), "draw counts");
-    assert!(perm.to_device(Device::Cpu).equal(&rp), "draw lists");
-    eprintln!("M={m}: {t:?}, took {}", path.label());
-}
-
 /// The dispatch itself (no path given) at 16 tokens of a wide (N >= 8192) output-width product, where the
 /// static rule leaves it to dense + mask: the autotuner measures the small-M kernel against it,
 /// records both times, and whichever it takes matches the reference with exact zeros.

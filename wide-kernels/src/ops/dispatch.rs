@@ -205,35 +205,6 @@ pub fn tune_log_from(v: Option<&str>) -> Result<bool, String> {
         Some(o) => Err(format!("WIDE_TUNE_LOG takes 1 (print each autotuner record) or 0 (the default), got '{o}'")),
     }
 }
-
-/// `WIDE_TUNE_RESAMPLE` (read once): unset, empty or `1` times the autotuner's large-M cold
-/// rounds after the first on draws of the mask's tokens ([`resample_rows`]); `0` times every
-/// round on the mask itself (the autotuner before, for A/B runs); anything else is an error.
-pub fn tune_resample() -> Result<bool, String> {
-    static P: OnceLock<Result<bool, String>> = OnceLock::new();
-    P.get_or_init(|| tune_resample_from(std::env::var("WIDE_TUNE_RESAMPLE").ok().as_deref())).clone()
-}
-
-/// [`tune_resample`]'s parse.
-pub fn tune_resample_from(v: Option<&str>) -> Result<bool, String> {
-    on_by_default(v, "WIDE_TUNE_RESAMPLE", "time rounds after the first on draws of the mask's tokens", "time every round on the mask itself")
-}
-
-/// Draw `round` of `m` token indices in `0..m`, sampled with replacement (xorshift64*, seeded by
-/// the round and `m`): the same draws in every process, independent of libtorch's generator.
-pub fn resample_rows(m: i64, round: u64) -> Vec<i64> {
-    let mut x = (round.wrapping_add(1)).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (m as u64).wrapping_mul(0xD1B5_4A32_D192_ED03) | 1;
-    (0..m.max(0))
-        .map(|_| {
-            x ^= x >> 12;
-            x ^= x << 25;
-            x ^= x >> 27;
-            // The high 32 bits of the product, scaled to 0..m (m < 2^31: the layout's bound).
-            ((x.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 32) * m as u64 >> 32) as i64
-        })
-        .collect()
-}
-
 /// At 2-16 tokens the measured choice is between two of our paths that both write the zeros
 /// (the small-M kernel and cuBLAS + the zero pass) on a 15-60 us product, timed cold after a
 /// spin: the faster one is taken. A/B of `314f1e5` (NOTES v32, two processes each, up / gate+up /
@@ -764,28 +735,6 @@ mod tests {
         assert_eq!(tune_mode_from(Some("plain ")), Ok(TuneMode::Plain));
         let e = tune_mode_from(Some("hot")).unwrap_err();
         assert!(e.contains("WIDE_TUNE") && e.contains("'hot'"), "{e}");
-    }
-
-    #[test]
-    fn resampled_rows_are_fixed_draws_with_repeats_in_range() {
-        for m in [1i64, 7, 256, 1024, 16384] {
-            let a = resample_rows(m, 1);
-            assert_eq!(a.len() as i64, m);
-            assert!(a.iter().all(|&r| (0..m).contains(&r)), "m {m}: {:?}", &a[..a.len().min(8)]);
-            assert_eq!(a, resample_rows(m, 1), "the same draw each time");
-        }
-        let (a, b) = (resample_rows(1024, 1), resample_rows(1024, 2));
-        assert_ne!(a, b, "rounds draw differently");
-        // With replacement: about 1 - 1/e of the tokens appear (646 of 1024 expected), spread
-        // over the whole range.
-        let distinct = a.iter().collect::<std::collections::HashSet<_>>().len();
-        assert!((580..=710).contains(&distinct), "{distinct} distinct of 1024");
-        let mean = a.iter().sum::<i64>() as f64 / 1024.0;
-        assert!((mean - 511.5).abs() < 40.0, "mean {mean}");
-        assert_eq!(tune_resample_from(None), Ok(true));
-        assert_eq!(tune_resample_from(Some("0")), Ok(false));
-        let e = tune_resample_from(Some("yes")).unwrap_err();
-        assert!(e.contains("WIDE_TUNE_RESAMPLE") && e.contains("'yes'"), "{e}");
     }
 
     #[test]

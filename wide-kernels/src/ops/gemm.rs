@@ -882,17 +882,6 @@ fn autotune(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: 
         TuneMode::Cold => Some(super::l2_flush_buffer(device, 0)?),
         _ => None,
     };
-    // From LARGE_M_MIN tokens, cold round r > 0 runs every candidate on a draw of the mask's
-    // tokens (sampled with replacement, round 0 on the mask itself): a routed kernel's time
-    // follows its groups' token counts in waves of tiles, and one mask can fall just past a
-    // wave where most of its population's masks do not (up at 1024 tokens, G = 256, s = 0.25:
-    // the grid's one mask measured 164 us where fresh masks took 152; NOTES v52).
-    let draws: Vec<RouteLayout> = if mode == TuneMode::Cold && s.m >= dispatch::LARGE_M_MIN && dispatch::tune_resample().map_err(anyhow::Error::msg)? {
-        (1..dispatch::TUNE_MAX_ROUNDS).map(|r| layout.with_rows(&Tensor::from_slice(&dispatch::resample_rows(s.m, r as u64)))).collect::<Result<_>>()?
-    } else {
-        Vec::new()
-    };
-    let runs = std::cell::Cell::new(0usize);
     let timer = GpuTimer::new(device)?;
     let time_in = |i: usize, cold: bool| -> Result<f64> {
         if let (Some(f), true) = (&flush, cold) {
@@ -906,13 +895,8 @@ fn autotune(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: 
         if mode != TuneMode::Plain {
             super::gpu_spin(device, dispatch::TUNE_SPIN_US)?;
         }
-        // Cold: the run builds its own token lists inside the timing (a fresh decision's cost),
-        // from round 1 on the round's draw where there are draws.
-        let round = if cold { runs.replace(runs.get() + 1) / paths.len() } else { 0 };
-        let fresh = (mode == TuneMode::Cold).then(|| match round.checked_sub(1).and_then(|r| draws.get(r)) {
-            Some(d) => d.unbuilt(),
-            None => layout.unbuilt(),
-        });
+        // Cold: the run builds its own token lists inside the timing (a fresh decision's cost).
+        let fresh = (mode == TuneMode::Cold).then(|| layout.unbuilt());
         timer.start()?;
         let _ = run_path(s, x, w, w2, fresh.as_ref().unwrap_or(layout), paths[i])?;
         timer.stop_ms()

@@ -103,29 +103,6 @@ impl RouteLayout {
             always_on_from: self.always_on_from,
         }
     }
-    /// The decision of the tokens `rows` (i64 indices into this mask's tokens, repeats allowed)
-    /// with this layout's declarations and nothing built: a mask of `rows.len()` tokens drawn
-    /// from the same tokens. The autotuner times its large-M rounds on such draws (rows sampled
-    /// with replacement), so its choice follows the time over the masks this token population
-    /// gives rather than one mask's (whose group counts can fall just past a wave of tiles).
-    pub fn with_rows(&self, rows: &Tensor) -> Result<Self> {
-        anyhow::ensure!(rows.dim() == 1 && rows.kind() == Kind::Int64, "route_layout: rows must be a 1-D i64 tensor, got {:?} {:?}", rows.size(), rows.kind());
-        let (m, n) = (rows.size()[0], self.tokens());
-        anyhow::ensure!(m == self.tokens(), "route_layout: a draw must keep the {n} tokens, got {m} rows");
-        let rows = rows.to_device(self.mask.device());
-        let (lo, hi) = (rows.min().int64_value(&[]), rows.max().int64_value(&[]));
-        anyhow::ensure!(lo >= 0 && hi < n, "route_layout: rows must index the {n} tokens, got {lo}..={hi}");
-        Ok(RouteLayout {
-            mask: self.mask.index_select(0, &rows).contiguous(),
-            lists: OnceCell::new(),
-            coarse: OnceCell::new(),
-            sparsity_hint: self.sparsity_hint,
-            measured: OnceCell::new(),
-            settled: self.settled,
-            early: self.early,
-            always_on_from: self.always_on_from,
-        })
-    }
     /// The caller's expected skip rate (e.g. the router's running mean), used by dispatch so it
     /// need not synchronise to measure the mask.
     pub fn with_sparsity_hint(mut self, s: f64) -> Self {
@@ -255,25 +232,6 @@ fn build_cuda(mask: &Tensor, device: usize) -> Result<(Tensor, Tensor)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_draw_of_rows_keeps_the_declarations_and_takes_those_tokens() {
-        let mask = Tensor::from_slice(&[1u8, 0, 0, 1, 1, 1, 0, 0, 1, 0, 1, 1]).view([4, 3]);
-        let l = route_layout(&mask).unwrap().with_sparsity_hint(0.4).with_early_mask().with_always_on_from(2).unwrap();
-        let _ = l.lists().unwrap();
-        let d = l.with_rows(&Tensor::from_slice(&[3i64, 3, 0, 2])).unwrap();
-        assert!(d.lists.get().is_none(), "a draw is built on first use");
-        let want = Tensor::from_slice(&[0u8, 1, 1, 0, 1, 1, 1, 0, 0, 0, 0, 1]).view([4, 3]);
-        assert!(d.mask().equal(&want), "rows 3, 3, 0, 2 of the mask: {:?}", d.mask());
-        assert_eq!((d.sparsity_hint(), d.early(), d.settled(), d.always_on_from()), (Some(0.4), true, true, 2));
-        let (perm, count) = d.lists().unwrap();
-        let (rp, rc) = route_layout_reference(&want);
-        assert!(perm.equal(&rp) && count.equal(&rc), "the draw's lists are its own mask's");
-        for bad in [Tensor::from_slice(&[0i64, 1, 2]), Tensor::from_slice(&[0i64, 1, 2, 4]), Tensor::from_slice(&[0i64, -1, 2, 3]), Tensor::from_slice(&[0i32, 1, 2, 3])] {
-            let e = l.with_rows(&bad).unwrap_err().to_string();
-            assert!(e.contains("route_layout: "), "{e}");
-        }
-    }
 
     #[test]
     fn unbuilt_keeps_the_decision_and_builds_the_lists_again() {
