@@ -370,7 +370,7 @@ pub const GEMV_WIDE_MIN_N: i64 = 8192;
 /// A narrow plain output-width product (N < GEMV_WIDE_MIN_N, e.g. Q 4096 x 4096) with several
 /// tokens takes the GEMV only up to this fraction: Q at M = 4, 75% skip (68% of the rows)
 /// measured 0.86x of cuBLAS on the GEMV against 0.93x for dense + mask (H200, 2026-11-30,
-/// `results/kernels-g128-h200.json`); the small product's fixed cost leaves the GEMV only a
+/// `results/kernels-g128-h200.json.xz`); the small product's fixed cost leaves the GEMV only a
 /// clear byte saving to win with.
 pub const GEMV_NARROW_MAX_FRACTION: f64 = 0.5;
 
