@@ -22,12 +22,6 @@ __device__ __forceinline__ float ld_cluster_f32(unsigned cluster_addr) {
     asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(cluster_addr) : "memory");
     return v;
 }
-// Four f32 of another block's shared memory (an address from map_rank, 16-byte aligned).
-__device__ __forceinline__ float4 ld_cluster_v4(unsigned cluster_addr) {
-    float4 v;
-    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(cluster_addr) : "memory");
-    return v;
-}
 // Four f32 into another block's shared memory (an address from map_rank, 16-byte aligned): a
 // store the thread does not wait for; a release (cluster_sync) makes it visible there.
 __device__ __forceinline__ void st_cluster_v4(unsigned cluster_addr, float a, float b, float c, float d) {

@@ -129,22 +129,6 @@
 #if FINE && (PERSIST || STREAMK)
 #error "FINE needs the plain entry"
 #endif
-// SPLITK 2 (plain entry, not FUSED, CLUSTER 1, TMA_B, no L2_HINT): a grid of fewer tiles than
-// half the multiprocessors runs each tile on a cluster of two blocks, rank r over k steps
-// [r KT / 2, (r + 1) KT / 2) (the host checks that 128 | K). After the k loop the two exchange
-// halves of their f32 sums through distributed shared memory: each writes the other's column
-// half of every accumulator into its own stage memory, one cluster barrier, each adds the
-// other's copy of its own half; then rank r stages and writes columns [64 r, 64 r + 64) of the
-// tile. A tall tile's extra rows are already split by columns over the consumers (warpgroup cw
-// holds columns [64 cw, 64 cw + 64)), so rank r's warpgroup r keeps its own and takes the
-// other's. Rank r's zero tiles write their column half too. Both blocks leave together (a
-// cluster barrier at the end), so neither's shared memory goes away while the other reads it.
-#ifndef SPLITK
-#define SPLITK 1
-#endif
-#if SPLITK != 1 && (SPLITK != 2 || FUSED || CLUSTER != 1 || !TMA_B || L2_HINT || PERSIST || STREAMK)
-#error "SPLITK is 1, or 2 on the plain entry with TMA_B, no FUSED, CLUSTER, L2_HINT"
-#endif
 // The weight tiles come by TMA (one producer thread, an expect_tx arrival on the stage barrier).
 #define B_BY_TMA (CLUSTER == 2 || TMA_B)
 
@@ -158,8 +142,6 @@
 #define B_BYTES (BN * BK * 2)
 #define STAGE_BYTES (A_BYTES + NB * B_BYTES)
 #define THREADS 384
-// 16-byte output chunks of a tile row a block writes (its column half with SPLITK 2).
-#define WCH (BN / 8 / SPLITK)
 #define LAG (STAGES - 2)  // ASYNC_ARRIVE 0: stage kt is handed over after issuing stage kt + LAG
 #if STAGES < 3
 #error "STAGES must be at least 3"
@@ -243,13 +225,13 @@ __device__ __forceinline__ void row_sources(const T* x, const int* pg, int m0, i
     }
 }
 
-// A consumer thread's accumulators of one 64-row sub-tile, NJ 8-column chunks of them (from its
-// chunk A0) to chunks `chunk0`... of the tile (rows from `row0`; with SWIGLU, silu(gate) * up of
-// registers e and 64 + e), into the staging area at `sbase`. Fragment: register 4j + e holds row 16 warp + lane /
+// A consumer thread's accumulators of one 64-row sub-tile, NJ 8-column chunks of them from
+// chunk `chunk0` of the tile (rows from `row0`; with SWIGLU, silu(gate) * up of registers e and
+// 64 + e), into the staging area at `sbase`. Fragment: register 4j + e holds row 16 warp + lane /
 // 4 (+8 for e >= 2), column 8 j + 2 (lane % 4) + (e % 2). Staged as [BM rows][BN columns] of T,
 // 256 bytes a row, 16-byte chunk j of row r at chunk j ^ (r % 8): a warp's eight rows of one
 // chunk then fall on 32 different banks.
-template <int NJ, bool SWIGLU, int NA, int A0 = 0>
+template <int NJ, bool SWIGLU, int NA>
 __device__ __forceinline__ void stage_frag(unsigned sbase, const float (&acc)[NA], int row0, int chunk0) {
     const int warp = (threadIdx.x & 127) >> 5, lane = threadIdx.x & 31;
 #pragma unroll
@@ -258,10 +240,10 @@ __device__ __forceinline__ void stage_frag(unsigned sbase, const float (&acc)[NA
         const unsigned srow = sbase + r * (BN * 2) + (lane & 3) * 4;
 #pragma unroll
         for (int j = 0; j < NJ; ++j) {
-            float v0 = acc[4 * (A0 + j) + 2 * h], v1 = acc[4 * (A0 + j) + 2 * h + 1];
+            float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
             if constexpr (SWIGLU) {
-                v0 = silu(v0) * acc[64 + 4 * (A0 + j) + 2 * h];
-                v1 = silu(v1) * acc[64 + 4 * (A0 + j) + 2 * h + 1];
+                v0 = silu(v0) * acc[64 + 4 * j + 2 * h];
+                v1 = silu(v1) * acc[64 + 4 * j + 2 * h + 1];
             }
             asm volatile("st.shared.u32 [%0], %1;" ::"r"(srow + (((chunk0 + j) ^ (r & 7)) << 4)), "r"(pack2(v0, v1)) : "memory");
         }
@@ -275,15 +257,14 @@ __device__ __forceinline__ void stage_subtile(unsigned sbase, const float (&acc)
 // consecutive threads: the results staged at `sbase` for the active rows (r < nact), zeros for
 // the inactive tokens listed after them; rows[r] < 0 (past M) are skipped. With FINE, an
 // active row's 16-byte chunk is zero where its token skips the chunk's fine group of fg
-// channels (bit (c * 8) / fg of fbits[r], the row's bits of the tile's fine groups). A row's
-// chunks [cb, cb + WCH) (all 16 but with SPLITK 2: this block's column half).
+// channels (bit (c * 8) / fg of fbits[r], the row's bits of the tile's fine groups).
 __device__ __forceinline__ void write_rows(T* out, const int* rows, int nact, unsigned sbase, int N, int n0, int first, int stride, int rbeg = 0,
-                                           int rend = BM, const unsigned short* fbits = nullptr, int fg = 0, int cb = 0) {
+                                           int rend = BM, const unsigned short* fbits = nullptr, int fg = 0) {
 #if L2_HINT
     const unsigned long long opol = l2_policy_evict_first();
 #endif
-    for (int i = rbeg * WCH + first; i < rend * WCH; i += stride) {
-        const int r = i / WCH, c = cb + i % WCH;
+    for (int i = rbeg * (BN / 8) + first; i < rend * (BN / 8); i += stride) {
+        const int r = i / (BN / 8), c = i % (BN / 8);
         const int tok = rows[r];
         if (tok < 0) continue;
         uint4 v = make_uint4(0, 0, 0, 0);
@@ -311,95 +292,11 @@ __device__ __forceinline__ void write_rows(T* out, const int* rows, int nact, un
 // them too.
 __device__ __forceinline__ void stage_barriers() {
     __syncthreads();
-#if SPLITK == 2
-    cluster_sync();  // the consumers' exchange of their sums (see `split_exchange`)
-#endif
     __syncthreads();
 }
 
-
 // A tall tile's extra sub-tile (rows BM to BM + 63, this warpgroup's 64 columns from `col0`).
 __device__ __forceinline__ void stage_extra(unsigned sbase, const float (&acc)[32], int col0) { stage_frag<8, false>(sbase, acc, BM, col0 / 8); }
-
-#if SPLITK == 2
-// The exchange area of SPLITK 2: after the staging area (BMA rows of 256 bytes), one float4 slot
-// q of consumer thread t at 16 (256 q + t): a warp's slots are 512 contiguous bytes.
-#define XOFF (BMA * BN * 2)
-static_assert(XOFF + (MI * 8 + (TALL ? 8 : 0)) * 256 * 16 <= STAGES * STAGE_BYTES, "the exchange area must fit in the stage memory");
-// Sends column half H of each sub-tile's sums (registers 32 H to 32 H + 31: chunks 8 H to 8 H + 7)
-// and, where `x`, the extra rows' sums into this block's slots at `xb`.
-template <int H, int NS, bool X>
-__device__ __forceinline__ void split_send(unsigned xb, const float (&acc)[NS][NB * 64], const float (&accx)[X ? 32 : 1], bool x) {
-#pragma unroll
-    for (int i = 0; i < NS; ++i)
-#pragma unroll
-        for (int t = 0; t < 8; ++t)
-            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(xb + (i * 8 + t) * 4096), "f"(acc[i][32 * H + 4 * t]), "f"(acc[i][32 * H + 4 * t + 1]),
-                         "f"(acc[i][32 * H + 4 * t + 2]), "f"(acc[i][32 * H + 4 * t + 3])
-                         : "memory");
-    if constexpr (X) {
-        if (x)
-#pragma unroll
-            for (int t = 0; t < 8; ++t)
-                asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(xb + (NS * 8 + t) * 4096), "f"(accx[4 * t]), "f"(accx[4 * t + 1]), "f"(accx[4 * t + 2]),
-                             "f"(accx[4 * t + 3])
-                             : "memory");
-    }
-}
-// Adds the other block's copy of column half H (and, where `x`, of the extra rows) from its slots
-// at the cluster address `rb`.
-template <int H, int NS, bool X>
-__device__ __forceinline__ void split_add(unsigned rb, float (&acc)[NS][NB * 64], float (&accx)[X ? 32 : 1], bool x) {
-#pragma unroll
-    for (int i = 0; i < NS; ++i)
-#pragma unroll
-        for (int t = 0; t < 8; ++t) {
-            const float4 v = ld_cluster_v4(rb + (i * 8 + t) * 4096);
-            acc[i][32 * H + 4 * t] += v.x;
-            acc[i][32 * H + 4 * t + 1] += v.y;
-            acc[i][32 * H + 4 * t + 2] += v.z;
-            acc[i][32 * H + 4 * t + 3] += v.w;
-        }
-    if constexpr (X) {
-        if (x)
-#pragma unroll
-            for (int t = 0; t < 8; ++t) {
-                const float4 v = ld_cluster_v4(rb + (NS * 8 + t) * 4096);
-                accx[4 * t] += v.x;
-                accx[4 * t + 1] += v.y;
-                accx[4 * t + 2] += v.z;
-                accx[4 * t + 3] += v.w;
-            }
-    }
-}
-// A consumer warpgroup's half of the exchange (between the block barriers around the staging,
-// after every wgmma of the block has completed): rank 0 keeps columns [0, 64) and rank 1 [64,
-// 128) of every sub-tile; the extra rows of a tall tile stay with warpgroup cw == rank. Then this
-// block's half staged (rows as `consume` stages them).
-template <int NS, bool X>
-__device__ __forceinline__ void split_exchange(unsigned base, float (&acc)[NS][NB * 64], float (&accx)[X ? 32 : 1], int cw) {
-    const bool r1 = cluster_rank() != 0;
-    const unsigned xb = base + XOFF + (threadIdx.x - 128) * 16;
-    if (r1)
-        split_send<0, NS, X>(xb, acc, accx, cw == 0);
-    else
-        split_send<1, NS, X>(xb, acc, accx, cw == 1);
-    cluster_sync();
-    const unsigned rb = map_rank(xb, r1 ? 0u : 1u);
-    if (r1) {
-        split_add<1, NS, X>(rb, acc, accx, cw == 1);
-#pragma unroll
-        for (int i = 0; i < NS; ++i) stage_frag<8, false, NB * 64, 8>(base, acc[i], (cw + 2 * i) * 64, 8);
-    } else {
-        split_add<0, NS, X>(rb, acc, accx, cw == 0);
-#pragma unroll
-        for (int i = 0; i < NS; ++i) stage_frag<8, false, NB * 64, 0>(base, acc[i], (cw + 2 * i) * 64, 0);
-    }
-    if constexpr (X) {
-        if (cw == (int)r1) stage_extra(base, accx, cw * 64);
-    }
-}
-#endif
 
 // One consumer warpgroup's k loop over its first NS sub-tiles (rows (cw + 2 i) * 64, i < NS) and,
 // with X (a tall tile), the extra rows BM to BM + 63 times its half cw of the weight tile's
@@ -470,13 +367,9 @@ __device__ __forceinline__ void consume(unsigned base, const unsigned long long*
     // barrier (the producer's copies completed before the last stage was consumed), so the
     // stage memory is free for the staged results.
     __syncthreads();
-#if SPLITK == 2
-    split_exchange<NS, X>(base, acc, accx, cw);
-#else
 #pragma unroll
     for (int i = 0; i < NS; ++i) stage_subtile(base, acc[i], (cw + 2 * i) * 64);
     if constexpr (X) stage_extra(base, accx, cw * 64);
-#endif
     __syncthreads();
 }
 
@@ -494,7 +387,7 @@ __device__ __forceinline__ void tile_banded(int b, int M, int N, int band_tiles,
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-#if CLUSTER == 2 || SPLITK == 2
+#if CLUSTER == 2
 __cluster_dims__(2, 1, 1)
 #endif
 gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
@@ -524,11 +417,7 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
     // unit takes its rank-th token tile.
     int mt, nt, mu;
     const int rank = CLUSTER == 1 ? 0 : (int)cluster_rank();
-    // SPLITK 2: the two blocks of a cluster share a tile; rank krank runs k steps from kb and
-    // writes output chunks from cb.
-    const int krank = SPLITK == 2 ? (int)cluster_rank() : 0;
-    const int cb = krank * WCH;
-    tile_banded(SPLITK == 2 ? (int)(blockIdx.x >> 1) : (int)blockIdx.x, M, N, band, mu, nt);
+    tile_banded(blockIdx.x, M, N, band, mu, nt);
     mt = mu * CLUSTER + rank;
     const int m0 = mt * BM;
     const int n0 = nt * BN;
@@ -594,7 +483,7 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
     for (int i = tid - 128; i >= 0 && i < rend; i += THREADS - 128) rows[i] = (m0 + i < M) ? pg[m0 + i] : -1;
 #endif
     if (run) {
-        const int KT = K / BK / SPLITK, kb = krank * KT;
+        const int KT = K / BK;
         if (wg == 0) {
 #if TALL
             // Registers to the consumers (a tall tile's hold 160 accumulators a thread):
@@ -607,7 +496,7 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
             // The weight tiles of the first stages depend on nothing: requested before the x
             // rows' addresses are known.
             if (tid == 0)
-                for (int kt = 0; kt < min(STAGES, KT); ++kt) load_weights_tma(base + kt * STAGE_BYTES, smem_u32(&full_bar[kt]), &tmap_w, &tmap_w2, (kb + kt) * BK, n0);
+                for (int kt = 0; kt < min(STAGES, KT); ++kt) load_weights_tma(base + kt * STAGE_BYTES, smem_u32(&full_bar[kt]), &tmap_w, &tmap_w2, kt * BK, n0);
 #endif
             const T* asrc[BMA / 16];
             int asz[BMA / 16];
@@ -641,7 +530,7 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
             for (int kt = 0; kt < KT; ++kt) {
                 if (kt >= STAGES) mbar_wait(smem_u32(&empty_bar[s]), ph ^ 1u);
                 const unsigned sa = base + s * STAGE_BYTES;
-                const int k0 = (kb + kt) * BK;
+                const int k0 = kt * BK;
 #if ROW_TMA
                 if (rowtma) {
                     if (tid == 0) {
@@ -757,13 +646,12 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
     if (!run) __syncthreads();  // the rows filled above
     // All rows when the tile has no active one (nothing was staged then).
 #if FINE
-    write_rows(out, rows, nact, base, N, n0, tid, THREADS, rbeg, rend, fbits, fg, cb);
+    write_rows(out, rows, nact, base, N, n0, tid, THREADS, rbeg, rend, fbits, fg);
 #else
-    write_rows(out, rows, nact, base, N, n0, tid, THREADS, rbeg, rend, nullptr, 0, cb);
+    write_rows(out, rows, nact, base, N, n0, tid, THREADS, rbeg, rend);
 #endif
-#if CLUSTER == 2 || SPLITK == 2
-    // The other block may still arrive on this block's barriers (CLUSTER 2) or read its
-    // exchange area (SPLITK 2): leave together.
+#if CLUSTER == 2
+    // The other block may still arrive on this block's barriers: leave together.
     cluster_sync();
 #endif
 }
