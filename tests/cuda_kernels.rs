@@ -655,57 +655,6 @@ fn gemm_mn_wgmma_tall_tiles_match_reference() {
     }
 }
 
-/// The split of K over a pair of blocks (`split_k`: each block half of the k steps, the first to
-/// finish handing its f32 sums to the second through a global slot behind a flag, the second
-/// writing the tile) against the f32 reference, two calls each (the second on the counters and
-/// flags the first left zeroed), on the plain 256-token tile, tall last tiles, the 128-token
-/// 7-stage tile and the cp.async gather: group counts whose last tile keeps 1, 63, 64 and 65 rows
-/// past a whole tile, none, a whole tile, 64 and 1; bands the host picks and bands of 1 and 3;
-/// random masks at Q's width with fewer tiles than multiprocessors (the grids the split is for)
-/// and at up's with several waves; every group on and every group off; groups of 512 and of 32
-/// (the fine mask applied in each half); bf16 and f16; k loops of one step a block (K = 128) and
-/// of 32. A K that is not a multiple of 128 is refused with a clear error. Outputs poisoned
-/// before every call. Hopper only.
-#[test]
-fn gemm_mn_wgmma_split_k_matches_reference() {
-    let Some(dev) = hopper_gpu() else { return };
-    tch::manual_seed(37);
-    let d = WgmmaConfig { split_k: true, ..WgmmaConfig::default_for(false) };
-    let cfgs = [d, WgmmaConfig { tall: true, ..d }, WgmmaConfig { mi: 1, stages: 7, ..d }, WgmmaConfig { row_tma: false, ..d }, WgmmaConfig { tall: true, row_tma: false, ..d }];
-    assert!(cfgs.iter().all(|c| c.valid(false) && c.label().ends_with("-k2")), "{cfgs:?}");
-    assert!(!WgmmaConfig { split_k: true, ..WgmmaConfig::default_for(true) }.valid(true), "the fused kernel has no split");
-    for &cfg in &cfgs {
-        let bm = cfg.bm();
-        let counts = [bm + 1, 2 * bm + 63, bm + 64, 2 * bm + 65, 0, 3 * bm, 64, 1];
-        for (kind, m, n, k, g) in [(Kind::BFloat16, 900, 2048, 128, 128), (Kind::Half, 1000, 4096, 4096, 512), (Kind::BFloat16, 777, 4096, 1024, 128)] {
-            let MnCase { x, w, l, r, off, .. } = mn_case_masked(kind, mask_with_counts(m, n / g, &counts), n, k, g, false);
-            let l = l.with_sparsity_hint(0.5);
-            for band in [None, Some(1), Some(3)] {
-                for call in 0..2 {
-                    poison(m, n, kind);
-                    let y = wide_kernels::ops::wgmma::gemm_mn_banded(cfg, band, &x, &w, None, &l, g).unwrap();
-                    check(&y, &r, Some(&off), &format!("{} band {band:?} counts {kind:?} M={m} N={n} K={k} G={g} call {call}", cfg.label()));
-                }
-            }
-        }
-        for (kind, m, n, k, g, p) in [
-            (Kind::BFloat16, 1024, 4096, 4096, 512, 0.5),
-            (Kind::Half, 1024, 4096, 4096, 128, 0.75),
-            (Kind::BFloat16, 2500, 14336, 4096, 128, 0.5),
-            (Kind::BFloat16, 515, 1024, 128, 128, 1.0),
-            (Kind::BFloat16, 300, 2048, 256, 128, 0.0),
-            (Kind::BFloat16, 1029, 2048, 256, 32, 0.6),
-        ] {
-            run_wgmma_config_case(cfg, kind, m, n, k, g, p, false);
-        }
-    }
-    let all = Tensor::ones([300, 16], (Kind::Bool, dev));
-    run_wgmma_config_masked(d, Kind::Half, all, 2048, 256, 128, false, "every group on");
-    let MnCase { x, w, l, .. } = mn_case(Kind::BFloat16, 300, 1024, 192, 128, 0.5, false);
-    let e = wide_kernels::ops::wgmma::gemm_mn_with(d, &x, &w, None, &l, 128).unwrap_err();
-    assert!(e.to_string().contains("not a multiple of 128"), "{e}");
-}
-
 /// Groups narrower than the 128-channel tile (8 | G | 128) on the wgmma kernel: tiles of 128 / G
 /// groups computed for the tokens that keep any of them, each group's mask applied as the tile
 /// is written. Plain and fused, bf16 and f16, G = 8 / 16 / 32 / 64, random masks at several
@@ -891,13 +840,6 @@ fn sanitizer_small_all_ops() {
         let x = Tensor::randn([700, 192], (Kind::Half, gpu()));
         let w = Tensor::randn([512, 192], (Kind::Half, gpu())) * 0.05;
         let _ = wide_kernels::ops::wgmma::gemm_mn_banded(tall, Some(1), &x, &w, None, &route_layout(&msk).unwrap(), 128).unwrap();
-        // K split over pairs of blocks (the first's sums handed to the second through a global
-        // slot): tall tiles with counts 1, 64 and 65 past a tile, and the 128-token tile.
-        let split = WgmmaConfig { split_k: true, tall: true, ..WgmmaConfig::default_for(false) };
-        let x = Tensor::randn([700, 256], (Kind::Half, gpu()));
-        let w = Tensor::randn([512, 256], (Kind::Half, gpu())) * 0.05;
-        let _ = wide_kernels::ops::wgmma::gemm_mn_banded(split, Some(1), &x, &w, None, &route_layout(&msk).unwrap(), 128).unwrap();
-        run_wgmma_config_case(WgmmaConfig { split_k: true, mi: 1, stages: 7, ..WgmmaConfig::default_for(false) }, Kind::BFloat16, 700, 4096, 256, 128, 0.5, false);
         // Tiles of a few rows in bands of 3 token tiles (a partial last band), an odd k loop.
         let msk = mask_with_counts(600, 4, &[257, 17, 64, 0]);
         let l = route_layout(&msk).unwrap();

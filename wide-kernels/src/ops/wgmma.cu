@@ -129,20 +129,6 @@
 #if FINE && (PERSIST || STREAMK)
 #error "FINE needs the plain entry"
 #endif
-// SPLITK 2 (plain entry, not FUSED, CLUSTER 1, TMA_B, no L2_HINT): for grids of fewer tiles than
-// half the multiprocessors each tile runs on a pair of blocks (2 p, 2 p + 1), block 2 p + r over
-// k steps [r KT / 2, (r + 1) KT / 2) (the host checks that 128 | K); no cluster. After the k loop
-// the pair's first block to arrive (an atomic on the pair's counter) writes its f32 sums to the
-// pair's slot in global memory and releases the pair's flag; the second, which waits only for a
-// block that has already arrived (so no wait can deadlock), acquires the flag, adds the slot to
-// its sums, resets counter and flag for the next launch, and writes the whole tile. A pair
-// without active rows is written by its even block.
-#ifndef SPLITK
-#define SPLITK 1
-#endif
-#if SPLITK != 1 && (SPLITK != 2 || FUSED || CLUSTER != 1 || !TMA_B || L2_HINT || PERSIST || STREAMK)
-#error "SPLITK is 1, or 2 on the plain entry with TMA_B, no FUSED, CLUSTER, L2_HINT"
-#endif
 // The weight tiles come by TMA (one producer thread, an expect_tx arrival on the stage barrier).
 #define B_BY_TMA (CLUSTER == 2 || TMA_B)
 
@@ -301,95 +287,23 @@ __device__ __forceinline__ void write_rows(T* out, const int* rows, int nact, un
     }
 }
 
-#if SPLITK == 2
-// This block's role in its pair: 0 for the first to finish its k loop, 1 for the second.
-__shared__ int split_role;
-// Pair p's arrival counter (flags[2 p]) and ready flag (flags[2 p + 1]).
-__device__ __forceinline__ unsigned ld_acquire_u32(const unsigned* p) {
-    unsigned v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-#endif
-
 // The two block barriers around the staging of a computing block's results (the consumers
 // write the stage memory between them); the producer and a consumer without active rows pass
-// them too. With SPLITK 2 thread 0 runs the pair's hand-over between two more (see `consume`).
-__device__ __forceinline__ void stage_barriers(unsigned* flags = nullptr) {
+// them too.
+__device__ __forceinline__ void stage_barriers() {
     __syncthreads();
-#if SPLITK == 2
-    unsigned* cnt = flags + 2 * (blockIdx.x >> 1);
-    if (threadIdx.x == 0) split_role = (int)atomicAdd(cnt, 1u);
-    __syncthreads();  // the role known to every thread
-    if (threadIdx.x == 0 && split_role != 0) {
-        while (ld_acquire_u32(cnt + 1) == 0) __nanosleep(64);
-        cnt[0] = 0u;  // both for the next launch (the first block touches neither again)
-        cnt[1] = 0u;
-    }
-    __syncthreads();  // the first's sums in its slot / the second's acquire done
-    if (threadIdx.x == 0 && split_role == 0) {
-        __threadfence();
-        asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(cnt + 1), "r"(1u) : "memory");
-    }
-#endif
     __syncthreads();
 }
 
 // A tall tile's extra sub-tile (rows BM to BM + 63, this warpgroup's 64 columns from `col0`).
 __device__ __forceinline__ void stage_extra(unsigned sbase, const float (&acc)[32], int col0) { stage_frag<8, false>(sbase, acc, BM, col0 / 8); }
 
-#if SPLITK == 2
-// A consumer thread's float4 q of its pair's slot: 256 consecutive float4 a q (a warp's 512 bytes
-// contiguous), MI * 16 + 8 of them a thread (a tall tile's extra rows last).
-#define SLOT_F4 (MI * 16 + (TALL ? 8 : 0))
-template <int NS, bool X>
-__device__ __forceinline__ void split_store(float4* slot, const float (&acc)[NS][NB * 64], const float (&accx)[X ? 32 : 1]) {
-#pragma unroll
-    for (int i = 0; i < NS; ++i)
-#pragma unroll
-        for (int t = 0; t < 16; ++t) slot[(i * 16 + t) * 256] = make_float4(acc[i][4 * t], acc[i][4 * t + 1], acc[i][4 * t + 2], acc[i][4 * t + 3]);
-    if constexpr (X) {
-#pragma unroll
-        for (int t = 0; t < 8; ++t) slot[(MI * 16 + t) * 256] = make_float4(accx[4 * t], accx[4 * t + 1], accx[4 * t + 2], accx[4 * t + 3]);
-    }
-}
-__device__ __forceinline__ float4 ld_cg_f4(const float4* p) {
-    float4 v;
-    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p) : "memory");
-    return v;
-}
-template <int NS, bool X>
-__device__ __forceinline__ void split_add(const float4* slot, float (&acc)[NS][NB * 64], float (&accx)[X ? 32 : 1]) {
-#pragma unroll
-    for (int i = 0; i < NS; ++i)
-#pragma unroll
-        for (int t = 0; t < 16; ++t) {
-            const float4 v = ld_cg_f4(slot + (i * 16 + t) * 256);
-            acc[i][4 * t] += v.x;
-            acc[i][4 * t + 1] += v.y;
-            acc[i][4 * t + 2] += v.z;
-            acc[i][4 * t + 3] += v.w;
-        }
-    if constexpr (X) {
-#pragma unroll
-        for (int t = 0; t < 8; ++t) {
-            const float4 v = ld_cg_f4(slot + (MI * 16 + t) * 256);
-            accx[4 * t] += v.x;
-            accx[4 * t + 1] += v.y;
-            accx[4 * t + 2] += v.z;
-            accx[4 * t + 3] += v.w;
-        }
-    }
-}
-#endif
-
 // One consumer warpgroup's k loop over its first NS sub-tiles (rows (cw + 2 i) * 64, i < NS) and,
 // with X (a tall tile), the extra rows BM to BM + 63 times its half cw of the weight tile's
 // columns, then its results (with the SwiGLU applied) into the staging area at `base`, between
 // the two block barriers every thread of a computing block passes (see `stage_barriers`).
 template <int NS, bool X = false>
-__device__ __forceinline__ void consume(unsigned base, const unsigned long long* full_bar, const unsigned long long* empty_bar, int cw, int KT,
-                                        float4* slots = nullptr) {
+__device__ __forceinline__ void consume(unsigned base, const unsigned long long* full_bar, const unsigned long long* empty_bar, int cw, int KT) {
     const int lane = threadIdx.x & 31;
     // Sub-tile i's accumulators: the gate (or only) tile in 0-63, the up tile in 64-127.
     float acc[NS][NB * 64];
@@ -453,24 +367,9 @@ __device__ __forceinline__ void consume(unsigned base, const unsigned long long*
     // barrier (the producer's copies completed before the last stage was consumed), so the
     // stage memory is free for the staged results.
     __syncthreads();
-#if SPLITK == 2
-    // The pair's hand-over (thread 0's part in `stage_barriers`): the first block's sums into the
-    // slot; the second's added from it once the flag is acquired, then staged.
-    __syncthreads();  // the role
-    float4* slot = slots + (size_t)(blockIdx.x >> 1) * (SLOT_F4 * 256) + (threadIdx.x - 128);
-    if (split_role == 0) split_store<NS, X>(slot, acc, accx);
-    __syncthreads();  // the slot written; the flag acquired
-    if (split_role != 0) {
-        split_add<NS, X>(slot, acc, accx);
-#pragma unroll
-        for (int i = 0; i < NS; ++i) stage_subtile(base, acc[i], (cw + 2 * i) * 64);
-        if constexpr (X) stage_extra(base, accx, cw * 64);
-    }
-#else
 #pragma unroll
     for (int i = 0; i < NS; ++i) stage_subtile(base, acc[i], (cw + 2 * i) * 64);
     if constexpr (X) stage_extra(base, accx, cw * 64);
-#endif
     __syncthreads();
 }
 
@@ -487,13 +386,6 @@ __device__ __forceinline__ void tile_banded(int b, int M, int N, int band_tiles,
     nt = idx / bm;
 }
 
-#if SPLITK == 2
-#define SPLIT_FLAGS flags
-#define SPLIT_SLOTS , slots
-#else
-#define SPLIT_FLAGS
-#define SPLIT_SLOTS
-#endif
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 #if CLUSTER == 2
 __cluster_dims__(2, 1, 1)
@@ -510,14 +402,7 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
                                                                       int band,  // token tiles a band of the tile order
                                                                       // FINE: the fine mask [M, ngf] of groups of fg
                                                                       // channels (else unused)
-                                                                      const unsigned char* __restrict__ fmask, int fg, int ngf
-#if SPLITK == 2
-                                                                      ,
-                                                                      // each pair's f32 slot and its counter and flag
-                                                                      // (zero; every launch leaves them zero)
-                                                                      float4* __restrict__ slots, unsigned* __restrict__ flags
-#endif
-) {
+                                                                      const unsigned char* __restrict__ fmask, int fg, int ngf) {
     extern __shared__ unsigned char smem_raw[];
     __shared__ int rows[BMA];
 #if FINE
@@ -532,9 +417,7 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
     // unit takes its rank-th token tile.
     int mt, nt, mu;
     const int rank = CLUSTER == 1 ? 0 : (int)cluster_rank();
-    // SPLITK 2: blocks 2 p and 2 p + 1 share a tile; block 2 p + krank runs k steps from kb.
-    const int krank = SPLITK == 2 ? (int)(blockIdx.x & 1) : 0;
-    tile_banded(SPLITK == 2 ? (int)(blockIdx.x >> 1) : (int)blockIdx.x, M, N, band, mu, nt);
+    tile_banded(blockIdx.x, M, N, band, mu, nt);
     mt = mu * CLUSTER + rank;
     const int m0 = mt * BM;
     const int n0 = nt * BN;
@@ -600,7 +483,7 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
     for (int i = tid - 128; i >= 0 && i < rend; i += THREADS - 128) rows[i] = (m0 + i < M) ? pg[m0 + i] : -1;
 #endif
     if (run) {
-        const int KT = K / BK / SPLITK, kb = krank * KT;
+        const int KT = K / BK;
         if (wg == 0) {
 #if TALL
             // Registers to the consumers (a tall tile's hold 160 accumulators a thread):
@@ -613,7 +496,7 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
             // The weight tiles of the first stages depend on nothing: requested before the x
             // rows' addresses are known.
             if (tid == 0)
-                for (int kt = 0; kt < min(STAGES, KT); ++kt) load_weights_tma(base + kt * STAGE_BYTES, smem_u32(&full_bar[kt]), &tmap_w, &tmap_w2, (kb + kt) * BK, n0);
+                for (int kt = 0; kt < min(STAGES, KT); ++kt) load_weights_tma(base + kt * STAGE_BYTES, smem_u32(&full_bar[kt]), &tmap_w, &tmap_w2, kt * BK, n0);
 #endif
             const T* asrc[BMA / 16];
             int asz[BMA / 16];
@@ -647,7 +530,7 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
             for (int kt = 0; kt < KT; ++kt) {
                 if (kt >= STAGES) mbar_wait(smem_u32(&empty_bar[s]), ph ^ 1u);
                 const unsigned sa = base + s * STAGE_BYTES;
-                const int k0 = (kb + kt) * BK;
+                const int k0 = kt * BK;
 #if ROW_TMA
                 if (rowtma) {
                     if (tid == 0) {
@@ -719,7 +602,7 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
             fence_proxy_async();
             for (int j = max(KT - LAG, 0); j < KT; ++j) mbar_arrive(smem_u32(&full_bar[j % STAGES]));
 #endif
-            stage_barriers(SPLIT_FLAGS);
+            stage_barriers();
         } else {
 #if TALL
             asm volatile("setmaxnreg.inc.sync.aligned.u32 200;" ::: "memory");
@@ -743,35 +626,29 @@ gemm_mn_wgmma(const T* __restrict__ x, const T* __restrict__ w,
                         ph ^= 1u;
                     }
                 }
-                stage_barriers(SPLIT_FLAGS);
+                stage_barriers();
             }
 #if TALL
             else if (tall) {
-                consume<2, true>(base, full_bar, empty_bar, cw, KT SPLIT_SLOTS);
+                consume<2, true>(base, full_bar, empty_bar, cw, KT);
             }
 #endif
 #if MI >= 2
             else if (ns == 2) {
-                consume<2>(base, full_bar, empty_bar, cw, KT SPLIT_SLOTS);
+                consume<2>(base, full_bar, empty_bar, cw, KT);
             }
 #endif
             else {
-                consume<1>(base, full_bar, empty_bar, cw, KT SPLIT_SLOTS);
+                consume<1>(base, full_bar, empty_bar, cw, KT);
             }
         }
     }
     if (!run) __syncthreads();  // the rows filled above
-#if SPLITK == 2
-    // A computing tile is written by its pair's second block, one without active rows by the even one.
-    const bool write = run ? split_role != 0 : krank == 0;
-#else
-    const bool write = true;
-#endif
     // All rows when the tile has no active one (nothing was staged then).
 #if FINE
-    if (write) write_rows(out, rows, nact, base, N, n0, tid, THREADS, rbeg, rend, fbits, fg);
+    write_rows(out, rows, nact, base, N, n0, tid, THREADS, rbeg, rend, fbits, fg);
 #else
-    if (write) write_rows(out, rows, nact, base, N, n0, tid, THREADS, rbeg, rend);
+    write_rows(out, rows, nact, base, N, n0, tid, THREADS, rbeg, rend);
 #endif
 #if CLUSTER == 2
     // The other block may still arrive on this block's barriers: leave together.

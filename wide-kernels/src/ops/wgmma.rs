@@ -86,12 +86,6 @@ pub struct WgmmaConfig {
     /// a group's count passes a multiple of the tile need no tile of their own. Plain 256-token
     /// tiles on the TMA path of the plain entry, without L2 hints.
     pub tall: bool,
-    /// Each tile on a pair of blocks, each over half of K; the first to finish hands its f32
-    /// sums to the second through a global slot behind a flag, and the second writes the tile
-    /// (`SPLITK` 2 in wgmma.cu): for grids of fewer tiles than half the multiprocessors, where a
-    /// tile's k loop is the launch's time. Plain entry on the TMA path, not fused, no clusters
-    /// or L2 hints; 128 | K.
-    pub split_k: bool,
 }
 
 /// Rows a tall last tile takes past the 256-token tile (one more 64-row wgmma sub-tile).
@@ -109,7 +103,7 @@ impl WgmmaConfig {
     /// routed ms up 0.204 / 0.356 at 2048 / 4096 tokens against 0.205 / 0.358 with the cp.async
     /// gather, gate+up 0.367 / 0.736 against 0.369 / 0.749, Q 0.065 / 0.112 against 0.071 / 0.113.
     pub fn default_for(fused: bool) -> Self {
-        Self { mi: if fused { 1 } else { 2 }, stages: 4, async_arrive: true, cluster: 1, tma: true, l2_hint: false, persist: false, row_tma: true, stream_k: false, tall: false, split_k: false }
+        Self { mi: if fused { 1 } else { 2 }, stages: 4, async_arrive: true, cluster: 1, tma: true, l2_hint: false, persist: false, row_tma: true, stream_k: false, tall: false }
     }
     /// Token rows of a tile (the step between a group's tiles; a tall last tile has 64 more).
     pub fn bm(&self) -> i64 {
@@ -155,15 +149,6 @@ impl WgmmaConfig {
             && (!self.persist || (self.mi == 1 && self.tma && !self.l2_hint))
             && (!self.stream_k || (self.tma && self.cluster == 1 && !self.persist && !self.l2_hint))
             && (!self.tall || (self.mi == 2 && !fused && self.tma && !self.persist && !self.stream_k && !self.l2_hint))
-            && (!self.split_k || (!fused && self.tma && self.cluster == 1 && !self.persist && !self.stream_k && !self.l2_hint))
-    }
-    /// Blocks a tile runs on (2 with [`WgmmaConfig::split_k`]).
-    pub fn blocks_per_tile(&self) -> i64 {
-        if self.split_k {
-            2
-        } else {
-            1
-        }
     }
     /// Does this configuration load contiguous tiles' x rows by TMA (`ROW_TMA`)?
     pub fn row_tma_on(&self) -> bool {
@@ -181,7 +166,7 @@ impl WgmmaConfig {
     }
     pub fn label(&self) -> String {
         format!(
-            "wgmma{}{}x128x64s{}{}{}{}{}{}{}{}{}",
+            "wgmma{}{}x128x64s{}{}{}{}{}{}{}{}",
             self.bm(),
             if self.tall { "+64" } else { "" },
             self.stages,
@@ -191,8 +176,7 @@ impl WgmmaConfig {
             if self.l2_hint { "h" } else { "" },
             if self.persist { "p" } else { "" },
             if self.row_tma_on() { "r" } else { "" },
-            if self.stream_k { "k" } else { "" },
-            if self.split_k { "-k2" } else { "" }
+            if self.stream_k { "k" } else { "" }
         )
     }
 }
@@ -204,7 +188,7 @@ pub fn sweep(fused: bool) -> Vec<WgmmaConfig> {
     for mi in [1, 2] {
         for (stages, async_arrive, cluster, tma) in [(4, true, 1, true), (4, true, 1, false), (4, false, 1, false), (5, true, 1, true), (6, true, 1, true), (7, true, 1, true), (4, true, 2, false), (5, true, 2, false)] {
             for l2_hint in [false, true] {
-                let c = WgmmaConfig { mi, stages, async_arrive, cluster, tma, l2_hint, persist: false, row_tma: true, stream_k: false, tall: false, split_k: false };
+                let c = WgmmaConfig { mi, stages, async_arrive, cluster, tma, l2_hint, persist: false, row_tma: true, stream_k: false, tall: false };
                 if c.valid(fused) && !v.contains(&c) && (!l2_hint || (stages == 4 && tma)) {
                     v.push(c);
                 }
@@ -228,13 +212,6 @@ pub fn sweep(fused: bool) -> Vec<WgmmaConfig> {
                 for t in [WgmmaConfig { tall: !c.tall, ..c }, WgmmaConfig { tall: !c.tall, row_tma: false, ..c }] {
                     if stages == 4 && t.valid(fused) && !v.contains(&t) {
                         v.push(t);
-                    }
-                }
-                // The split of K over a pair of blocks, on the plain, tall and deep 128-token tiles.
-                for t in [c, WgmmaConfig { tall: true, ..c }] {
-                    let k2 = WgmmaConfig { split_k: true, ..t };
-                    if !l2_hint && (stages == 4 || stages == 7) && k2.valid(fused) && !v.contains(&k2) {
-                        v.push(k2);
                     }
                 }
             }
@@ -279,8 +256,6 @@ pub fn config_for_groups(s: &GemmShape, sparsity: f64, on_groups: i64, sms: i64)
 const SMALL_WAVE: f64 = 0.56;
 const SMALL_FIXED: f64 = 0.11;
 const TALL_EXTRA: f64 = 0.3;
-const SPLIT_SHARE: f64 = 0.5;
-const SPLIT_FIXED: f64 = 0.15;
 
 /// The candidate configurations of a plain product from 512 tokens and their costs in waves
 /// of 256-token tiles (ceil(expected computing tiles / `sms`) from [`expected_tiles`]): the
@@ -299,10 +274,7 @@ pub fn tile_costs(s: &GemmShape, sparsity: f64, on_groups: i64, sms: i64) -> Vec
     let d = WgmmaConfig::default_for(fused);
     let tiles = s.n / WGMMA_BN;
     let on_tiles = (on_groups * s.group.max(0) / WGMMA_BN).clamp(0, tiles);
-    let waves = |c: &WgmmaConfig| {
-        let blocks = expected_tiles(c, s.m, tiles - on_tiles, sparsity, on_tiles) * c.blocks_per_tile() as f64;
-        (blocks / sms.max(1) as f64 - 1e-6).ceil().max(1.0)
-    };
+    let waves = |c: &WgmmaConfig| (expected_tiles(c, s.m, tiles - on_tiles, sparsity, on_tiles) / sms.max(1) as f64 - 1e-6).ceil().max(1.0);
     let mut v = vec![(d, waves(&d))];
     let small = WgmmaConfig { mi: 1, stages: 7, ..d };
     if small.valid(fused) {
@@ -312,24 +284,7 @@ pub fn tile_costs(s: &GemmShape, sparsity: f64, on_groups: i64, sms: i64) -> Vec
     if tall.valid(fused) && tall_allowed() {
         v.push((tall, waves(&tall) + TALL_EXTRA));
     }
-    // Each tile over a pair of blocks (half of K a block), only where the pairs fit one wave:
-    // SPLIT_SHARE of the unsplit tile's wave, plus SPLIT_FIXED for the hand-over.
-    if split_allowed() && s.k % (2 * WGMMA_BK) == 0 {
-        for (t, extra) in [(d, 0.0), (tall, TALL_EXTRA)] {
-            let k2 = WgmmaConfig { split_k: true, ..t };
-            if k2.valid(fused) && (!t.tall || tall_allowed()) && waves(&k2) <= 1.0 {
-                v.push((k2, SPLIT_SHARE * (1.0 + extra) + SPLIT_FIXED));
-            }
-        }
-    }
     v
-}
-
-/// `WIDE_WGMMA_SPLITK=1` (read once) lets [`config_for`] take the split of K (off by default
-/// until its cost is measured).
-fn split_allowed() -> bool {
-    static V: OnceLock<bool> = OnceLock::new();
-    *V.get_or_init(|| std::env::var("WIDE_WGMMA_SPLITK").is_ok_and(|v| v == "1"))
 }
 
 /// `WIDE_WGMMA_TALL=0` (read once) keeps [`config_for`] off tall last tiles, for A/B runs.
@@ -385,7 +340,7 @@ fn erfc(x: f64) -> f64 {
     }
 }
 
-/// `WIDE_WGMMA` (`mi=1,stages=5,arrive=wait,cluster=2`, `tma=1`, `hint=1`, `persist=1`, `rowtma=0`, `sk=1`, `tall=1`, `splitk=1`; read once), over the
+/// `WIDE_WGMMA` (`mi=1,stages=5,arrive=wait,cluster=2`, `tma=1`, `hint=1`, `persist=1`, `rowtma=0`, `sk=1`, `tall=1`; read once), over the
 /// default of this op; an invalid one gives the default.
 fn env_config(fused: bool) -> Option<WgmmaConfig> {
     static V: OnceLock<Option<String>> = OnceLock::new();
@@ -404,7 +359,6 @@ fn env_config(fused: bool) -> Option<WgmmaConfig> {
             Some(("rowtma", v)) => c.row_tma = v == "1",
             Some(("sk", v)) => c.stream_k = v == "1",
             Some(("tall", v)) => c.tall = v == "1",
-            Some(("splitk", v)) => c.split_k = v == "1",
             _ => {}
         }
     }
@@ -486,8 +440,7 @@ pub fn source_fine(f16: bool, fused: bool, c: WgmmaConfig, fine: bool) -> Kernel
         .define("PERSIST", c.persist as u32)
         .define("ROW_TMA", c.row_tma_on() as u32)
         .define("STREAMK", c.stream_k as u32)
-        .define("TALL", c.tall as u32)
-        .define("SPLITK", if c.split_k { 2 } else { 1 });
+        .define("TALL", c.tall as u32);
     if fine {
         k.define("FINE", 1)
     } else {
@@ -502,10 +455,7 @@ fn picked_configs(fused: bool) -> Vec<WgmmaConfig> {
     if fused {
         return vec![d];
     }
-    [d, WgmmaConfig { mi: 1, stages: 7, ..d }, WgmmaConfig { tall: true, ..d }, WgmmaConfig { split_k: true, ..d }, WgmmaConfig { tall: true, split_k: true, ..d }]
-        .into_iter()
-        .filter(|c| c.valid(false))
-        .collect()
+    [d, WgmmaConfig { mi: 1, stages: 7, ..d }, WgmmaConfig { tall: true, ..d }].into_iter().filter(|c| c.valid(false)).collect()
 }
 
 /// Every variant shipped (the defaults and the sweep), for the compile-everything test.
@@ -582,24 +532,6 @@ fn tile_counter(device: usize) -> Result<Tensor> {
     let key = (device, crate::shim::current_stream(device)? as usize);
     let mut m = C.get_or_init(Default::default).lock().unwrap();
     Ok(m.entry(key).or_insert_with(|| Tensor::zeros([2], (tch::Kind::Int, tch::Device::Cuda(device)))).shallow_clone())
-}
-
-/// The split of K's f32 slots (one a pair of blocks: `slot_f4` float4 for each of 256 consumer
-/// threads) and each pair's counter and flag, on this device and libtorch's current stream, at
-/// least `pairs` of them (zeroed when made; each launch leaves the flags zero, and launches on
-/// one stream do not overlap). Grown as needed.
-fn split_workspace(device: usize, pairs: i64, slot_f4: i64) -> Result<(Tensor, Tensor)> {
-    static C: OnceLock<Mutex<HashMap<(usize, usize), (Tensor, Tensor)>>> = OnceLock::new();
-    let key = (device, crate::shim::current_stream(device)? as usize);
-    let mut m = C.get_or_init(Default::default).lock().unwrap();
-    let need = pairs * slot_f4 * 256 * 4;
-    let fits = m.get(&key).is_some_and(|(a, b)| a.numel() as i64 >= need && b.numel() as i64 >= 2 * pairs);
-    if !fits {
-        let d = tch::Device::Cuda(device);
-        m.insert(key, (Tensor::zeros([need], (tch::Kind::Float, d)), Tensor::zeros([2 * pairs], (tch::Kind::Int, d))));
-    }
-    let (a, b) = &m[&key];
-    Ok((a.shallow_clone(), b.shallow_clone()))
 }
 
 /// Runs gemm_mn / gemm_mn_swiglu (`w2` = w_up) on the wgmma kernel.
@@ -691,9 +623,8 @@ fn launch_config(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, lay
     let out = Tensor::empty([s.m, s.n], (x.kind(), x.device()));
     // A 1-D grid of tiles (units of `cluster` token tiles) in banded order (see wgmma.cu); a band
     // of (N / 128) * 32 tiles at most must fit an i32 too.
-    ensure!(!c.split_k || s.k % (2 * WGMMA_BK) == 0, "wgmma configuration {} splits K in two halves of 64-element steps: K = {} is not a multiple of 128", c.label(), s.k);
     let units = (s.m as u64).div_ceil(c.bm() as u64).div_ceil(c.cluster as u64);
-    let blocks = units * c.cluster as u64 * (s.n / WGMMA_BN) as u64 * c.blocks_per_tile() as u64;
+    let blocks = units * c.cluster as u64 * (s.n / WGMMA_BN) as u64;
     ensure!(blocks <= i32::MAX as u64 && 32 * s.n / WGMMA_BN <= i32::MAX as i64, "too many tiles (M {} x N {}) for one wgmma launch", s.m, s.n);
     // The persistent grid: one block a multiprocessor (at most one a tile).
     let grid = if c.persist { blocks.min(sms) } else if c.stream_k { sms } else { blocks };
@@ -742,12 +673,6 @@ fn launch_config(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, lay
         } else {
             args.extend([KernelArg::Ptr(0), KernelArg::I32(0), KernelArg::I32(0)]);
         }
-        if c.split_k {
-            let pairs = (blocks / 2) as i64;
-            let (slots, flags) = split_workspace(device, pairs, c.mi as i64 * 16 + if c.tall { 8 } else { 0 })?;
-            args.push(KernelArg::tensor(&slots)?);
-            args.push(KernelArg::tensor(&flags)?);
-        }
     }
     let trace = if c.stream_k && std::env::var_os("WIDE_WGMMA_SK_TRACE").is_some() {
         Some(Tensor::zeros([sms as i64, 64, 8], (tch::Kind::Int64, x.device())))
@@ -768,9 +693,7 @@ fn launch_config(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, lay
     // up to whole clusters; the persistent entry: at most one a multiprocessor, with its zeroed
     // counter pair, which every launch leaves zeroed, and the tile count; the stream-K entry:
     // one block a multiprocessor, with its zeroed slots of 2 x multiprocessors tiles and flags,
-    // which every launch leaves zeroed, and its schedule's shared memory; the split of K: two
-    // blocks a tile, with slots for every pair and their zeroed counters and flags, which every
-    // launch leaves zeroed); the tensor maps
+    // which every launch leaves zeroed, and its schedule's shared memory); the tensor maps
     // describe w and w_up, and x where the configuration reads it by TMA (a zero map otherwise,
     // unread).
     unsafe { k.launch(cfg, &args)? };
@@ -903,12 +826,12 @@ mod tests {
         assert_eq!(WgmmaConfig::default_for(true).smem_bytes(true), 4 * (16384 + 32768) + 1024);
         assert_eq!(WgmmaConfig::default_for(false).bm(), 256);
         // Fused with 256-token tiles would need 256 accumulators a thread.
-        assert!(!WgmmaConfig { mi: 2, stages: 3, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false, row_tma: false, stream_k: false, tall: false, split_k: false }.valid(true));
-        assert!(!WgmmaConfig { mi: 1, stages: 2, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false, row_tma: false, stream_k: false, tall: false, split_k: false }.valid(false));
-        assert!(!WgmmaConfig { mi: 2, stages: 5, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false, row_tma: false, stream_k: false, tall: false, split_k: false }.valid(false), "240 KiB");
-        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 2, tma: false, l2_hint: false, persist: false, row_tma: false, stream_k: false, tall: false, split_k: false }.valid(false), "clusters need the async arrive");
-        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 1, tma: true, l2_hint: false, persist: false, row_tma: false, stream_k: false, tall: false, split_k: false }.valid(false), "TMA weights need the async arrive");
-        assert!(!WgmmaConfig { mi: 1, stages: 4, async_arrive: true, cluster: 2, tma: true, l2_hint: false, persist: false, row_tma: false, stream_k: false, tall: false, split_k: false }.valid(true), "TMA weights are the cluster-free path");
+        assert!(!WgmmaConfig { mi: 2, stages: 3, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false, row_tma: false, stream_k: false, tall: false }.valid(true));
+        assert!(!WgmmaConfig { mi: 1, stages: 2, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false, row_tma: false, stream_k: false, tall: false }.valid(false));
+        assert!(!WgmmaConfig { mi: 2, stages: 5, async_arrive: true, cluster: 1, tma: false, l2_hint: false, persist: false, row_tma: false, stream_k: false, tall: false }.valid(false), "240 KiB");
+        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 2, tma: false, l2_hint: false, persist: false, row_tma: false, stream_k: false, tall: false }.valid(false), "clusters need the async arrive");
+        assert!(!WgmmaConfig { mi: 2, stages: 4, async_arrive: false, cluster: 1, tma: true, l2_hint: false, persist: false, row_tma: false, stream_k: false, tall: false }.valid(false), "TMA weights need the async arrive");
+        assert!(!WgmmaConfig { mi: 1, stages: 4, async_arrive: true, cluster: 2, tma: true, l2_hint: false, persist: false, row_tma: false, stream_k: false, tall: false }.valid(true), "TMA weights are the cluster-free path");
         assert!(sweep(false).iter().any(|c| !c.tma && c.cluster == 1) && sweep(true).iter().any(|c| !c.tma && c.cluster == 1), "the cp.async weight path stays in the sweep");
         assert!(WgmmaConfig::default_for(true).tma && WgmmaConfig::default_for(false).tma);
         assert!(sweep(false).iter().any(|c| c.cluster == 2) && sweep(true).iter().any(|c| c.cluster == 2));
@@ -926,19 +849,6 @@ mod tests {
         assert!(!WgmmaConfig { stream_k: true, mi: 1, persist: true, ..k }.valid(false), "persist and stream-K");
         assert!(!WgmmaConfig { stream_k: true, l2_hint: true, ..k }.valid(false), "L2 hints");
         assert!(sweep(false).iter().any(|c| c.stream_k) && sweep(true).iter().any(|c| c.stream_k));
-        // The split of K: the plain entry's TMA path without clusters, hints, persist or
-        // stream-K, on the plain, tall and 128-token tiles; not fused.
-        let k2 = WgmmaConfig { split_k: true, ..WgmmaConfig::default_for(false) };
-        assert!(k2.valid(false) && k2.entry() == "gemm_mn_wgmma" && k2.label().ends_with("-k2") && k2.blocks_per_tile() == 2);
-        assert_eq!(WgmmaConfig::default_for(false).blocks_per_tile(), 1);
-        assert!(WgmmaConfig { tall: true, ..k2 }.valid(false) && WgmmaConfig { mi: 1, stages: 7, ..k2 }.valid(false));
-        assert!(!WgmmaConfig { split_k: true, ..WgmmaConfig::default_for(true) }.valid(true), "fused");
-        assert!(!WgmmaConfig { tma: false, ..k2 }.valid(false), "cp.async weights");
-        assert!(!WgmmaConfig { tma: false, cluster: 2, ..k2 }.valid(false), "clusters");
-        assert!(!WgmmaConfig { l2_hint: true, ..k2 }.valid(false), "L2 hints");
-        assert!(!WgmmaConfig { stream_k: true, ..k2 }.valid(false), "stream-K");
-        assert!(!WgmmaConfig { mi: 1, persist: true, ..k2 }.valid(false), "persist");
-        assert!(sweep(false).iter().filter(|c| c.split_k).count() >= 3 && !sweep(true).iter().any(|c| c.split_k));
     }
 
     #[test]
