@@ -27,7 +27,10 @@ BASE = dict(WIDE_F16=0, FUSED=0, MI=2, STAGES=4, ASYNC_ARRIVE=1, CLUSTER=1, TMA_
 
 
 def build(rev, out):
-    import nvidia  # the set-up's CUDA runtime wheel: libnvrtc and its headers
+    try:
+        import nvidia  # the set-up's CUDA runtime wheel: libnvrtc and its headers
+    except ImportError:
+        sys.exit('build needs the set-up\'s Python: run it after eval "$(bash scripts/setup.sh --print-env)"')
     cu13 = os.path.join(list(nvidia.__path__)[0], "cu13")
     lib = ctypes.CDLL(os.path.join(cu13, "lib", "libnvrtc.so.13"))
     root = subprocess.check_output(["git", "rev-parse", "--show-toplevel"]).decode().strip()
