@@ -35,7 +35,10 @@ def build(rev, out):
     lib = ctypes.CDLL(os.path.join(cu13, "lib", "libnvrtc.so.13"))
     root = subprocess.check_output(["git", "rev-parse", "--show-toplevel"]).decode().strip()
     files = ["mbarrier.cuh", "wgmma_common.cuh", "cluster.cuh", "wgmma.cu"]
-    src = "".join(subprocess.check_output(["git", "-C", root, "show", f"{rev}:wide-kernels/src/ops/{f}"]).decode() for f in files)
+    try:
+        src = "".join(subprocess.check_output(["git", "-C", root, "show", f"{rev}:wide-kernels/src/ops/{f}"], stderr=subprocess.DEVNULL).decode() for f in files)
+    except subprocess.CalledProcessError:
+        sys.exit(f"build: {rev} is not a commit of this repository with wide-kernels/src/ops/wgmma.cu")
     os.makedirs(out, exist_ok=True)
     for name, defs, _ in VARIANTS:
         if "SPLITK" in defs and "SPLITK" not in src:
@@ -71,15 +74,16 @@ class Cfg(ctypes.Structure):  # CUlaunchConfig
 
 
 def query(d):
+    found = [v for v in VARIANTS if os.path.exists(os.path.join(d, v[0] + ".cubin"))]
+    if not found:
+        sys.exit(f"query: no {', '.join(v[0] + '.cubin' for v in VARIANTS)} in {d} (make them with: build REV DIR)")
     import torch
 
     torch.zeros(1, device="cuda")  # a current context
     cu = ctypes.CDLL("libcuda.so.1")
     print(torch.cuda.get_device_name(0), "multiprocessors", torch.cuda.get_device_properties(0).multi_processor_count)
-    for name, defs, smem in VARIANTS:
+    for name, defs, smem in found:
         path = os.path.join(d, name + ".cubin")
-        if not os.path.exists(path):
-            continue
         mod, fn = c_void_p(), c_void_p()
         with open(path, "rb") as f:
             assert cu.cuModuleLoadData(byref(mod), f.read()) == 0, name
