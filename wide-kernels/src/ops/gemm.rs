@@ -596,44 +596,13 @@ fn gemv_rows_override(mm: i64, n: i64) -> Option<i64> {
 /// the input (gemm_k), or nothing (gemm_k with a premasked input).
 /// The dense path's mask kernel for one launch: `apply_group_mask_rows4` (rows in batches of 4,
 /// each batch's mask loads and then its stores, 30 registers a thread, so the grid's ~16 blocks a
-/// multiprocessor are all resident), `apply_group_mask` with `rb` rows a batch (all of a
+/// multiprocessor are all resident), or `apply_group_mask` with `rb` rows a batch (all of a
 /// batch's mask loads before its stores: one load round trip a batch, but 106 registers a
-/// thread, 4 blocks a multiprocessor), or, for the zero pass only, `apply_group_mask_staged` with
-/// `rb` rows a batch (the block loads the batch's mask bytes into shared memory together: one
-/// round trip a batch at 32 registers, 16 blocks a multiprocessor).
+/// thread, 4 blocks a multiprocessor).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum MaskPass {
     Rows4,
     Batched(i32),
-    Staged(i32),
-}
-
-/// A mask kernel named by `WIDE_MASK_PASS`, without its batch.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum MaskKernel {
-    Rows4,
-    Batched,
-    Staged,
-}
-
-impl MaskPass {
-    /// The entry for `mode` (0 zeros in place, 1 the masked copy, 2 the SwiGLU): the staged
-    /// kernel writes zeros only, so the other modes take the batched kernel in its place.
-    fn entry(self, mode: i32) -> &'static str {
-        match (self, mode) {
-            (MaskPass::Rows4, _) => "apply_group_mask_rows4",
-            (MaskPass::Staged(_), 0) => "apply_group_mask_staged",
-            (MaskPass::Batched(_) | MaskPass::Staged(_), _) => "apply_group_mask",
-        }
-    }
-
-    /// The batch argument of the batched entries (None: the rows-of-4 entry has none).
-    fn batch(self) -> Option<i32> {
-        match self {
-            MaskPass::Rows4 => None,
-            MaskPass::Batched(rb) | MaskPass::Staged(rb) => Some(rb),
-        }
-    }
 }
 
 /// Rows a thread takes from which the batched kernel runs by default. Measured on an H100 (one
@@ -645,42 +614,40 @@ const MASK_BATCHED_FROM_ROWS: i64 = 16;
 
 /// The mask kernel and its batch for `m` rows over the grid's `gy` row slots: a thread's share
 /// of the rows, ceil(m / gy); the batched kernel from [`MASK_BATCHED_FROM_ROWS`] rows a thread,
-/// in batches of the whole share up to 32 (the kernels' `MASK_RB_MAX`). For A/B runs (read once):
-/// `WIDE_MASK_PASS=rows4|batched|staged` takes one kernel everywhere, `WIDE_MASK_ROWS=1..32` sets
-/// the batched kernels' batch.
+/// in batches of the whole share up to 32 (the kernel's `MASK_RB_MAX`). For A/B runs (read once):
+/// `WIDE_MASK_PASS=rows4|batched` takes one kernel everywhere, `WIDE_MASK_ROWS=1..32` sets the
+/// batched kernel's batch.
 fn mask_pass(m: i64, gy: u32) -> MaskPass {
     mask_pass_with(m, gy, env_mask_pass(), env_mask_rows())
 }
 
-fn mask_pass_with(m: i64, gy: u32, forced: Option<MaskKernel>, rows: Option<i32>) -> MaskPass {
+fn mask_pass_with(m: i64, gy: u32, forced: Option<bool>, rows: Option<i32>) -> MaskPass {
     let share = (m.max(1) as u64).div_ceil(gy.max(1) as u64) as i64;
-    let kernel = forced.unwrap_or(if share >= MASK_BATCHED_FROM_ROWS { MaskKernel::Batched } else { MaskKernel::Rows4 });
-    let rb = rows.unwrap_or(share.clamp(1, MASK_ROWS_MAX as i64) as i32);
-    match kernel {
-        MaskKernel::Rows4 => MaskPass::Rows4,
-        MaskKernel::Batched => MaskPass::Batched(rb),
-        MaskKernel::Staged => MaskPass::Staged(rb),
+    let batched = forced.unwrap_or(share >= MASK_BATCHED_FROM_ROWS);
+    if batched {
+        MaskPass::Batched(rows.unwrap_or(share.clamp(1, MASK_ROWS_MAX as i64) as i32))
+    } else {
+        MaskPass::Rows4
     }
 }
 
-/// The kernels' `MASK_RB_MAX`.
+/// The kernel's `MASK_RB_MAX`.
 const MASK_ROWS_MAX: i32 = 32;
 
-/// `WIDE_MASK_PASS` (read once): the kernel it names, None unset (the per-launch rule); another
-/// value is named in a warning and ignored.
-fn env_mask_pass() -> Option<MaskKernel> {
-    static V: std::sync::OnceLock<Option<MaskKernel>> = std::sync::OnceLock::new();
+/// `WIDE_MASK_PASS` (read once): Some(true) `batched`, Some(false) `rows4`, None unset (the
+/// per-launch rule); another value is named in a warning and ignored.
+fn env_mask_pass() -> Option<bool> {
+    static V: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
     *V.get_or_init(|| mask_pass_from(std::env::var("WIDE_MASK_PASS").ok().as_deref()))
 }
 
-fn mask_pass_from(v: Option<&str>) -> Option<MaskKernel> {
+fn mask_pass_from(v: Option<&str>) -> Option<bool> {
     match v.map(str::trim) {
         None | Some("") => None,
-        Some("batched") => Some(MaskKernel::Batched),
-        Some("rows4") => Some(MaskKernel::Rows4),
-        Some("staged") => Some(MaskKernel::Staged),
+        Some("batched") => Some(true),
+        Some("rows4") => Some(false),
         Some(o) => {
-            eprintln!("warning: WIDE_MASK_PASS takes `rows4`, `batched` or `staged`, got '{o}'; ignored");
+            eprintln!("warning: WIDE_MASK_PASS takes `batched` or `rows4`, got '{o}'; ignored");
             None
         }
     }
@@ -717,31 +684,25 @@ fn dense_masked(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layo
     let apply = |a: &Tensor, b: Option<&Tensor>, dst: &Tensor, cols: i64, mode: i32| -> Result<()> {
         let grid = crate::cuda::row_loop_grid(device, (cols as u32 / 8).div_ceil(128), s.m)?;
         let pass = mask_pass(s.m, grid.1);
-        let k = routed_kernel(f16, None, pass.entry(mode), device)?;
-        let (m, cols32, g, ng) = (KernelArg::I64(s.m), KernelArg::I32(cols as i32), KernelArg::I32(s.group as i32), KernelArg::I32((cols / s.group) as i32));
-        let args = match (pass, mode) {
-            // The zero pass's own entry: dst, mask, sizes, batch.
-            (MaskPass::Staged(rb), 0) => vec![KernelArg::tensor(dst)?, KernelArg::tensor(layout.mask())?, m, cols32, g, ng, KernelArg::I32(rb)],
-            _ => {
-                let mut v = vec![
-                    KernelArg::tensor(a)?,
-                    KernelArg::tensor(b.unwrap_or(a))?,
-                    KernelArg::tensor(dst)?,
-                    KernelArg::tensor(layout.mask())?,
-                    m,
-                    cols32,
-                    g,
-                    ng,
-                    KernelArg::I32(mode),
-                ];
-                // The batched entry takes its batch as one more argument.
-                if let Some(rb) = pass.batch() {
-                    v.push(KernelArg::I32(rb));
-                }
-                v
-            }
+        let k = routed_kernel(f16, None, if pass == MaskPass::Rows4 { "apply_group_mask_rows4" } else { "apply_group_mask" }, device)?;
+        // The batched entry takes its batch as one more argument.
+        let (rb, n_args) = match pass {
+            MaskPass::Batched(rb) => (rb, 10),
+            MaskPass::Rows4 => (0, 9),
         };
-        unsafe { k.launch_pdl(LaunchConfig { grid, block: (128, 1, 1), shared_mem_bytes: 0 }, &args) }
+        let args = [
+            KernelArg::tensor(a)?,
+            KernelArg::tensor(b.unwrap_or(a))?,
+            KernelArg::tensor(dst)?,
+            KernelArg::tensor(layout.mask())?,
+            KernelArg::I64(s.m),
+            KernelArg::I32(cols as i32),
+            KernelArg::I32(s.group as i32),
+            KernelArg::I32((cols / s.group) as i32),
+            KernelArg::I32(mode),
+            KernelArg::I32(rb),
+        ];
+        unsafe { k.launch_pdl(LaunchConfig { grid, block: (128, 1, 1), shared_mem_bytes: 0 }, &args[..n_args]) }
     };
     Ok(match s.op {
         RoutedOp::Mn => {
@@ -1023,18 +984,11 @@ mod tests {
         assert_eq!(mask_pass_with(16384, 150, None, None), MaskPass::Batched(MASK_ROWS_MAX), "at most the kernel's batch");
         assert_eq!(mask_pass_with(1, 1, None, None), MaskPass::Rows4);
         // The A/B knobs.
-        assert_eq!(mask_pass_with(16384, 150, Some(MaskKernel::Rows4), None), MaskPass::Rows4);
-        assert_eq!(mask_pass_with(128, 128, Some(MaskKernel::Batched), None), MaskPass::Batched(1));
+        assert_eq!(mask_pass_with(16384, 150, Some(false), None), MaskPass::Rows4);
+        assert_eq!(mask_pass_with(128, 128, Some(true), None), MaskPass::Batched(1));
         assert_eq!(mask_pass_with(16384, 150, None, Some(4)), MaskPass::Batched(4));
-        assert_eq!(mask_pass_with(1024, 150, Some(MaskKernel::Staged), None), MaskPass::Staged(7));
-        assert_eq!(mask_pass_with(16384, 150, Some(MaskKernel::Staged), Some(8)), MaskPass::Staged(8));
-        assert_eq!(MaskPass::Staged(7).entry(0), "apply_group_mask_staged");
-        assert_eq!(MaskPass::Staged(7).entry(2), "apply_group_mask", "the staged kernel writes zeros only");
-        assert_eq!(MaskPass::Batched(7).entry(2), "apply_group_mask");
-        assert_eq!((MaskPass::Rows4.batch(), MaskPass::Staged(3).batch()), (None, Some(3)));
-        assert_eq!(mask_pass_from(Some("batched")), Some(MaskKernel::Batched));
-        assert_eq!(mask_pass_from(Some("staged")), Some(MaskKernel::Staged));
-        assert_eq!(mask_pass_from(Some(" rows4 ")), Some(MaskKernel::Rows4));
+        assert_eq!(mask_pass_from(Some("batched")), Some(true));
+        assert_eq!(mask_pass_from(Some(" rows4 ")), Some(false));
         assert_eq!(mask_pass_from(Some("")), None);
         assert_eq!(mask_pass_from(Some("fast")), None);
         assert_eq!(mask_rows_from(Some("4")), Some(4));

@@ -1024,65 +1024,6 @@ extern "C" __global__ void apply_group_mask(const T* a, const T* b, T* __restric
     }
 }
 
-// Staged (mode 0 only: the zero pass after a dense gemm_mn, in place): the batched kernel's one
-// mask round trip a batch without its registers. A block's threads first load, together, the mask
-// bytes of the batch's rows for the groups its 1024 columns touch (at most 129 a row for G >= 8)
-// into shared memory, each thread up to 8 of them with every load issued before any is used;
-// after a barrier each thread reads its rows' bytes there and stores its zeros. A thread keeps no
-// per-row state: at most 32 registers, so 16 blocks of 128 fit a multiprocessor (the grid's ~16).
-// Every thread of a block takes part in the loads and barriers, also one whose columns lie past N.
-#define MASK_STAGE_GROUPS 129
-extern "C" __global__ void __launch_bounds__(128, 16) apply_group_mask_staged(T* __restrict__ dst, const unsigned char* mask,
-                                                                              long long M, int N, int G, int NG, int rb) {
-    __shared__ unsigned char on_s[MASK_RB_MAX * MASK_STAGE_GROUPS];
-    pdl_wait();  // the product it masks comes from the launch just before (cuBLAS)
-    pdl_trigger();
-    const int c0 = blockIdx.x * blockDim.x * 8;  // the block's first column
-    const int g0 = c0 / G;
-    const int ngb = (min(N, c0 + (int)blockDim.x * 8) - 1) / G - g0 + 1;  // groups its columns touch
-    const int n = c0 + (threadIdx.x << 3);
-    const bool live = n < N;
-    const int gl = live ? n / G - g0 : 0;
-    const long long step = gridDim.y;
-    const long long mstep = step * NG, dstep = step * N;
-    // Entry i of a batch: row (i / ngb) of the batch, group g0 + i % ngb; a thread's entries are
-    // blockDim.x apart, so from one to the next the row moves by du and the group by dg (mod ngb).
-    const int du = blockDim.x / ngb, dg = blockDim.x - du * ngb;
-    const int u_first = threadIdx.x / ngb, g_first = threadIdx.x - u_first * ngb;
-    for (long long m0 = blockIdx.y; m0 < M; m0 += rb * step) {
-        const int left = min(rb, (int)(((unsigned)(M - m0) + (unsigned)step - 1u) / (unsigned)step));
-        const int total = left * ngb;
-        const unsigned char* mp = mask + m0 * NG + g0;
-        int u = u_first, g = g_first;
-        for (int i0 = threadIdx.x; i0 < total; i0 += 8 * blockDim.x) {
-            unsigned char v[8];
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                v[j] = i0 + j * (int)blockDim.x < total ? mp[u * mstep + g] : 0;
-                u += du;
-                g += dg;
-                if (g >= ngb) {
-                    g -= ngb;
-                    ++u;
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const int i = i0 + j * blockDim.x;
-                if (i < total) on_s[i] = v[j];
-            }
-        }
-        __syncthreads();
-        if (live) {
-            T* d = dst + m0 * N + n;
-#pragma unroll 4
-            for (int r = 0; r < left; ++r, d += dstep)
-                if (!on_s[r * ngb + gl]) *reinterpret_cast<uint4*>(d) = make_uint4(0, 0, 0, 0);
-        }
-        __syncthreads();  // the next batch overwrites on_s
-    }
-}
-
 // ---------------------------------------------------------------------------------------
 // Decode attention, head-group routed (split-K "flash decoding" on the tensor cores).
 // q [B, HQ, D]; k, v [B, HKV, TCAP, D]; lengths i32 [B]; mask u8 [B, NG] with GH query heads a
