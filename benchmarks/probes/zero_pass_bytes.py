@@ -6,18 +6,19 @@
 #   narrow  y[:, :s N].zero_(): the pass's bytes in place, long runs (the bytes' floor in place)
 #   memset  a separate buffer of s M N x 2 bytes zeroed: the bytes, not in the output
 #   groups  one group in 1 / s zeroed in place (runs of G x 2 bytes, as isolated skipped groups)
-# for up's shape (N 14336, K 4096) at 1024, 4096 and 16384 tokens, G 32 / 64 / 256, s 0.25 / 0.5,
-# cold (a dirty write of twice the L2 before every timed run, as `wide bench kernels --l2 cold`)
-# and warm. Every iteration runs all variants in a rotated order; medians of 15 iterations.
-#   python3 benchmarks/probes/zero_pass_bytes.py     (writes $OUT/probe_zero_pass.json, else ./)
+# for up's shape (N 14336, K 4096; G 32 / 64 / 256) and Q's (N 4096, K 4096; G 512) at 128, 1024,
+# 4096 and 16384 tokens, s 0.25 / 0.5, cold (a dirty write of twice the L2 before every timed run,
+# as `wide bench kernels --l2 cold`) and warm. Every iteration runs all variants in a rotated
+# order; medians of 15 iterations. `--shape up` or `--shape q` runs one shape only.
+#   python3 benchmarks/probes/zero_pass_bytes.py [--shape up|q]
+# (writes $OUT/probe_zero_pass.json, else ./probe_zero_pass.json). Result (H100, 2026-12-07):
+# wide-kernels/NOTES.md v54.
 import json, os, statistics, sys
 import torch
 
-dev = torch.device("cuda")
-N, K = 14336, 4096
-l2 = torch.cuda.get_device_properties(dev).L2_cache_size
-flush = torch.empty(2 * l2, dtype=torch.uint8, device=dev)
-one = torch.empty(8, dtype=torch.bfloat16, device=dev)
+K = 4096
+SHAPES = {"up": (14336, (32, 64, 256)), "q": (4096, (512,))}
+dev = l2 = flush = one = None  # set by main(), on the GPU
 
 
 def timed(fn, cold):
@@ -31,7 +32,8 @@ def timed(fn, cold):
     return a.elapsed_time(b) * 1e3  # us
 
 
-def case(M, G, s, cold, iters=15):
+def case(shape, M, G, s, cold, iters=15):
+    N = SHAPES[shape][0]
     x = torch.randn(M, K, dtype=torch.bfloat16, device=dev)
     w = torch.randn(N, K, dtype=torch.bfloat16, device=dev) * 0.05
     y = torch.empty(M, N, dtype=torch.bfloat16, device=dev)
@@ -58,24 +60,30 @@ def case(M, G, s, cold, iters=15):
             n = names[(i + j) % len(names)]
             t[n].append(timed(variants[n], cold))
     med = {n: statistics.median(v) for n, v in t.items()}
-    return {"M": M, "N": N, "K": K, "G": G, "sparsity": s, "l2": "cold" if cold else "warm", "zero_bytes": M * cut * 2,
+    return {"op": shape, "M": M, "N": N, "K": K, "G": G, "sparsity": s, "l2": "cold" if cold else "warm", "zero_bytes": M * cut * 2,
             "median_us": med, "added_us": {n: med[n] - med["cublas"] for n in names if n != "cublas"}}
 
 
-def main():
+def main(shapes):
+    global dev, l2, flush, one
+    dev = torch.device("cuda")
+    l2 = torch.cuda.get_device_properties(dev).L2_cache_size
+    flush = torch.empty(2 * l2, dtype=torch.uint8, device=dev)
+    one = torch.empty(8, dtype=torch.bfloat16, device=dev)
     out = os.environ.get("OUT", ".")
     recs = []
     print(f"{torch.cuda.get_device_name(dev)}, L2 {l2 >> 20} MiB")
-    print(f"{'M':>6} {'G':>4} {'s':>5} {'l2':>5} {'cuBLAS us':>10} {'bytes MB':>9}  added us: launch  narrow  memset  groups")
-    for M in (1024, 4096, 16384):
-        for G in (32, 64, 256):
-            for s in (0.25, 0.5):
-                for cold in (True, False):
-                    r = case(M, G, s, cold)
-                    recs.append(r)
-                    a = r["added_us"]
-                    print(f"{M:>6} {G:>4} {s:>5} {r['l2']:>5} {r['median_us']['cublas']:>10.1f} {r['zero_bytes'] / 1e6:>9.1f}  "
-                          f"{a['launch']:>13.1f} {a['narrow']:>7.1f} {a['memset']:>7.1f} {a.get('groups', float('nan')):>7.1f}", flush=True)
+    print(f"{'op':>3} {'M':>6} {'G':>4} {'s':>5} {'l2':>5} {'cuBLAS us':>10} {'bytes MB':>9}  added us: launch  narrow  memset  groups")
+    for shape in shapes:
+        for M in (128, 1024, 4096, 16384):
+            for G in SHAPES[shape][1]:
+                for s in (0.25, 0.5):
+                    for cold in (True, False):
+                        r = case(shape, M, G, s, cold)
+                        recs.append(r)
+                        a = r["added_us"]
+                        print(f"{shape:>3} {M:>6} {G:>4} {s:>5} {r['l2']:>5} {r['median_us']['cublas']:>10.1f} {r['zero_bytes'] / 1e6:>9.1f}  "
+                              f"{a['launch']:>13.1f} {a['narrow']:>7.1f} {a['memset']:>7.1f} {a.get('groups', float('nan')):>7.1f}", flush=True)
     doc = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "records": recs}
     path = os.path.join(out, "probe_zero_pass.json")
     with open(path + ".tmp", "w") as f:
@@ -85,6 +93,12 @@ def main():
 
 
 if __name__ == "__main__":
+    args = sys.argv[1:]
+    shapes = list(SHAPES)
+    if args:
+        if len(args) != 2 or args[0] != "--shape" or args[1] not in SHAPES:
+            sys.exit(f"usage: zero_pass_bytes.py [--shape {'|'.join(SHAPES)}]; got {' '.join(args)}")
+        shapes = [args[1]]
     if not torch.cuda.is_available():
         sys.exit("zero_pass_bytes.py runs on a CUDA GPU (the GPU machine); none is visible here")
-    main()
+    main(shapes)
