@@ -2,14 +2,16 @@
 # gemm_mn's dense fallback is cuBLAS's y = x w^T followed by a pass that writes zeros over the
 # groups each token skips (s M N x 2 bytes). This times, in one process against cuBLAS alone
 # (torch.matmul into a preallocated output), the same product followed by
-#   launch  an empty-sized launch (a 16-byte zero_): the second launch's own cost
-#   narrow  y[:, :s N].zero_(): the pass's bytes in place, long runs (the bytes' floor in place)
-#   memset  a separate buffer of s M N x 2 bytes zeroed: the bytes, not in the output
+#   launch  a second launch that writes 16 bytes: what any second launch costs
+#   narrow  y[:, :s N].zero_(): the pass's bytes in place as one column block (torch's kernel on a
+#           strided view; measured about twice the fill below, so not a floor)
+#   memset  a separate buffer of s M N x 2 bytes zeroed: the bytes at a plain fill's best
 #   groups  one group in 1 / s zeroed in place (runs of G x 2 bytes, as isolated skipped groups)
 # for up's shape (N 14336, K 4096; G 32 / 64 / 256) and Q's (N 4096, K 4096; G 512) at 128, 1024,
 # 4096 and 16384 tokens, s 0.25 / 0.5, cold (a dirty write of twice the L2 before every timed run,
-# as `wide bench kernels --l2 cold`) and warm. Every iteration runs all variants in a rotated
-# order; medians of 15 iterations. `--shape up` or `--shape q` runs one shape only.
+# as `wide bench kernels --l2 cold`) and warm, each run behind ~200 us of device spin (so host
+# launch gaps stay out of the events). Every iteration runs all variants in a rotated order;
+# medians of 15 iterations. `--shape up` or `--shape q` runs one shape only.
 #   python3 benchmarks/probes/zero_pass_bytes.py [--shape up|q]
 # (writes $OUT/probe_zero_pass.json, else ./probe_zero_pass.json). Result (H100, 2026-12-07):
 # wide-kernels/NOTES.md v54.
@@ -24,6 +26,9 @@ dev = l2 = flush = one = None  # set by main(), on the GPU
 def timed(fn, cold):
     if cold:
         flush.fill_(1)
+    # ~200 us of device spin first, so the host has queued the timed launches before the first
+    # event runs and the events time device work alone (as `wide bench kernels` does).
+    torch.cuda._sleep(400_000)
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
     fn()
