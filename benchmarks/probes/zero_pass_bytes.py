@@ -6,6 +6,7 @@
 #   narrow  y[:, :s N].zero_(): the pass's bytes in place as one column block (torch's kernel on a
 #           strided view; measured about twice the fill below, so not a floor)
 #   memset  a separate buffer of s M N x 2 bytes zeroed: the bytes at a plain fill's best
+#   inplace the same plain fill over the output's first s M N elements (whole rows, contiguous)
 #   groups  one group in 1 / s zeroed in place (runs of G x 2 bytes, as isolated skipped groups)
 # for up's shape (N 14336, K 4096; G 32 / 64 / 256) and Q's (N 4096, K 4096; G 512) at 128, 1024,
 # 4096 and 16384 tokens, s 0.25 / 0.5, cold (a dirty write of twice the L2 before every timed run,
@@ -53,6 +54,7 @@ def case(shape, M, G, s, cold, iters=15):
         "launch": lambda: (gemm(), one.zero_()),
         "narrow": lambda: (gemm(), y[:, :cut].zero_()),
         "memset": lambda: (gemm(), z.zero_()),
+        "inplace": lambda: (gemm(), y.view(-1)[: M * cut].zero_()),
     }
     if gv is not None:
         variants["groups"] = lambda: (gemm(), gv.zero_())
@@ -78,7 +80,7 @@ def main(shapes):
     out = os.environ.get("OUT", ".")
     recs = []
     print(f"{torch.cuda.get_device_name(dev)}, L2 {l2 >> 20} MiB")
-    print(f"{'op':>3} {'M':>6} {'G':>4} {'s':>5} {'l2':>5} {'cuBLAS us':>10} {'bytes MB':>9}  added us: launch  narrow  memset  groups")
+    print(f"{'op':>3} {'M':>6} {'G':>4} {'s':>5} {'l2':>5} {'cuBLAS us':>10} {'bytes MB':>9}  added us: launch  narrow  memset inplace  groups")
     for shape in shapes:
         for M in (128, 1024, 4096, 16384):
             for G in SHAPES[shape][1]:
@@ -88,7 +90,7 @@ def main(shapes):
                         recs.append(r)
                         a = r["added_us"]
                         print(f"{shape:>3} {M:>6} {G:>4} {s:>5} {r['l2']:>5} {r['median_us']['cublas']:>10.1f} {r['zero_bytes'] / 1e6:>9.1f}  "
-                              f"{a['launch']:>13.1f} {a['narrow']:>7.1f} {a['memset']:>7.1f} {a.get('groups', float('nan')):>7.1f}", flush=True)
+                              f"{a['launch']:>13.1f} {a['narrow']:>7.1f} {a['memset']:>7.1f} {a['inplace']:>7.1f} {a.get('groups', float('nan')):>7.1f}", flush=True)
     doc = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "records": recs}
     path = os.path.join(out, "probe_zero_pass.json")
     with open(path + ".tmp", "w") as f:
