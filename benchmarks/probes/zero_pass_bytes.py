@@ -14,8 +14,8 @@
 # launch gaps stay out of the events). Every iteration runs all variants in a rotated order;
 # medians of 15 iterations. `--shape up` or `--shape q` runs one shape only.
 #   python3 benchmarks/probes/zero_pass_bytes.py [--shape up|q]
-# (writes $OUT/probe_zero_pass.json, else ./probe_zero_pass.json). Result (H100, 2026-12-07):
-# wide-kernels/NOTES.md v54.
+# (writes $OUT/probe_zero_pass.json, else ./probe_zero_pass.json). Result (H100, 2026-12-07,
+# before `inplace` was added; that variant has not run yet): wide-kernels/NOTES.md v54.
 import json, os, statistics, sys
 import torch
 
