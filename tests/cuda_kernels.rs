@@ -439,50 +439,6 @@ fn dense_mask_pass_takes_many_rows_a_thread() {
     run_k_case(Kind::BFloat16, 5000, 64, 14336, 128, 0.5);
 }
 
-/// The dense gemm_mn as row blocks whose zero passes run on the side stream while the next
-/// block computes: every block count (one block, blocks that divide M, a short last block, more
-/// blocks than 128-row pieces), all-active and all-inactive masks, f16, and the same call
-/// captured into a CUDA graph and replayed over new inputs and a new mask.
-#[test]
-fn dense_overlapped_row_blocks_match_reference() {
-    let dev = gpu();
-    tch::manual_seed(22);
-    for &(kind, m, n, k, g, p) in &[
-        (Kind::BFloat16, 1024, 14336, 256, 64, 0.5),
-        (Kind::BFloat16, 1000, 4096, 512, 512, 0.3),
-        (Kind::Half, 777, 2048, 128, 32, 0.75),
-        (Kind::BFloat16, 300, 1024, 64, 128, 1.0),
-        (Kind::BFloat16, 257, 1024, 64, 128, 0.0),
-        (Kind::BFloat16, 100, 1024, 64, 128, 0.5),
-    ] {
-        let MnCase { x, w, msk: _, l, r, off, .. } = mn_case(kind, m, n, k, g, p, false);
-        for blocks in [1, 2, 3, 4, 8, 16] {
-            poison(m, n, kind);
-            let y = wide_kernels::ops::gemm::gemm_mn_dense_overlapped(&x, &w, &l, g, blocks).unwrap();
-            check(&y, &r, Some(&off), &format!("dense overlapped {kind:?} M={m} N={n} K={k} G={g} active={p} blocks={blocks}"));
-        }
-    }
-    // Captured: the fork and join become the graph's edges.
-    let (m, n, k, g) = (1024, 4096, 256, 128);
-    let MnCase { mut x, w, l, .. } = mn_case(Kind::BFloat16, m, n, k, g, 0.5, false);
-    let _ = wide_kernels::ops::gemm::gemm_mn_dense_overlapped(&x, &w, &l, g, 4).unwrap(); // load outside capture
-    let mut graph = CudaGraph::new(0).unwrap();
-    let y = graph.capture(|| wide_kernels::ops::gemm::gemm_mn_dense_overlapped(&x, &w, &l, g, 4)).unwrap();
-    x.copy_(&Tensor::randn([m, k], (Kind::BFloat16, dev)));
-    let m2 = mask(m, n / g, 0.5);
-    l.mask().shallow_clone().copy_(&m2.to_kind(Kind::Uint8));
-    graph.replay().unwrap();
-    wide_kernels::shim::synchronize(0).unwrap();
-    let r = gemm_mn_reference(&x.to_kind(Kind::Float), &w.to_kind(Kind::Float), None, &m2, g);
-    let off = m2.logical_not().unsqueeze(-1).expand([m, n / g, g], false).reshape([m, n]);
-    check(&y, &r, Some(&off), "dense overlapped, graph replay");
-    // Bad input: one clear error each.
-    let e = wide_kernels::ops::gemm::gemm_mn_dense_overlapped(&x, &w, &l, 48, 2).unwrap_err().to_string();
-    assert!(e.contains("group 48"), "{e}");
-    let e = wide_kernels::ops::gemm::gemm_mn_dense_overlapped(&x.to_kind(Kind::Float), &w, &l, g, 2).unwrap_err().to_string();
-    assert!(e.contains("bf16 or f16"), "{e}");
-}
-
 #[test]
 fn gemm_mn_swiglu_all_paths_match_reference() {
     let _ = gpu(); // the device first (one GPU test at a time)

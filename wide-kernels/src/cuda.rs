@@ -229,33 +229,13 @@ impl CudaKernel {
         self.launch_ex(cfg, args, pdl_enabled(self.device)?, Some(cluster))
     }
 
-    /// Launches on the device's [`SideStream`] (no programmatic dependent launch: what the kernel
-    /// waits for there is the side stream's fork event).
-    ///
-    /// # Safety
-    /// As for `launch`; in addition every buffer the kernel touches must stay alive until the
-    /// current stream has joined the side stream ([`SideStream::join`]).
-    pub unsafe fn launch_on_side(&self, side: &SideStream, cfg: LaunchConfig, args: &[KernelArg]) -> Result<()> {
-        if side.device != self.device {
-            bail!("a kernel of device {} launched on the side stream of device {}", self.device, side.device);
-        }
-        self.launch_ex_on(Some(side.stream), cfg, args, false, None)
-    }
-
     unsafe fn launch_with(&self, cfg: LaunchConfig, args: &[KernelArg], pdl: bool) -> Result<()> {
         self.launch_ex(cfg, args, pdl, None)
     }
 
     unsafe fn launch_ex(&self, cfg: LaunchConfig, args: &[KernelArg], pdl: bool, cluster: Option<(u32, u32, u32)>) -> Result<()> {
-        self.launch_ex_on(None, cfg, args, pdl, cluster)
-    }
-
-    unsafe fn launch_ex_on(&self, on: Option<sys::CUstream>, cfg: LaunchConfig, args: &[KernelArg], pdl: bool, cluster: Option<(u32, u32, u32)>) -> Result<()> {
         ensure_context(self.device)?;
-        let stream = match on {
-            Some(s) => s,
-            None => shim::current_stream(self.device)? as sys::CUstream,
-        };
+        let stream = shim::current_stream(self.device)? as sys::CUstream;
         // One 128-byte slot an argument (the driver copies each parameter's own size).
         let mut storage: Vec<[u64; 16]> = args
             .iter()
@@ -399,71 +379,6 @@ pub fn device_name(device: usize) -> Result<String> {
     ensure_context(device)?;
     let dev = drv::device::get(device as i32).map_err(|e| driver_err(e, "opening the device"))?;
     drv::device::get_name(dev).map_err(|e| driver_err(e, "reading the device name"))
-}
-
-/// A second stream of one device, for work that runs beside libtorch's current stream: created
-/// once per device (non-blocking, so it never waits on the legacy default stream by itself), with
-/// two reusable events. [`fork`](Self::fork) makes it wait for everything queued so far on the
-/// current stream, [`join`](Self::join) makes the current stream wait for everything queued on
-/// it. Both are stream operations, so they are captured into a CUDA graph as its edges. One
-/// caller at a time a device (the events are reused; an internal lock keeps fork and join whole).
-#[derive(Debug, Clone, Copy)]
-pub struct SideStream {
-    stream: sys::CUstream,
-    fork: sys::CUevent,
-    join: sys::CUevent,
-    device: usize,
-}
-// Driver handles, valid from any thread of the process.
-unsafe impl Send for SideStream {}
-unsafe impl Sync for SideStream {}
-
-impl SideStream {
-    /// The device's side stream (created on first use, kept for the process's life).
-    pub fn get(device: usize) -> Result<Self> {
-        static SIDE: OnceLock<Mutex<HashMap<usize, SideStream>>> = OnceLock::new();
-        ensure_context(device)?;
-        let mut map = SIDE.get_or_init(Default::default).lock().unwrap();
-        if let Some(s) = map.get(&device) {
-            return Ok(*s);
-        }
-        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING;
-        let stream = drv::stream::create(drv::stream::StreamKind::NonBlocking).map_err(|e| driver_err(e, "creating a side stream"))?;
-        let fork = drv::event::create(flags).map_err(|e| driver_err(e, "creating an event"))?;
-        let join = drv::event::create(flags).map_err(|e| driver_err(e, "creating an event"))?;
-        let s = SideStream { stream, fork, join, device };
-        map.insert(device, s);
-        Ok(s)
-    }
-
-    /// The side stream waits for everything queued so far on libtorch's current stream.
-    pub fn fork(&self) -> Result<()> {
-        let _g = side_lock().lock().unwrap();
-        ensure_context(self.device)?;
-        let cur = shim::current_stream(self.device)? as sys::CUstream;
-        unsafe {
-            drv::event::record(self.fork, cur).map_err(|e| driver_err(e, "recording the fork event"))?;
-            drv::stream::wait_event(self.stream, self.fork, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
-                .map_err(|e| driver_err(e, "making the side stream wait"))
-        }
-    }
-
-    /// libtorch's current stream waits for everything queued so far on the side stream.
-    pub fn join(&self) -> Result<()> {
-        let _g = side_lock().lock().unwrap();
-        ensure_context(self.device)?;
-        let cur = shim::current_stream(self.device)? as sys::CUstream;
-        unsafe {
-            drv::event::record(self.join, self.stream).map_err(|e| driver_err(e, "recording the join event"))?;
-            drv::stream::wait_event(cur, self.join, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
-                .map_err(|e| driver_err(e, "making the current stream wait for the side stream"))
-        }
-    }
-}
-
-fn side_lock() -> &'static Mutex<()> {
-    static L: OnceLock<Mutex<()>> = OnceLock::new();
-    L.get_or_init(Default::default)
 }
 
 /// Device-side timing with CUDA events on libtorch's current stream: `start`, queue work,

@@ -13,7 +13,7 @@ use super::dispatch::{self, GemmPath, GemmShape, RoutedOp, TileConfig, TuneKey, 
 use super::wgmma;
 use super::layout::RouteLayout;
 use super::routed_kernel;
-use crate::cuda::{GpuTimer, KernelArg, LaunchConfig, SideStream};
+use crate::cuda::{GpuTimer, KernelArg, LaunchConfig};
 use anyhow::{bail, ensure, Context, Result};
 use std::sync::OnceLock;
 use tch::{Device, Kind, Tensor};
@@ -591,6 +591,9 @@ fn gemv_rows_override(mm: i64, n: i64) -> Option<i64> {
     (compiled && n % r == 0).then_some(r)
 }
 
+/// Dense cuBLAS product(s) and the mask: one extra pass over the output (gemm_mn: zeros
+/// written where groups are off; SwiGLU: activation, product and mask fused), a masked copy of
+/// the input (gemm_k), or nothing (gemm_k with a premasked input).
 /// The dense path's mask kernel for one launch: `apply_group_mask_rows4` (rows in batches of 4,
 /// each batch's mask loads and then its stores, 30 registers a thread, so the grid's ~16 blocks a
 /// multiprocessor are all resident), or `apply_group_mask` with `rb` rows a batch (all of a
@@ -666,129 +669,6 @@ fn mask_rows_from(v: Option<&str>) -> Option<i32> {
     }
 }
 
-/// One launch of the dense path's mask kernel over `m` rows: `dst = mask(a [, b])` with `cols`
-/// columns in groups of `group` (mode 0: zeros where a group is off; 1: a masked copy; 2: SwiGLU
-/// of a and b, masked). On libtorch's current stream after the launch before it (programmatic
-/// dependent launch), or on the device's side stream.
-#[allow(clippy::too_many_arguments)]
-fn mask_launch(device: usize, f16: bool, a: &Tensor, b: Option<&Tensor>, dst: &Tensor, mask: &Tensor, m: i64, cols: i64, group: i64, mode: i32, side: Option<&SideStream>) -> Result<()> {
-    let grid = crate::cuda::row_loop_grid(device, (cols as u32 / 8).div_ceil(128), m)?;
-    let pass = mask_pass(m, grid.1);
-    let k = routed_kernel(f16, None, if pass == MaskPass::Rows4 { "apply_group_mask_rows4" } else { "apply_group_mask" }, device)?;
-    // The batched entry takes its batch as one more argument.
-    let (rb, n_args) = match pass {
-        MaskPass::Batched(rb) => (rb, 10),
-        MaskPass::Rows4 => (0, 9),
-    };
-    let args = [
-        KernelArg::tensor(a)?,
-        KernelArg::tensor(b.unwrap_or(a))?,
-        KernelArg::tensor(dst)?,
-        KernelArg::tensor(mask)?,
-        KernelArg::I64(m),
-        KernelArg::I32(cols as i32),
-        KernelArg::I32(group as i32),
-        KernelArg::I32((cols / group) as i32),
-        KernelArg::I32(mode),
-        KernelArg::I32(rb),
-    ];
-    let cfg = LaunchConfig { grid, block: (128, 1, 1), shared_mem_bytes: 0 };
-    unsafe {
-        match side {
-            Some(sd) => k.launch_on_side(sd, cfg, &args[..n_args]),
-            None => k.launch_pdl(cfg, &args[..n_args]),
-        }
-    }
-}
-
-/// Row blocks the dense path splits gemm_mn into so that each block's zeros are written on the
-/// side stream while the next block computes ([`gemm_mn_dense_overlapped`]): `WIDE_MASK_OVERLAP`
-/// (read once; 1 = off), else [`MASK_OVERLAP_DEFAULT`] from [`MASK_OVERLAP_MIN_M`] tokens.
-fn mask_overlap_blocks(m: i64) -> i64 {
-    match env_mask_overlap() {
-        Some(b) => b,
-        None if m >= MASK_OVERLAP_MIN_M => MASK_OVERLAP_DEFAULT,
-        None => 1,
-    }
-}
-
-/// Default row blocks of the overlapped dense gemm_mn (1: the product and then the pass, in order).
-const MASK_OVERLAP_DEFAULT: i64 = 1;
-/// Tokens from which the default applies.
-const MASK_OVERLAP_MIN_M: i64 = 1024;
-/// Rows a block is rounded up to (cuBLAS's largest token tile, so no block adds a partial tile).
-const MASK_OVERLAP_ROW_ALIGN: i64 = 128;
-
-fn env_mask_overlap() -> Option<i64> {
-    static V: OnceLock<Option<i64>> = OnceLock::new();
-    *V.get_or_init(|| mask_overlap_from(std::env::var("WIDE_MASK_OVERLAP").ok().as_deref()))
-}
-
-fn mask_overlap_from(v: Option<&str>) -> Option<i64> {
-    let v = v.map(str::trim).filter(|v| !v.is_empty())?;
-    match v.parse::<i64>() {
-        Ok(n) if (1..=16).contains(&n) => Some(n),
-        _ => {
-            eprintln!("warning: WIDE_MASK_OVERLAP takes a row-block count in 1..=16 (1 = off), got '{v}'; ignored");
-            None
-        }
-    }
-}
-
-/// Row ranges `(start, rows)` of `m` rows in about `blocks` blocks of a multiple of
-/// [`MASK_OVERLAP_ROW_ALIGN`] rows (the last one takes the rest); one range when they would not
-/// make two.
-fn overlap_ranges(m: i64, blocks: i64) -> Vec<(i64, i64)> {
-    let rows = (m.max(1) as u64).div_ceil(blocks.max(1) as u64).next_multiple_of(MASK_OVERLAP_ROW_ALIGN as u64) as i64;
-    if blocks <= 1 || rows >= m {
-        return vec![(0, m)];
-    }
-    (0..m).step_by(rows as usize).map(|r0| (r0, rows.min(m - r0))).collect()
-}
-
-/// The dense path of [`gemm_mn`] as `blocks` row blocks: cuBLAS computes block i on libtorch's
-/// current stream, and the zeros of block i are written on the device's [`SideStream`] while
-/// block i + 1 computes; the current stream joins the side stream before this returns, so the
-/// result is ordered like any other op's. Only the last block's pass is exposed (the product
-/// and then the whole pass, in order, when `blocks` is 1). CUDA, bf16 / f16, x `[M, K]`, w
-/// `[N, K]`, a layout of a mask `[M, N / group]`.
-pub fn gemm_mn_dense_overlapped(x: &Tensor, w: &Tensor, layout: &RouteLayout, group: i64, blocks: i64) -> Result<Tensor> {
-    let device = match x.device() {
-        Device::Cuda(d) if matches!(x.kind(), Kind::BFloat16 | Kind::Half) => d,
-        d => bail!("the overlapped dense gemm_mn runs on CUDA in bf16 or f16; got {:?} on {d:?}", x.kind()),
-    };
-    let (m, k) = x.size2().context("x must be [M, K]")?;
-    let (n, kw) = w.size2().context("w must be [N, K]")?;
-    ensure!(k == kw, "x has {k} columns but w has {kw}");
-    ensure!(group > 0 && group % 8 == 0 && n % group == 0, "group {group} must be a positive multiple of 8 dividing N = {n}");
-    let mask = layout.mask();
-    ensure!(mask.size() == [m, n / group], "the layout's mask is {:?}, expected [{m}, {}]", mask.size(), n / group);
-    let x = x.contiguous();
-    let f16 = x.kind() == Kind::Half;
-    let y = Tensor::empty([m, n], (x.kind(), x.device()));
-    let wt = w.tr();
-    let ranges = overlap_ranges(m, blocks);
-    if ranges.len() == 1 {
-        let _ = x.f_mm_out(&y, &wt)?;
-        mask_launch(device, f16, &y, None, &y, mask, m, n, group, 0, None)?;
-        return Ok(y);
-    }
-    let side = SideStream::get(device)?;
-    for (r0, rows) in ranges {
-        let yb = y.narrow(0, r0, rows);
-        let _ = x.narrow(0, r0, rows).f_mm_out(&yb, &wt)?;
-        side.fork()?;
-        mask_launch(device, f16, &yb, None, &yb, &mask.narrow(0, r0, rows), rows, n, group, 0, Some(&side))?;
-    }
-    side.join()?;
-    Ok(y)
-}
-
-/// Dense cuBLAS product(s) and the mask: one extra pass over the output (gemm_mn: zeros
-/// written where groups are off; SwiGLU: activation, product and mask fused), a masked copy of
-/// the input (gemm_k), or nothing (gemm_k with a premasked input). gemm_mn from
-/// [`MASK_OVERLAP_MIN_M`] tokens as row blocks whose passes overlap the next block's product
-/// when [`mask_overlap_blocks`] says so.
 fn dense_masked(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: &RouteLayout) -> Result<Tensor> {
     let cuda = match x.device() {
         Device::Cuda(d) if matches!(x.kind(), Kind::BFloat16 | Kind::Half) && s.group % 8 == 0 => Some(d),
@@ -802,10 +682,29 @@ fn dense_masked(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layo
     };
     let f16 = x.kind() == Kind::Half;
     let apply = |a: &Tensor, b: Option<&Tensor>, dst: &Tensor, cols: i64, mode: i32| -> Result<()> {
-        mask_launch(device, f16, a, b, dst, layout.mask(), s.m, cols, s.group, mode, None)
+        let grid = crate::cuda::row_loop_grid(device, (cols as u32 / 8).div_ceil(128), s.m)?;
+        let pass = mask_pass(s.m, grid.1);
+        let k = routed_kernel(f16, None, if pass == MaskPass::Rows4 { "apply_group_mask_rows4" } else { "apply_group_mask" }, device)?;
+        // The batched entry takes its batch as one more argument.
+        let (rb, n_args) = match pass {
+            MaskPass::Batched(rb) => (rb, 10),
+            MaskPass::Rows4 => (0, 9),
+        };
+        let args = [
+            KernelArg::tensor(a)?,
+            KernelArg::tensor(b.unwrap_or(a))?,
+            KernelArg::tensor(dst)?,
+            KernelArg::tensor(layout.mask())?,
+            KernelArg::I64(s.m),
+            KernelArg::I32(cols as i32),
+            KernelArg::I32(s.group as i32),
+            KernelArg::I32((cols / s.group) as i32),
+            KernelArg::I32(mode),
+            KernelArg::I32(rb),
+        ];
+        unsafe { k.launch_pdl(LaunchConfig { grid, block: (128, 1, 1), shared_mem_bytes: 0 }, &args[..n_args]) }
     };
     Ok(match s.op {
-        RoutedOp::Mn if x.dim() == 2 && mask_overlap_blocks(s.m) > 1 => gemm_mn_dense_overlapped(x, w, layout, s.group, mask_overlap_blocks(s.m))?,
         RoutedOp::Mn => {
             let y = x.linear::<&Tensor>(w, None);
             apply(&y, None, &y, s.n, 0)?;
@@ -1071,28 +970,6 @@ mod tests {
         assert!(stacked(&w, &u.copy()).is_none(), "separate storage");
         let (a, b) = (Tensor::randn([3, 4], (Kind::Float, Device::Cpu)), Tensor::randn([3, 4], (Kind::Float, Device::Cpu)));
         assert!(stacked(&a, &b).is_none());
-    }
-
-    #[test]
-    fn overlap_blocks_are_whole_tiles_and_cover_every_row() {
-        assert_eq!(overlap_ranges(1024, 1), vec![(0, 1024)]);
-        assert_eq!(overlap_ranges(1024, 2), vec![(0, 512), (512, 512)]);
-        assert_eq!(overlap_ranges(1024, 8), (0..8).map(|i| (i * 128, 128)).collect::<Vec<_>>());
-        assert_eq!(overlap_ranges(1024, 16), (0..8).map(|i| (i * 128, 128)).collect::<Vec<_>>(), "never below 128 rows");
-        assert_eq!(overlap_ranges(1000, 3), vec![(0, 384), (384, 384), (768, 232)]);
-        assert_eq!(overlap_ranges(100, 4), vec![(0, 100)], "one tile: one block");
-        assert_eq!(overlap_ranges(0, 4), vec![(0, 0)]);
-        for (m, b) in [(16384, 4), (5000, 7), (129, 2), (4096, 3)] {
-            let r = overlap_ranges(m, b);
-            assert_eq!(r.iter().map(|x| x.1).sum::<i64>(), m, "M {m} in {b}");
-            assert!(r.windows(2).all(|w| w[0].0 + w[0].1 == w[1].0 && w[0].1 % 128 == 0), "M {m} in {b}: {r:?}");
-        }
-        assert_eq!(mask_overlap_from(Some("4")), Some(4));
-        assert_eq!(mask_overlap_from(Some(" 1 ")), Some(1));
-        assert_eq!(mask_overlap_from(None), None);
-        assert_eq!(mask_overlap_from(Some("0")), None);
-        assert_eq!(mask_overlap_from(Some("17")), None);
-        assert_eq!(mask_overlap_from(Some("two")), None);
     }
 
     #[test]
