@@ -702,7 +702,15 @@ fn dense_masked(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layo
             KernelArg::I32(mode),
             KernelArg::I32(rb),
         ];
-        unsafe { k.launch_pdl(LaunchConfig { grid, block: (128, 1, 1), shared_mem_bytes: 0 }, &args[..n_args]) }
+        let cfg = LaunchConfig { grid, block: (128, 1, 1), shared_mem_bytes: 0 };
+        // `WIDE_MASK_PDL=0` (read once, for A/B runs): the pass launched after cuBLAS without
+        // programmatic dependent launch.
+        static PDL_OFF: OnceLock<bool> = OnceLock::new();
+        if *PDL_OFF.get_or_init(|| std::env::var("WIDE_MASK_PDL").is_ok_and(|v| v.trim() == "0")) {
+            unsafe { k.launch(cfg, &args[..n_args]) }
+        } else {
+            unsafe { k.launch_pdl(cfg, &args[..n_args]) }
+        }
     };
     Ok(match s.op {
         RoutedOp::Mn => {
