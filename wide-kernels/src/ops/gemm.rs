@@ -706,7 +706,7 @@ fn dense_masked(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layo
         // `WIDE_MASK_PDL=0` (read once, for A/B runs): the pass launched after cuBLAS without
         // programmatic dependent launch.
         static PDL_OFF: OnceLock<bool> = OnceLock::new();
-        if *PDL_OFF.get_or_init(|| std::env::var("WIDE_MASK_PDL").is_ok_and(|v| v.trim() == "0")) {
+        if *PDL_OFF.get_or_init(|| env_switch("WIDE_MASK_PDL") == Some(false)) {
             unsafe { k.launch(cfg, &args[..n_args]) }
         } else {
             unsafe { k.launch_pdl(cfg, &args[..n_args]) }
