@@ -634,43 +634,6 @@ fn mask_pass_with(m: i64, gy: u32, forced: Option<bool>, rows: Option<i32>) -> M
 /// The kernel's `MASK_RB_MAX`.
 const MASK_ROWS_MAX: i32 = 32;
 
-/// Threads a block of the mask pass by default.
-const MASK_BLOCK: u32 = 128;
-/// The most threads a block of the batched kernel (106 registers a thread) can launch with.
-const MASK_BATCHED_BLOCK_MAX: u32 = 512;
-
-/// The mask pass's grid for `cols` output columns (8 a thread) and `m` rows on `sms`
-/// multiprocessors with `block` threads a block: the columns over x, and row slots over y so
-/// that the grid holds ~2048 threads a multiprocessor (16 blocks of 128, 2 of 1024), at most
-/// one slot a row. At 128 threads it is `cuda::row_loop_grid`'s grid.
-fn mask_grid(sms: u32, cols: i64, m: i64, block: u32) -> (u32, u32, u32) {
-    let gx = (cols.max(1) as u64).div_ceil(8 * block as u64).max(1) as u32;
-    let blocks_per_sm = (16 * MASK_BLOCK / block).max(1);
-    let gy = (blocks_per_sm * sms / gx).clamp(1, m.clamp(1, 65535) as u32);
-    (gx, gy, 1)
-}
-
-/// `WIDE_MASK_BLOCK` (read once, for A/B runs): threads a block of the mask pass, 128 (the
-/// default), 256, 512 or 1024 (the batched kernel at most 512); the grid keeps its threads a
-/// multiprocessor, in fewer blocks. Another value is named in a warning and ignored.
-fn env_mask_block() -> u32 {
-    static V: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-    *V.get_or_init(|| mask_block_from(std::env::var("WIDE_MASK_BLOCK").ok().as_deref()))
-}
-
-fn mask_block_from(v: Option<&str>) -> u32 {
-    match v.map(str::trim) {
-        None | Some("") => MASK_BLOCK,
-        Some(t) => match t.parse::<u32>() {
-            Ok(n) if [128, 256, 512, 1024].contains(&n) => n,
-            _ => {
-                eprintln!("warning: WIDE_MASK_BLOCK takes 128, 256, 512 or 1024 threads, got '{t}'; ignored");
-                MASK_BLOCK
-            }
-        },
-    }
-}
-
 /// `WIDE_MASK_PASS` (read once): Some(true) `batched`, Some(false) `rows4`, None unset (the
 /// per-launch rule); another value is named in a warning and ignored.
 fn env_mask_pass() -> Option<bool> {
@@ -719,16 +682,8 @@ fn dense_masked(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layo
     };
     let f16 = x.kind() == Kind::Half;
     let apply = |a: &Tensor, b: Option<&Tensor>, dst: &Tensor, cols: i64, mode: i32| -> Result<()> {
-        let sms = crate::cuda::multiprocessor_count(device)? as u32;
-        let mut block = env_mask_block();
-        let mut grid = mask_grid(sms, cols, s.m, block);
-        let mut pass = mask_pass(s.m, grid.1);
-        if matches!(pass, MaskPass::Batched(_)) && block > MASK_BATCHED_BLOCK_MAX {
-            // The batched kernel's 106 registers a thread fit 512 threads a block at most.
-            block = MASK_BATCHED_BLOCK_MAX;
-            grid = mask_grid(sms, cols, s.m, block);
-            pass = mask_pass_with(s.m, grid.1, Some(true), env_mask_rows());
-        }
+        let grid = crate::cuda::row_loop_grid(device, (cols as u32 / 8).div_ceil(128), s.m)?;
+        let pass = mask_pass(s.m, grid.1);
         let k = routed_kernel(f16, None, if pass == MaskPass::Rows4 { "apply_group_mask_rows4" } else { "apply_group_mask" }, device)?;
         // The batched entry takes its batch as one more argument.
         let (rb, n_args) = match pass {
@@ -747,7 +702,7 @@ fn dense_masked(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layo
             KernelArg::I32(mode),
             KernelArg::I32(rb),
         ];
-        let cfg = LaunchConfig { grid, block: (block, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig { grid, block: (128, 1, 1), shared_mem_bytes: 0 };
         // `WIDE_MASK_PDL=0` (read once, for A/B runs): the pass launched after cuBLAS without
         // programmatic dependent launch.
         static PDL_OFF: OnceLock<bool> = OnceLock::new();
@@ -1041,17 +996,6 @@ mod tests {
         assert_eq!(mask_pass_with(128, 128, Some(true), None), MaskPass::Batched(1));
         assert_eq!(mask_pass_with(16384, 150, None, Some(4)), MaskPass::Batched(4));
         assert_eq!(mask_pass_from(Some("batched")), Some(true));
-        // The grid: at 128 threads the row loop's (16 blocks a multiprocessor over the columns'
-        // blocks); larger blocks keep the threads a multiprocessor.
-        assert_eq!(mask_grid(132, 14336, 1024, 128), (14, 150, 1), "up, 1024 tokens, H100");
-        assert_eq!(mask_grid(132, 14336, 1024, 1024), (2, 132, 1), "1024 threads: 2 blocks a multiprocessor");
-        assert_eq!(mask_grid(132, 14336, 128, 1024), (2, 128, 1), "one slot a row at most");
-        assert_eq!(mask_grid(132, 4096, 1024, 512), (1, 528, 1), "Q, 512 threads");
-        assert_eq!(mask_grid(132, 8, 1, 256), (1, 1, 1));
-        assert_eq!(mask_block_from(None), 128);
-        assert_eq!(mask_block_from(Some(" 512 ")), 512);
-        assert_eq!(mask_block_from(Some("384")), 128, "not a supported size: the default");
-        assert_eq!(mask_block_from(Some("wide")), 128);
         assert_eq!(mask_pass_from(Some(" rows4 ")), Some(false));
         assert_eq!(mask_pass_from(Some("")), None);
         assert_eq!(mask_pass_from(Some("fast")), None);
