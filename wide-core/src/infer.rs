@@ -292,7 +292,7 @@ fn router_fold_kinds() -> Result<[bool; 2]> {
 
 fn parse_router_fold(v: Option<&str>) -> Result<[bool; 2]> {
     Ok(match v.map(str::trim) {
-        None | Some("ffn") => DEFAULT_ROUTER_FOLDS,
+        None | Some("") | Some("ffn") => DEFAULT_ROUTER_FOLDS,
         Some("1") | Some("both") => [true, true],
         Some("0") | Some("none") => [false, false],
         Some("attention") => [true, false],
@@ -444,7 +444,7 @@ fn qkv_wants_ext(x: &Tensor) -> bool {
 /// bound (a measurement knob). Above it the per-token router blocks would each read all of W1.
 fn router_fuse_max_m() -> i64 {
     static V: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("WIDE_ROUTER_FUSE_MAX_M").ok().and_then(|v| v.parse().ok()).unwrap_or(64))
+    *V.get_or_init(|| wide_kernels::knobs::int("WIDE_ROUTER_FUSE_MAX_M", 0..=i64::MAX, "tokens").unwrap_or(64))
 }
 
 /// Up to this many tokens, dense projections run on the project's GEMV kernels (every group on)
@@ -455,7 +455,7 @@ const DENSE_GEMV_MAX_M: i64 = 1;
 /// `=1` up to `GEMV_MAX_M` tokens, unset up to `DENSE_GEMV_MAX_M` (read once).
 fn dense_gemv_enabled(m: i64) -> bool {
     static V: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
-    match *V.get_or_init(|| std::env::var("WIDE_DENSE_GEMV").ok().map(|v| v.trim() == "1")) {
+    match *V.get_or_init(|| wide_kernels::knobs::switch("WIDE_DENSE_GEMV")) {
         Some(false) => false,
         Some(true) => m <= GEMV_MAX_M,
         None => m <= DENSE_GEMV_MAX_M,
@@ -1544,6 +1544,7 @@ mod tests {
     #[test]
     fn router_fold_setting_parses_or_names_the_choices() {
         assert_eq!(parse_router_fold(None).unwrap(), [false, true]);
+        assert_eq!(parse_router_fold(Some(" ")).unwrap(), [false, true]);
         assert_eq!(parse_router_fold(Some("ffn")).unwrap(), [false, true]);
         for both in ["1", "both"] {
             assert_eq!(parse_router_fold(Some(both)).unwrap(), [true, true]);

@@ -125,7 +125,7 @@ impl CudaKernel {
         // `WIDE_KERNEL_IMAGE=ptx` (read once) ignores cached machine code; a cubin the driver
         // refuses falls back to PTX too.
         static PTX_ONLY: OnceLock<bool> = OnceLock::new();
-        let ptx_only = *PTX_ONLY.get_or_init(|| std::env::var("WIDE_KERNEL_IMAGE").is_ok_and(|v| v.trim() == "ptx"));
+        let ptx_only = *PTX_ONLY.get_or_init(|| crate::knobs::choice("WIDE_KERNEL_IMAGE", &["ptx"]).is_some());
         let real = arch.replacen("compute_", "sm_", 1);
         // Each (image, entry, device) is loaded once per process.
         let load_once = |compiled: &CompiledKernel| -> Result<Self> {
@@ -308,7 +308,7 @@ fn bytemuck_bytes(slot: &mut [u64; 16]) -> &mut [u8; 128] {
 /// capability 9.0 or later, and `WIDE_PDL` is not `0` (read once).
 pub fn pdl_enabled(device: usize) -> Result<bool> {
     static OFF: OnceLock<bool> = OnceLock::new();
-    if *OFF.get_or_init(|| std::env::var("WIDE_PDL").is_ok_and(|v| v.trim() == "0")) {
+    if *OFF.get_or_init(|| crate::knobs::switch("WIDE_PDL") == Some(false)) {
         return Ok(false);
     }
     Ok(compute_major(device)? >= 9)

@@ -9,7 +9,10 @@
 //! - [`ops`]: each op has a tch reference implementation (CPU and GPU) next to its CUDA kernel:
 //!   the routing layout, the routed projections `gemm_mn` (optionally fused gate+up SwiGLU)
 //!   and `gemm_k`, and the dispatch policy that picks routed kernel or dense+mask.
+//! - [`knobs`]: the one parse of the `WIDE_*` environment knobs (A/B, sweep and measurement
+//!   settings) that the kernels, the engine and the trainer read.
 pub mod cuda;
+pub mod knobs;
 pub mod nvrtc;
 pub mod ops;
 pub mod shim;

@@ -302,7 +302,7 @@ fn compile_uncached(src: &KernelSource, opts: &[String], cubin: bool) -> Result<
     }
     // `WIDE_NVRTC_LOG=1` prints the compiler's messages (ptxas warnings such as a serialised
     // wgmma) for each module compiled.
-    if !log.trim().is_empty() && std::env::var_os("WIDE_NVRTC_LOG").is_some_and(|v| v == "1") {
+    if !log.trim().is_empty() && crate::knobs::switch("WIDE_NVRTC_LOG") == Some(true) {
         eprintln!("nvrtc log of `{}` {:?}:\n{log}", src.name, src.defines);
     }
     if cubin {

@@ -118,8 +118,10 @@ fn now_ms() -> u64 {
     START.get_or_init(Instant::now).elapsed().as_millis() as u64
 }
 
+/// A count (seconds, MiB) from the environment knob `name`, or `default`; a value that is not a
+/// count is named in a warning and the default kept.
 fn env_secs(name: &str, default: u64) -> u64 {
-    std::env::var(name).ok().and_then(|v| v.trim().parse().ok()).unwrap_or(default)
+    wide_kernels::knobs::int(name, 0..=i64::MAX, "a count").map_or(default, |v| v as u64)
 }
 
 /// Prints one error line and ends the process at once (a rank blocked in a collective cannot
@@ -536,24 +538,36 @@ impl Dist {
 /// Test hook for the failure behaviour: `WIDE_FAULT=RANK:STEP:exit|hang` makes that rank exit
 /// with status 3, or stop making progress, when it reaches that optimizer step.
 pub fn inject_fault(step: u64) {
-    static SPEC: OnceLock<Option<String>> = OnceLock::new();
-    let Some(spec) = SPEC.get_or_init(|| std::env::var("WIDE_FAULT").ok()) else { return };
-    let parts: Vec<&str> = spec.split(':').collect();
+    static SPEC: OnceLock<Option<(usize, u64, bool)>> = OnceLock::new();
+    let spec = *SPEC.get_or_init(|| wide_kernels::knobs::value("WIDE_FAULT").and_then(|v| wide_kernels::knobs::report(fault_from(&v).map(Some))));
+    let Some((rank, at, exit)) = spec else { return };
     let d = current();
-    if parts.len() != 3 || parts[0].parse::<usize>().ok() != Some(d.rank) || parts[1].parse::<u64>().ok() != Some(step) {
+    if rank != d.rank || at != step {
         return;
     }
-    match parts[2] {
-        "exit" => {
-            let _ = writeln!(std::io::stderr(), "rank {}: WIDE_FAULT: exiting at step {step}", d.rank);
-            unsafe { libc::_exit(3) }
+    if exit {
+        let _ = writeln!(std::io::stderr(), "rank {}: WIDE_FAULT: exiting at step {step}", d.rank);
+        unsafe { libc::_exit(3) }
+    }
+    let _ = writeln!(std::io::stderr(), "rank {}: WIDE_FAULT: hanging at step {step}", d.rank);
+    loop {
+        std::thread::sleep(Duration::from_secs(3600));
+    }
+}
+
+/// `WIDE_FAULT`'s parse: `RANK:STEP:exit|hang` as (rank, step, exit).
+fn fault_from(v: &str) -> Result<(usize, u64, bool), String> {
+    let bad = || format!("WIDE_FAULT takes RANK:STEP:exit or RANK:STEP:hang, got '{v}'");
+    match v.split(':').collect::<Vec<_>>()[..] {
+        [r, s, how] => {
+            let exit = match how {
+                "exit" => true,
+                "hang" => false,
+                _ => return Err(bad()),
+            };
+            Ok((r.parse().map_err(|_| bad())?, s.parse().map_err(|_| bad())?, exit))
         }
-        _ => {
-            let _ = writeln!(std::io::stderr(), "rank {}: WIDE_FAULT: hanging at step {step}", d.rank);
-            loop {
-                std::thread::sleep(Duration::from_secs(3600));
-            }
-        }
+        _ => Err(bad()),
     }
 }
 
@@ -769,6 +783,15 @@ mod nccl {
 mod tests {
     use super::*;
     use std::collections::HashMap;
+
+    #[test]
+    fn fault_specs_parse_or_are_named() {
+        assert_eq!(fault_from("1:3:exit"), Ok((1, 3, true)));
+        assert_eq!(fault_from("0:12:hang"), Ok((0, 12, false)));
+        for bad in ["1:3", "1:3:crash", "x:3:exit", "1:-3:exit", "1:3:exit:4"] {
+            assert_eq!(fault_from(bad).unwrap_err(), format!("WIDE_FAULT takes RANK:STEP:exit or RANK:STEP:hang, got '{bad}'"));
+        }
+    }
 
     /// Two threads that fail at once (the heartbeat watcher and a reduction, in a real run)
     /// leave whole lines only: run in child processes of this test binary, many times, since a

@@ -109,7 +109,7 @@ impl TrainConfig {
     /// Applies `deterministic` (or `WIDE_DETERMINISTIC=1`) to this process; call before any GPU
     /// work.
     pub fn apply_determinism(&self) -> Result<()> {
-        let on = self.deterministic || std::env::var("WIDE_DETERMINISTIC").is_ok_and(|v| v == "1");
+        let on = self.deterministic || wide_kernels::knobs::switch("WIDE_DETERMINISTIC") == Some(true);
         if on {
             if std::env::var_os("CUBLAS_WORKSPACE_CONFIG").is_none() {
                 std::env::set_var("CUBLAS_WORKSPACE_CONFIG", ":4096:8");
@@ -538,7 +538,7 @@ impl Trainer<'_> {
         let mut checkpoint = latest_checkpoint(&self.out_dir).unwrap_or_default();
         let mut interrupted = false;
         let tokens_per_step = cfg.tokens_per_step(seq_len);
-        let stop_after: Option<u64> = std::env::var("WIDE_STOP_AFTER_STEP").ok().and_then(|v| v.trim().parse().ok());
+        let stop_after: Option<u64> = wide_kernels::knobs::int("WIDE_STOP_AFTER_STEP", 0..=i64::MAX, "optimizer steps").map(|s| s as u64);
         while state.step < total_steps {
             crate::dist::progress();
             crate::dist::inject_fault(state.step);

@@ -119,7 +119,7 @@ pub fn attention_decode_step(q: &Tensor, k: &Tensor, v: &Tensor, lengths: &Tenso
 /// [`attention_decode`] (read once; for A/B benchmarks).
 fn early_loads() -> bool {
     static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("WIDE_DECODE_EARLY").map(|v| v != "0").unwrap_or(true))
+    *V.get_or_init(|| crate::knobs::switch("WIDE_DECODE_EARLY") != Some(false))
 }
 
 /// One decode step's RoPE, cache write and attention in one launch: `qkv` `[B, (HQ + 2 HKV) D]`
@@ -175,15 +175,15 @@ pub fn decode_rope_enabled() -> bool {
 }
 
 /// `WIDE_DECODE_ROPE` (read once): `0` / `1` force the fused decode RoPE off / on for every
-/// attention the engine runs, `routed` on for routed attention only; unset (or another value):
-/// `None`, the engine's default policy. Returns (dense, routed) when set.
+/// attention the engine runs, `routed` on for routed attention only; unset (or another value, named
+/// in a warning): `None`, the engine's default policy. Returns (dense, routed) when set.
 pub fn decode_rope_knob() -> Option<(bool, bool)> {
     static V: std::sync::OnceLock<Option<(bool, bool)>> = std::sync::OnceLock::new();
-    *V.get_or_init(|| match std::env::var("WIDE_DECODE_ROPE").ok().as_deref().map(str::trim) {
+    *V.get_or_init(|| match crate::knobs::choice("WIDE_DECODE_ROPE", &["0", "1", "routed"]) {
         Some("0") => Some((false, false)),
         Some("1") => Some((true, true)),
-        Some("routed") => Some((false, true)),
-        _ => None,
+        Some(_routed) => Some((false, true)),
+        None => None,
     })
 }
 
@@ -342,7 +342,7 @@ const MERGE_MAX_SPLITS: i64 = 16;
 /// A/B benchmarks).
 fn separate_combine() -> bool {
     static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("WIDE_DECODE_COMBINE").map(|v| v == "separate").unwrap_or(false))
+    *V.get_or_init(|| crate::knobs::choice("WIDE_DECODE_COMBINE", &["separate"]).is_some())
 }
 
 /// Cache lengths up to which a sequence's active KV heads take one block each, whose warps merge
@@ -352,7 +352,7 @@ fn separate_combine() -> bool {
 /// cached tokens (2026-12-03): attention 5.7 -> 5.1 us a call dense, 5.3 -> 4.6 wide 0.5.
 pub fn single_block_max() -> i64 {
     static V: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("WIDE_DECODE_SINGLE_MAX").ok().and_then(|v| v.parse().ok()).filter(|&v| v >= 0).unwrap_or(256))
+    *V.get_or_init(|| crate::knobs::int("WIDE_DECODE_SINGLE_MAX", 0..=i64::from(i32::MAX), "cached tokens; 0 = always split").unwrap_or(256))
 }
 
 /// Decode-kernel blocks a multiprocessor (shared among the sequences of a batch): 1, or
@@ -364,7 +364,7 @@ pub fn single_block_max() -> i64 {
 /// against 47.1-47.2 at 32768).
 fn blocks_per_sm() -> i64 {
     static V: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("WIDE_DECODE_BLOCKS_PER_SM").ok().and_then(|v| v.parse().ok()).filter(|&v| v > 0).unwrap_or(1))
+    *V.get_or_init(|| crate::knobs::int("WIDE_DECODE_BLOCKS_PER_SM", 1..=64, "decode-attention blocks a multiprocessor").unwrap_or(1))
 }
 
 /// Causal prefill attention with padding and head-group routing, reference in tch. q
@@ -516,11 +516,7 @@ pub const PREFILL_MIN_SPARSITY: f64 = 0.55;
 /// `WIDE_ATTN_PREFILL=routed|dense`: force the prefill attention path (read once).
 fn prefill_override() -> Option<bool> {
     static V: OnceLock<Option<bool>> = OnceLock::new();
-    *V.get_or_init(|| match std::env::var("WIDE_ATTN_PREFILL").as_deref() {
-        Ok("routed") => Some(true),
-        Ok("dense") => Some(false),
-        _ => None,
-    })
+    *V.get_or_init(|| crate::knobs::choice("WIDE_ATTN_PREFILL", &["routed", "dense"]).map(|c| c == "routed"))
 }
 
 /// The dense path: SDPA with GQA (the flash kernel without padding), then the skipped
@@ -663,7 +659,11 @@ impl PrefillTile {
     }
     fn forced() -> Option<Self> {
         static V: OnceLock<Option<PrefillTile>> = OnceLock::new();
-        *V.get_or_init(|| std::env::var("WIDE_ATTN_PREFILL_TILE").ok().and_then(|s| Self::parse(&s)))
+        *V.get_or_init(|| {
+            let v = crate::knobs::value("WIDE_ATTN_PREFILL_TILE")?;
+            let names: Vec<String> = PREFILL_TILES.iter().map(|t| t.name()).collect();
+            crate::knobs::report(Self::parse(&v).map(Some).ok_or_else(|| format!("WIDE_ATTN_PREFILL_TILE takes one of {}, got '{v}'", names.join(", "))))
+        })
     }
     fn entry(&self, d: i64) -> String {
         if self.wgmma {

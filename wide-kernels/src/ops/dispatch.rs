@@ -559,12 +559,16 @@ pub(crate) fn tune_cache() -> &'static Mutex<HashMap<TuneKey, Tuned>> {
     C.get_or_init(Default::default)
 }
 
-/// Forced path from `WIDE_ROUTED` (read once): `dense`, `gemv`, `tiled` (the tuned best tile),
-/// `wgmma` (where it can run, else the policy) or unset/`auto` for the policy.
+/// Forced path from `WIDE_ROUTED` (read once): `dense`, `gemv`, `gemv-mma`, `tiled` (the tuned
+/// best tile), `wgmma` or `wgmma-skinny` (each where it can run, else the policy), or unset /
+/// `auto` for the policy; another value is named in a warning and the policy runs.
 pub fn env_override() -> Option<&'static str> {
-    static V: OnceLock<Option<String>> = OnceLock::new();
-    V.get_or_init(|| std::env::var("WIDE_ROUTED").ok().filter(|v| v != "auto")).as_deref()
+    static V: OnceLock<Option<&'static str>> = OnceLock::new();
+    *V.get_or_init(|| crate::knobs::choice("WIDE_ROUTED", &ROUTED_PATHS).filter(|v| *v != "auto"))
 }
+
+/// The values `WIDE_ROUTED` takes.
+pub const ROUTED_PATHS: [&str; 7] = ["auto", "dense", "gemv", "gemv-mma", "tiled", "wgmma", "wgmma-skinny"];
 
 #[cfg(test)]
 mod tests {

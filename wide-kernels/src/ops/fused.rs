@@ -49,7 +49,7 @@ fn kernel(f16: bool, entry: &'static str, device: usize) -> Result<CudaKernel> {
 /// `WIDE_ROUTER_CLUSTER=0` (read once) keeps the arrival-counter version.
 fn cluster_router(device: usize) -> Result<bool> {
     static OFF: OnceLock<bool> = OnceLock::new();
-    if *OFF.get_or_init(|| std::env::var("WIDE_ROUTER_CLUSTER").is_ok_and(|v| v.trim() == "0")) {
+    if *OFF.get_or_init(|| crate::knobs::switch("WIDE_ROUTER_CLUSTER") == Some(false)) {
         return Ok(false);
     }
     Ok(crate::cuda::compute_major(device)? >= 9)
@@ -59,7 +59,7 @@ fn cluster_router(device: usize) -> Result<bool> {
 /// `WIDE_FUSED=ref` forces the references (to compare the two on a GPU).
 fn cuda_of(t: &Tensor) -> Option<(usize, bool)> {
     static FORCE_REF: OnceLock<bool> = OnceLock::new();
-    if *FORCE_REF.get_or_init(|| std::env::var("WIDE_FUSED").map(|v| v == "ref").unwrap_or(false)) {
+    if *FORCE_REF.get_or_init(|| crate::knobs::choice("WIDE_FUSED", &["ref"]).is_some()) {
         return None;
     }
     match (t.device(), t.kind()) {
@@ -97,7 +97,7 @@ pub fn add_rmsnorm_settled(x: &Tensor, delta: Option<&Tensor>, w: &Tensor, eps: 
 /// [`add_rmsnorm`] (read once; for A/B benchmarks).
 fn norm_early() -> bool {
     static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("WIDE_NORM_EARLY").map(|v| v != "0").unwrap_or(true))
+    *V.get_or_init(|| crate::knobs::switch("WIDE_NORM_EARLY") != Some(false))
 }
 
 /// [`add_rmsnorm`] and the first layer of a router reading the same residual (`w1: [R, H]`,
@@ -145,7 +145,7 @@ pub fn add_rmsnorm_router_gate(x: &Tensor, delta: Option<&Tensor>, w: &Tensor, e
 /// `WIDE_NORM_SPLIT=N` (read once, 1-32) sets the count; 1 is one block a row.
 fn norm_split() -> u32 {
     static V: OnceLock<u32> = OnceLock::new();
-    *V.get_or_init(|| std::env::var("WIDE_NORM_SPLIT").ok().and_then(|v| v.trim().parse().ok()).map_or(8, |n: u32| n.clamp(1, 32)))
+    *V.get_or_init(|| crate::knobs::int("WIDE_NORM_SPLIT", 1..=32, "blocks sharing a row").map_or(8, |n| n as u32))
 }
 const NORM_SPLIT_MAX_M: i64 = 16;
 
@@ -344,7 +344,7 @@ pub fn rope_qkv_cache_settled(qkv: &Tensor, pos: &Tensor, inv_freq: &Tensor, s: 
 /// [`rope_qkv_cache_with`] (read once; for A/B benchmarks).
 fn rope_early() -> bool {
     static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("WIDE_ROPE_EARLY").map(|v| v != "0").unwrap_or(true))
+    *V.get_or_init(|| crate::knobs::switch("WIDE_ROPE_EARLY") != Some(false))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -531,7 +531,7 @@ const TWO_BLOCKS_SMEM: i64 = 112 * 1024;
 /// `WIDE_ROUTER_PREFILL=0` (read once) keeps cuBLAS's first layer + the gate kernel, for A/B runs.
 fn router_prefill_enabled(device: usize) -> Result<bool> {
     static OFF: OnceLock<bool> = OnceLock::new();
-    if *OFF.get_or_init(|| std::env::var("WIDE_ROUTER_PREFILL").is_ok_and(|v| v.trim() == "0")) {
+    if *OFF.get_or_init(|| crate::knobs::switch("WIDE_ROUTER_PREFILL") == Some(false)) {
         return Ok(false);
     }
     Ok(crate::cuda::compute_major(device)? >= 9)

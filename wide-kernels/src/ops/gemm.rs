@@ -189,7 +189,7 @@ fn skinny_wg_usable(s: &GemmShape, x: &Tensor) -> bool {
 /// (the earlier dispatch, for A/B runs).
 fn narrow_allowed() -> bool {
     static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("WIDE_WGMMA_NARROW").map_or(true, |v| v != "0"))
+    *V.get_or_init(|| crate::knobs::switch("WIDE_WGMMA_NARROW") != Some(false))
 }
 
 pub(super) fn cuda_inputs(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>) -> Result<(usize, bool, Tensor, Tensor, Option<Tensor>)> {
@@ -366,7 +366,7 @@ pub fn gemm_k_fold_router(x: &Tensor, w: &Tensor, layout: &RouteLayout, group: i
 /// (the arrival count and the last fold block's gate). The decisions are then not the router's.
 fn fold_tail_on() -> bool {
     static V: OnceLock<bool> = OnceLock::new();
-    *V.get_or_init(|| env_switch("WIDE_FOLD_TAIL") != Some(false))
+    *V.get_or_init(|| crate::knobs::switch("WIDE_FOLD_TAIL") != Some(false))
 }
 
 /// The routed groups of a GEMV call, after the checks every GEMV launch needs (tokens, group
@@ -435,24 +435,14 @@ fn launch_skinny(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, lay
 /// x in L1 (a measurement knob).
 pub fn skinny_carveout() -> Option<i32> {
     static V: OnceLock<Option<i32>> = OnceLock::new();
-    *V.get_or_init(|| {
-        let v = std::env::var("WIDE_SKINNY_CARVEOUT").ok()?;
-        let p = v.trim().parse::<i32>().ok().filter(|p| (0..=100).contains(p));
-        if p.is_none() {
-            eprintln!("warning: WIDE_SKINNY_CARVEOUT={v:?} is not a percentage 0..=100; the driver's carveout is kept");
-        }
-        p
-    })
+    *V.get_or_init(|| crate::knobs::int("WIDE_SKINNY_CARVEOUT", 0..=100, "percent of the multiprocessor's storage as shared memory").map(|p| p as i32))
 }
 
 /// k blocks of weights a warp of the plain small-M mma gemm_mn requests at a time (2 or 4; up to
-/// twice that in flight). `WIDE_SKINNY_U` forces it for sweeps.
+/// twice that in flight). `WIDE_SKINNY_U=2|4` forces it for sweeps; the default is 4.
 pub fn skinny_unroll() -> i64 {
     static V: OnceLock<i64> = OnceLock::new();
-    *V.get_or_init(|| match std::env::var("WIDE_SKINNY_U").ok().as_deref() {
-        Some("2") => 2,
-        _ => 4,
-    })
+    *V.get_or_init(|| if crate::knobs::choice("WIDE_SKINNY_U", &["2", "4"]) == Some("2") { 2 } else { 4 })
 }
 
 /// Output rows per warp of the gemm_mn GEMV: more rows reuse each x chunk more often and put
@@ -505,7 +495,7 @@ enum GemvForm {
 /// environment's forcing knobs (`WIDE_GEMV_PS=0|1`, `WIDE_GEMV_SPLIT=0|1`, read once).
 fn gemv_form(s: &GemmShape, layout: &RouteLayout) -> GemvForm {
     static V: OnceLock<(Option<bool>, Option<bool>)> = OnceLock::new();
-    let (ps, split) = *V.get_or_init(|| (env_switch("WIDE_GEMV_PS"), env_switch("WIDE_GEMV_SPLIT")));
+    let (ps, split) = *V.get_or_init(|| (crate::knobs::switch("WIDE_GEMV_PS"), crate::knobs::switch("WIDE_GEMV_SPLIT")));
     gemv_form_for(s, layout.always_on_from(), ps, split)
 }
 
@@ -532,23 +522,13 @@ fn gemv_form_for(s: &GemmShape, always_on_from: i64, ps: Option<bool>, split: Op
     }
 }
 
-/// `0` or `1` in the environment variable `name` (surrounding spaces ignored): forced off or on;
-/// anything else (or unset): the default.
-fn env_switch(name: &str) -> Option<bool> {
-    match std::env::var(name).ok().as_deref().map(str::trim) {
-        Some("0") => Some(false),
-        Some("1") => Some(true),
-        _ => None,
-    }
-}
-
 /// Blocks a multiprocessor of the persistent split GEMV for a projection of `n` output rows
 /// (per matrix when fused) whose mask is early or not: [`gemv_ps_blocks_for`] with the knobs
 /// `WIDE_GEMV_PS_BPS` (1 to 8, every projection) and `WIDE_GEMV_PS_BPS_WIDE` (1 to 8, projections
 /// of at least [`GEMV_PS_WIDE_ROWS`] rows without an early mask), read once.
 fn gemv_ps_blocks_per_sm(n: i64, early: bool) -> i64 {
     static V: OnceLock<(Option<i64>, Option<i64>)> = OnceLock::new();
-    let knob = |name: &str| std::env::var(name).ok().and_then(|v| v.trim().parse().ok()).filter(|b| (1..=8).contains(b));
+    let knob = |name: &str| crate::knobs::int(name, 1..=8, "blocks a multiprocessor");
     let (all, wide) = *V.get_or_init(|| (knob("WIDE_GEMV_PS_BPS"), knob("WIDE_GEMV_PS_BPS_WIDE")));
     gemv_ps_blocks_for(n, early, all, wide)
 }
@@ -573,7 +553,7 @@ fn gemv_ps_blocks_for(n: i64, early: bool, all: Option<i64>, wide: Option<i64>) 
 /// loading warps are dealt to the multiprocessors.
 fn gemv_mn_warps_per_block() -> u32 {
     static V: OnceLock<u32> = OnceLock::new();
-    *V.get_or_init(|| std::env::var("WIDE_GEMV_WARPS").ok().and_then(|v| v.parse().ok()).filter(|w| [1, 2, 4].contains(w)).unwrap_or(4))
+    *V.get_or_init(|| crate::knobs::choice("WIDE_GEMV_WARPS", &["1", "2", "4"]).map_or(4, |w| w.parse().unwrap_or(4)))
 }
 
 /// Rows a warp (gemm_mn) or a block (gemm_k) forced by `WIDE_GEMV_ROWS` (read once; for
@@ -581,7 +561,7 @@ fn gemv_mn_warps_per_block() -> u32 {
 /// divides N.
 fn gemv_rows_override(mm: i64, n: i64) -> Option<i64> {
     static V: OnceLock<Option<i64>> = OnceLock::new();
-    let r = (*V.get_or_init(|| std::env::var("WIDE_GEMV_ROWS").ok().and_then(|v| v.parse().ok())))?;
+    let r = (*V.get_or_init(|| crate::knobs::choice("WIDE_GEMV_ROWS", &["1", "2", "4", "8"]).and_then(|r| r.parse().ok())))?;
     let compiled = match mm {
         1 | 2 => [1, 2, 4, 8].contains(&r),
         4 => [1, 2, 4].contains(&r),
@@ -638,35 +618,14 @@ const MASK_ROWS_MAX: i32 = 32;
 /// per-launch rule); another value is named in a warning and ignored.
 fn env_mask_pass() -> Option<bool> {
     static V: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
-    *V.get_or_init(|| mask_pass_from(std::env::var("WIDE_MASK_PASS").ok().as_deref()))
+    *V.get_or_init(|| crate::knobs::choice("WIDE_MASK_PASS", &["batched", "rows4"]).map(|c| c == "batched"))
 }
 
-fn mask_pass_from(v: Option<&str>) -> Option<bool> {
-    match v.map(str::trim) {
-        None | Some("") => None,
-        Some("batched") => Some(true),
-        Some("rows4") => Some(false),
-        Some(o) => {
-            eprintln!("warning: WIDE_MASK_PASS takes `batched` or `rows4`, got '{o}'; ignored");
-            None
-        }
-    }
-}
-
+/// `WIDE_MASK_ROWS` (read once): the batched pass's rows a batch, 1 to the kernel's batch;
+/// another value is named in a warning and ignored.
 fn env_mask_rows() -> Option<i32> {
     static V: std::sync::OnceLock<Option<i32>> = std::sync::OnceLock::new();
-    *V.get_or_init(|| mask_rows_from(std::env::var("WIDE_MASK_ROWS").ok().as_deref()))
-}
-
-fn mask_rows_from(v: Option<&str>) -> Option<i32> {
-    let v = v.map(str::trim).filter(|v| !v.is_empty())?;
-    match v.parse::<i32>() {
-        Ok(n) if (1..=MASK_ROWS_MAX).contains(&n) => Some(n),
-        _ => {
-            eprintln!("warning: WIDE_MASK_ROWS takes a row count in 1..={MASK_ROWS_MAX}, got '{v}'; ignored");
-            None
-        }
-    }
+    *V.get_or_init(|| crate::knobs::int("WIDE_MASK_ROWS", 1..=MASK_ROWS_MAX as i64, "rows a batch of the zero pass").map(|n| n as i32))
 }
 
 fn dense_masked(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layout: &RouteLayout) -> Result<Tensor> {
@@ -706,7 +665,7 @@ fn dense_masked(s: &GemmShape, x: &Tensor, w: &Tensor, w2: Option<&Tensor>, layo
         // `WIDE_MASK_PDL=0` (read once, for A/B runs): the pass launched after cuBLAS without
         // programmatic dependent launch.
         static PDL_OFF: OnceLock<bool> = OnceLock::new();
-        if *PDL_OFF.get_or_init(|| env_switch("WIDE_MASK_PDL") == Some(false)) {
+        if *PDL_OFF.get_or_init(|| crate::knobs::switch("WIDE_MASK_PDL") == Some(false)) {
             unsafe { k.launch(cfg, &args[..n_args]) }
         } else {
             unsafe { k.launch_pdl(cfg, &args[..n_args]) }
@@ -995,17 +954,6 @@ mod tests {
         assert_eq!(mask_pass_with(16384, 150, Some(false), None), MaskPass::Rows4);
         assert_eq!(mask_pass_with(128, 128, Some(true), None), MaskPass::Batched(1));
         assert_eq!(mask_pass_with(16384, 150, None, Some(4)), MaskPass::Batched(4));
-        assert_eq!(mask_pass_from(Some("batched")), Some(true));
-        assert_eq!(mask_pass_from(Some(" rows4 ")), Some(false));
-        assert_eq!(mask_pass_from(Some("")), None);
-        assert_eq!(mask_pass_from(Some("fast")), None);
-        assert_eq!(mask_rows_from(Some("4")), Some(4));
-        assert_eq!(mask_rows_from(Some(" 32 ")), Some(32));
-        assert_eq!(mask_rows_from(Some("")), None);
-        assert_eq!(mask_rows_from(None), None);
-        assert_eq!(mask_rows_from(Some("0")), None);
-        assert_eq!(mask_rows_from(Some("33")), None);
-        assert_eq!(mask_rows_from(Some("x")), None);
         // The kernel's bound, as the NVRTC source declares it.
         let src = include_str!("routed.cu");
         assert!(src.contains(&format!("#define MASK_RB_MAX {MASK_ROWS_MAX}")));

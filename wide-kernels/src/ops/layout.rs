@@ -202,8 +202,8 @@ fn build_reference(mask: &Tensor) -> (Tensor, Tensor) {
 /// default, anything else an error.
 fn layout_chunked() -> Result<bool> {
     static V: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
-    match V.get_or_init(|| std::env::var("WIDE_LAYOUT").ok()).as_deref() {
-        None | Some("") | Some("onepass") => Ok(false),
+    match V.get_or_init(|| crate::knobs::value("WIDE_LAYOUT")).as_deref() {
+        None | Some("onepass") => Ok(false),
         Some("chunked") => Ok(true),
         Some(v) => bail!("WIDE_LAYOUT={v:?}: expected `onepass` (the default) or `chunked`"),
     }

@@ -172,90 +172,41 @@ impl SkinnyWgConfig {
 /// `WIDE_SKINNY_WG_R`: None unset; an unusable value is named in a warning and ignored.
 fn env_r() -> Option<u32> {
     static V: OnceLock<Option<u32>> = OnceLock::new();
-    *V.get_or_init(|| {
-        let v = std::env::var("WIDE_SKINNY_WG_R").ok()?;
-        match v.trim() {
-            "1" => Some(1),
-            "2" => Some(2),
-            o => {
-                eprintln!("warning: WIDE_SKINNY_WG_R takes 1 or 2 (consumer warpgroups a block), got '{o}'; ignored");
-                None
-            }
-        }
-    })
+    *V.get_or_init(|| crate::knobs::int("WIDE_SKINNY_WG_R", 1..=2, "consumer warpgroups a block").map(|r| r as u32))
 }
 
 /// `WIDE_SKINNY_WG_CLUSTER`: 2 pairs the blocks (x multicast), anything else unpaired; an
 /// unusable value is named in a warning.
 fn env_cluster() -> u32 {
     static V: OnceLock<u32> = OnceLock::new();
-    *V.get_or_init(|| match std::env::var("WIDE_SKINNY_WG_CLUSTER").ok().as_deref().map(str::trim) {
-        None | Some("") | Some("1") => 1,
-        Some("2") => 2,
-        Some(o) => {
-            eprintln!("warning: WIDE_SKINNY_WG_CLUSTER takes 1 or 2 (blocks a cluster), got '{o}'; ignored");
-            1
-        }
-    })
+    *V.get_or_init(|| crate::knobs::int("WIDE_SKINNY_WG_CLUSTER", 1..=2, "blocks a cluster").map_or(1, |c| c as u32))
 }
 
 /// `WIDE_SKINNY_WG_STAGES`: None unset; a count of at least 2 forces the pipeline depth (clamped
 /// to what fits); another value is named in a warning and ignored.
 fn env_stages() -> Option<u32> {
     static V: OnceLock<Option<u32>> = OnceLock::new();
-    *V.get_or_init(|| {
-        let v = std::env::var("WIDE_SKINNY_WG_STAGES").ok()?;
-        match v.trim().parse::<u32>() {
-            Ok(n) if n >= 2 => Some(n),
-            _ => {
-                eprintln!("warning: WIDE_SKINNY_WG_STAGES takes a stage count of at least 2, got '{}'; ignored", v.trim());
-                None
-            }
-        }
-    })
-}
-
-/// A 0 / 1 switch's value: None unset or empty; another value is named in a warning and ignored.
-fn flag_from(name: &str, v: Option<&str>) -> Option<bool> {
-    match v.map(str::trim) {
-        None | Some("") => None,
-        Some("0") => Some(false),
-        Some("1") => Some(true),
-        Some(o) => {
-            eprintln!("warning: {name} takes 0 or 1, got '{o}'; ignored");
-            None
-        }
-    }
+    *V.get_or_init(|| crate::knobs::int("WIDE_SKINNY_WG_STAGES", 2..=64, "pipeline stages").map(|n| n as u32))
 }
 
 /// `WIDE_SKINNY_WG_PUSH` (read once): the split's hand-off by remote stores (1) or loads (0).
 fn env_push() -> Option<bool> {
     static V: OnceLock<Option<bool>> = OnceLock::new();
-    *V.get_or_init(|| flag_from("WIDE_SKINNY_WG_PUSH", std::env::var("WIDE_SKINNY_WG_PUSH").ok().as_deref()))
+    *V.get_or_init(|| crate::knobs::switch("WIDE_SKINNY_WG_PUSH"))
 }
 
 /// `WIDE_SKINNY_WG_MASKPRE` (read once): the mask bytes read while the weights stream (1) or by
 /// the write-out (0).
 fn env_mask_pre() -> Option<bool> {
     static V: OnceLock<Option<bool>> = OnceLock::new();
-    *V.get_or_init(|| flag_from("WIDE_SKINNY_WG_MASKPRE", std::env::var("WIDE_SKINNY_WG_MASKPRE").ok().as_deref()))
+    *V.get_or_init(|| crate::knobs::switch("WIDE_SKINNY_WG_MASKPRE"))
 }
 
 /// `WIDE_SKINNY_WG_SPLIT`: None unset; 1 or 2 forces the split of K; another value is named in a
 /// warning and ignored.
 fn env_split() -> Option<u32> {
     static V: OnceLock<Option<u32>> = OnceLock::new();
-    *V.get_or_init(|| {
-        let v = std::env::var("WIDE_SKINNY_WG_SPLIT").ok()?;
-        match v.trim() {
-            "1" => Some(1),
-            "2" => Some(2),
-            o => {
-                eprintln!("warning: WIDE_SKINNY_WG_SPLIT takes 1 or 2 (blocks sharing K), got '{o}'; ignored");
-                None
-            }
-        }
-    })
+    *V.get_or_init(|| crate::knobs::int("WIDE_SKINNY_WG_SPLIT", 1..=2, "blocks sharing K").map(|n| n as u32))
 }
 
 pub fn source(f16: bool, c: SkinnyWgConfig) -> KernelSource {
@@ -429,15 +380,6 @@ mod tests {
         // Q at 128 tokens: 24 KiB stages, 4 with two blocks a multiprocessor, 9 with one.
         assert_eq!(SkinnyWgConfig::with(128, 1).stages, 4);
         assert_eq!(SkinnyWgConfig::with(128, 1).max_stages(), 9);
-    }
-
-    #[test]
-    fn switches_parse_and_ignore_other_values() {
-        assert_eq!(flag_from("X", None), None);
-        assert_eq!(flag_from("X", Some(" ")), None);
-        assert_eq!(flag_from("X", Some("1")), Some(true));
-        assert_eq!(flag_from("X", Some(" 0 ")), Some(false));
-        assert_eq!(flag_from("X", Some("yes")), None);
     }
 
     #[test]

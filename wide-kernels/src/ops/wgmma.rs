@@ -290,7 +290,7 @@ pub fn tile_costs(s: &GemmShape, sparsity: f64, on_groups: i64, sms: i64) -> Vec
 /// `WIDE_WGMMA_TALL=0` (read once) keeps [`config_for`] off tall last tiles, for A/B runs.
 fn tall_allowed() -> bool {
     static V: OnceLock<bool> = OnceLock::new();
-    *V.get_or_init(|| std::env::var("WIDE_WGMMA_TALL").map_or(true, |v| v != "0"))
+    *V.get_or_init(|| crate::knobs::switch("WIDE_WGMMA_TALL") != Some(false))
 }
 
 /// Expected computing tiles of a grid in configuration `c` at `m` tokens: `routed_tiles` channel
@@ -341,28 +341,48 @@ fn erfc(x: f64) -> f64 {
 }
 
 /// `WIDE_WGMMA` (`mi=1,stages=5,arrive=wait,cluster=2`, `tma=1`, `hint=1`, `persist=1`, `rowtma=0`, `sk=1`, `tall=1`; read once), over the
-/// default of this op; an invalid one gives the default.
+/// default of this op. A spec with a setting it does not know, or one that gives a configuration
+/// this op cannot run, is named in a warning (once) and ignored: the launches keep their own
+/// choice ([`config_for`]).
 fn env_config(fused: bool) -> Option<WgmmaConfig> {
     static V: OnceLock<Option<String>> = OnceLock::new();
-    let d = WgmmaConfig::default_for(fused);
-    let spec = V.get_or_init(|| std::env::var("WIDE_WGMMA").ok()).as_ref()?;
-    let mut c = d;
-    for kv in spec.split(',') {
-        match kv.split_once('=') {
-            Some(("mi", v)) => c.mi = v.parse().unwrap_or(c.mi),
-            Some(("stages", v)) => c.stages = v.parse().unwrap_or(c.stages),
-            Some(("arrive", v)) => c.async_arrive = v != "wait",
-            Some(("cluster", v)) => c.cluster = v.parse().unwrap_or(c.cluster),
-            Some(("tma", v)) => c.tma = v == "1",
-            Some(("hint", v)) => c.l2_hint = v == "1",
-            Some(("persist", v)) => c.persist = v == "1",
-            Some(("rowtma", v)) => c.row_tma = v == "1",
-            Some(("sk", v)) => c.stream_k = v == "1",
-            Some(("tall", v)) => c.tall = v == "1",
-            _ => {}
+    let spec = V.get_or_init(|| crate::knobs::value("WIDE_WGMMA")).as_ref()?;
+    let c = crate::knobs::report(config_from(spec, WgmmaConfig::default_for(fused)).map(Some))?;
+    crate::knobs::report(if c.valid(fused) { Ok(Some(c)) } else { Err(format!("WIDE_WGMMA='{spec}' is not a configuration the {} wgmma kernel can run", if fused { "fused" } else { "plain" })) })
+}
+
+/// [`env_config`]'s parse of `spec` over `c`: an unknown key or a value that is not a number or
+/// a 0 / 1 switch is an error naming it.
+fn config_from(spec: &str, mut c: WgmmaConfig) -> Result<WgmmaConfig, String> {
+    let bad = |kv: &str| format!("WIDE_WGMMA takes mi=N, stages=N, cluster=N, arrive=wait|async and tma, hint, persist, rowtma, sk, tall =0|1, comma separated; got '{kv}' in '{spec}'");
+    let num = |kv: &str, v: &str| v.trim().parse::<u32>().map_err(|_| bad(kv));
+    let flag = |kv: &str, v: &str| match v.trim() {
+        "0" => Ok(false),
+        "1" => Ok(true),
+        _ => Err(bad(kv)),
+    };
+    for kv in spec.split(',').map(str::trim).filter(|kv| !kv.is_empty()) {
+        match kv.split_once('=').map(|(k, v)| (k.trim(), v)) {
+            Some(("mi", v)) => c.mi = num(kv, v)?,
+            Some(("stages", v)) => c.stages = num(kv, v)?,
+            Some(("cluster", v)) => c.cluster = num(kv, v)?,
+            Some(("arrive", v)) => {
+                c.async_arrive = match v.trim() {
+                    "wait" => false,
+                    "async" => true,
+                    _ => return Err(bad(kv)),
+                }
+            }
+            Some(("tma", v)) => c.tma = flag(kv, v)?,
+            Some(("hint", v)) => c.l2_hint = flag(kv, v)?,
+            Some(("persist", v)) => c.persist = flag(kv, v)?,
+            Some(("rowtma", v)) => c.row_tma = flag(kv, v)?,
+            Some(("sk", v)) => c.stream_k = flag(kv, v)?,
+            Some(("tall", v)) => c.tall = flag(kv, v)?,
+            _ => return Err(bad(kv)),
         }
     }
-    Some(if c.valid(fused) { c } else { d })
+    Ok(c)
 }
 
 /// Token tiles a band of the tile order (see wgmma.cu) for a launch of `m` tokens in tiles of
@@ -401,21 +421,22 @@ pub fn band_tiles(bm: i64, cluster: u32, m: i64, sparsity: Option<f64>) -> i64 {
 fn env_band() -> Option<i64> {
     static V: OnceLock<Option<i64>> = OnceLock::new();
     *V.get_or_init(|| {
-        let v = std::env::var("WIDE_WGMMA_BAND").ok()?;
+        let v = crate::knobs::value("WIDE_WGMMA_BAND")?;
         if v == "plain" {
             Some(0)
         } else {
-            v.parse().ok().filter(|&b: &i64| b >= 1)
+            crate::knobs::report(crate::knobs::int_from("WIDE_WGMMA_BAND", Some(&v), 1..=i64::MAX, "token tiles a band, or plain"))
         }
     })
 }
 
-/// `WIDE_WGMMA_SK_MODE` (read once; measurement knobs of the stream-K entry, default 0): bit 0
-/// writes the zero-only tiles after a block's last item instead of between its k steps, bit 1
-/// runs whole tiles only (a persistent data-parallel grid, no split).
+/// `WIDE_WGMMA_SK_MODE` (read once; measurement knobs of the stream-K entry, 0-7, default 0):
+/// bit 0 writes the zero-only tiles after a block's last item instead of between its k steps,
+/// bit 1 runs whole tiles only (a persistent data-parallel grid, no split), bit 2 staggers the
+/// blocks' whole tiles.
 fn env_sk_mode() -> i32 {
     static V: OnceLock<i32> = OnceLock::new();
-    *V.get_or_init(|| std::env::var("WIDE_WGMMA_SK_MODE").ok().and_then(|v| v.parse().ok()).unwrap_or(0))
+    *V.get_or_init(|| crate::knobs::int("WIDE_WGMMA_SK_MODE", 0..=7, "stream-K mode bits").map_or(0, |m| m as i32))
 }
 
 /// The module for a dtype, fusion flag and configuration.
@@ -785,6 +806,19 @@ mod tests {
         // Always-on tiles count whole.
         assert!((expected_tiles(&d, 2048, 0, 0.5, 16) - 128.0).abs() < 1e-9);
         assert!((erfc(0.0) - 1.0).abs() < 1e-7 && (erfc(1.0) - 0.157_299_207).abs() < 1e-7 && (erfc(-1.0) - 1.842_700_793).abs() < 1e-7);
+    }
+
+    #[test]
+    fn wgmma_knob_specs_parse_or_are_named() {
+        let d = WgmmaConfig::default_for(false);
+        let c = config_from(" mi=1, stages=7 ,tall=1,arrive=wait,rowtma=0", d).unwrap();
+        assert_eq!((c.mi, c.stages, c.tall, c.async_arrive, c.row_tma), (1, 7, true, false, false));
+        assert_eq!((c.cluster, c.tma, c.persist, c.stream_k), (d.cluster, d.tma, d.persist, d.stream_k));
+        assert_eq!(config_from("", d), Ok(d));
+        for bad in ["stage=7", "mi=x", "tall=yes", "arrive=later", "persist"] {
+            let e = config_from(bad, d).unwrap_err();
+            assert!(e.starts_with("WIDE_WGMMA takes") && e.contains(&format!("got '{bad}'")), "{e}");
+        }
     }
 
     #[test]
