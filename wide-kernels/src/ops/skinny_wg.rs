@@ -175,8 +175,8 @@ fn env_r() -> Option<u32> {
     *V.get_or_init(|| crate::knobs::int("WIDE_SKINNY_WG_R", 1..=2, "consumer warpgroups a block").map(|r| r as u32))
 }
 
-/// `WIDE_SKINNY_WG_CLUSTER`: 2 pairs the blocks (x multicast), anything else unpaired; an
-/// unusable value is named in a warning.
+/// `WIDE_SKINNY_WG_CLUSTER`: 2 pairs the blocks (x multicast), 1 (the default) leaves them
+/// unpaired; another value is named in a warning and ignored.
 fn env_cluster() -> u32 {
     static V: OnceLock<u32> = OnceLock::new();
     *V.get_or_init(|| crate::knobs::int("WIDE_SKINNY_WG_CLUSTER", 1..=2, "blocks a cluster").map_or(1, |c| c as u32))
