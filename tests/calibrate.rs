@@ -20,16 +20,20 @@ fn data_overrides(tmp: &Path) -> Vec<String> {
 }
 
 fn calibrate(out: &Path, extra: &[&str]) -> std::process::Output {
+    calibrate_with_env(out, extra, &[])
+}
+
+/// [`calibrate`] with environment variables set for the run.
+fn calibrate_with_env(out: &Path, extra: &[&str], env: &[(&str, &str)]) -> std::process::Output {
     let mut args: Vec<String> = vec!["calibrate".into(), "--config".into(), root().join(RECIPE).display().to_string()];
     for o in data_overrides(out).into_iter().chain(extra.iter().map(|s| s.to_string())) {
         args.push("--set".into());
         args.push(o);
     }
-    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
     // The data folders are shared: serialise their first build.
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    run_wide(&refs)
+    common::wide().args(&args).envs(env.iter().copied()).output().expect("running the wide binary")
 }
 
 fn manifest(dir: &Path) -> RoutingManifest {
@@ -122,8 +126,12 @@ fn bad_routing_input_is_refused() {
     // Routers trained for one model do not load onto another.
     let small = root().join("testbed/testbed-small");
     let s1 = dir.path().join("s1");
-    let o = calibrate(&s1, &["train.tokens=4096"]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // A mistyped environment knob is named once and ignored: the run trains to its end.
+    let o = calibrate_with_env(&s1, &["train.tokens=4096"], &[("WIDE_STOP_AFTER_STEP", "three")]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    let warning = "warning: WIDE_STOP_AFTER_STEP takes an integer of at least 0 (optimizer steps), got 'three'; ignored, the default is kept";
+    assert_eq!(err.matches(warning).count(), 1, "{err}");
     let e = RoutedModel::load(&small, &s1, Device::Cpu, Kind::Float).err().expect("must refuse");
     assert!(format!("{e:#}").contains("were trained for another model"), "{e:#}");
 }
