@@ -330,10 +330,9 @@ fn parse_step_reads(v: Option<&str>) -> Result<Option<u32>> {
 /// they run) and `--kept-width` (dense kernels on the kept width). The outputs are not the
 /// model's (its routers are not consulted).
 fn parse_fixed_masks(v: Option<&str>) -> Result<bool> {
-    match v.map(str::trim) {
-        None | Some("") | Some("0") => Ok(false),
-        Some("1") => Ok(true),
-        Some(o) => bail!("WIDE_FIXED_MASKS={o} is not a switch: use 1 (one-token decisions from fixed masks, no router runs: a measurement) or 0 / unset for the routers"),
+    match wide_kernels::knobs::switch_from("WIDE_FIXED_MASKS", v) {
+        Ok(b) => Ok(b.unwrap_or(false)),
+        Err(_) => bail!("WIDE_FIXED_MASKS={} is not a switch: use 1 (one-token decisions from fixed masks, no router runs: a measurement) or 0 / unset for the routers", v.unwrap_or_default().trim()),
     }
 }
 

@@ -661,8 +661,10 @@ impl PrefillTile {
         static V: OnceLock<Option<PrefillTile>> = OnceLock::new();
         *V.get_or_init(|| {
             let v = crate::knobs::value("WIDE_ATTN_PREFILL_TILE")?;
-            let names: Vec<String> = PREFILL_TILES.iter().map(|t| t.name()).collect();
-            crate::knobs::report(Self::parse(&v).map(Some).ok_or_else(|| format!("WIDE_ATTN_PREFILL_TILE takes one of {}, got '{v}'", names.join(", "))))
+            crate::knobs::report(Self::parse(&v).map(Some).ok_or_else(|| {
+                let names: Vec<String> = PREFILL_TILES.iter().map(|t| t.name()).collect();
+                format!("WIDE_ATTN_PREFILL_TILE takes one of {}, got '{v}'", names.join(", "))
+            }))
         })
     }
     fn entry(&self, d: i64) -> String {

@@ -152,11 +152,7 @@ pub fn skinny_wg_switch_from(v: Option<&str>) -> Result<bool, String> {
 /// A switch that is on unless set to `0`: unset, empty or `1` on; anything else an error that
 /// names the variable and both meanings.
 fn on_by_default(v: Option<&str>, var: &str, on: &str, off: &str) -> Result<bool, String> {
-    match v.map(str::trim) {
-        None | Some("") | Some("1") => Ok(true),
-        Some("0") => Ok(false),
-        Some(o) => Err(format!("{var} takes 1 (the default: {on}) or 0 ({off}), got '{o}'")),
-    }
+    crate::knobs::switch_from(var, v).map(|b| b.unwrap_or(true)).map_err(|_| format!("{var} takes 1 (the default: {on}) or 0 ({off}), got '{}'", v.unwrap_or_default().trim()))
 }
 
 /// Smallest M for which the tiled / wgmma kernels may be chosen. Below it a product is a few
@@ -199,11 +195,9 @@ pub fn tune_log() -> Result<bool, String> {
 
 /// [`tune_log`]'s parse.
 pub fn tune_log_from(v: Option<&str>) -> Result<bool, String> {
-    match v.map(str::trim) {
-        None | Some("") | Some("0") => Ok(false),
-        Some("1") => Ok(true),
-        Some(o) => Err(format!("WIDE_TUNE_LOG takes 1 (print each autotuner record) or 0 (the default), got '{o}'")),
-    }
+    crate::knobs::switch_from("WIDE_TUNE_LOG", v)
+        .map(|b| b.unwrap_or(false))
+        .map_err(|_| format!("WIDE_TUNE_LOG takes 1 (print each autotuner record) or 0 (the default), got '{}'", v.unwrap_or_default().trim()))
 }
 /// At 2-16 tokens the measured choice is between two of our paths that both write the zeros
 /// (the small-M kernel and cuBLAS + the zero pass) on a 15-60 us product, timed cold after a
